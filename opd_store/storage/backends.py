@@ -1,0 +1,244 @@
+"""Per-backend create-only writes, and the choice of backend for a URL.
+
+How each backend makes the manifest create-only (the commit point):
+
+=========  ===================================================================================
+local      temp file beside the target, ``fsync``, ``os.link`` to the final name (``link(2)``
+           fails with ``EEXIST`` if the name exists), ``fsync`` of the directory. A reader sees
+           either no manifest or the whole one.
+memory     exists-check and put under one process-wide lock (``memory://`` is one dict per
+           process, so the lock covers every writer that can see it).
+s3         one ``PutObject`` with ``If-None-Match: *`` (s3fs ``pipe_file(mode="create")``); the
+           manifest is far below s3fs's multipart threshold, so it is never a multipart upload
+           (moto does not enforce conditions on ``CompleteMultipartUpload``; field notes).
+gs         one single-request upload with ``ifGenerationMatch=0`` (gcsfs ``pipe_file(mode=
+           "create")`` below its chunk size; fake-gcs-server ignores preconditions on resumable
+           uploads, field notes).
+other      refused (:class:`~opd_store.errors.UnsupportedBackendError`) unless the caller passes
+           ``allow_check_then_put=True``: then an ``exists`` check followed by a plain put, which
+           lets two writers that check within the same window both "win" (the later put
+           overwrites the earlier manifest).
+=========  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from typing import Any, BinaryIO
+
+import fsspec
+
+from ..errors import UnsupportedBackendError
+from .base import Storage
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class _FsyncingFile:
+    """A local binary file that fsyncs its data before it is published by ``close()``."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()/abort
+        self.name = path
+
+    def write(self, data) -> int:
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def discard(self) -> None:
+        self._file.close()
+        try:
+            os.unlink(self.name)
+        except FileNotFoundError:
+            pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage(Storage):
+    """A local directory. Payloads are fsynced at close; the manifest is linked into place."""
+
+    commit_primitive = "temp file + fsync + os.link (EEXIST if present) + directory fsync"
+    atomic_create = True
+
+    def open_write(self, rel: str) -> BinaryIO:
+        path = self.path(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return _FsyncingFile(path)  # type: ignore[return-value]
+
+    def abort_write(self, handle, rel: str) -> None:
+        handle.discard()
+
+    def sync_prefix(self, rel: str) -> None:
+        top = self.path(rel)
+        for dirpath, _dirnames, _files in os.walk(top):
+            _fsync_dir(dirpath)
+        _fsync_dir(os.path.dirname(top))
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        final = self.path(rel)
+        directory = os.path.dirname(final)
+        os.makedirs(directory, exist_ok=True)
+        temp = os.path.join(directory, f".{os.path.basename(final)}.{secrets.token_hex(8)}.tmp")
+        with open(temp, "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(temp, final)  # atomic; FileExistsError when the name is taken
+        finally:
+            os.unlink(temp)
+            _fsync_dir(directory)
+
+
+class MemoryStorage(Storage):
+    """fsspec's process-global ``memory://`` store."""
+
+    commit_primitive = "exists check + put under a process-wide lock"
+    atomic_create = True
+
+    def open_write(self, rel: str) -> BinaryIO:
+        return self.fs.open(self.path(rel), "wb")
+
+    def abort_write(self, handle, rel: str) -> None:
+        # fsspec's MemoryFile is visible from open(); dropping it means deleting the key.
+        self.delete(rel)
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        with _MEMORY_LOCK:
+            if self.fs.exists(path):
+                raise FileExistsError(path)
+            self.fs.pipe_file(path, data)
+
+
+class S3Storage(Storage):
+    """Amazon S3 (or an S3-compatible server) through s3fs."""
+
+    commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
+    atomic_create = True
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(rel), data, mode="create")
+        self.refresh()
+
+
+class GCSStorage(Storage):
+    """Google Cloud Storage through gcsfs."""
+
+    commit_primitive = "single-request upload with ifGenerationMatch=0 (412 when the object exists)"
+    atomic_create = True
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(rel), data, mode="create")
+        self.refresh()
+
+
+class CheckThenPutStorage(Storage):
+    """Any other fsspec backend. Refuses to commit unless check-then-put was opted into."""
+
+    commit_primitive = "exists check, then plain put (NOT atomic: racing writers can both win)"
+    atomic_create = False
+
+    def __init__(self, fs, root: str, url_root: str, *, allow_check_then_put: bool) -> None:
+        super().__init__(fs, root, url_root)
+        self.allow_check_then_put = allow_check_then_put
+
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        if not self.allow_check_then_put:
+            raise UnsupportedBackendError(
+                f"{self.url_root}: fsspec protocol {self.fs.protocol!r} has no create-only write, so "
+                "two writers of one step could both commit; pass allow_check_then_put=True to accept "
+                "that race (see docs/protocol.md)"
+            )
+        path = self.path(rel)
+        self.refresh()
+        if self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+
+
+_BY_PROTOCOL: dict[str, type[Storage]] = {
+    "file": LocalStorage,
+    "local": LocalStorage,
+    "memory": MemoryStorage,
+    "s3": S3Storage,
+    "s3a": S3Storage,
+    "gs": GCSStorage,
+    "gcs": GCSStorage,
+}
+
+
+def open_storage(
+    url: str | os.PathLike,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    allow_check_then_put: bool = False,
+) -> Storage:
+    """Build the :class:`Storage` for a store URL.
+
+    Args:
+        url (str | os.PathLike): a local path, ``file://``, ``memory://``, ``s3://``, ``gs://`` or any
+            fsspec URL naming the store root.
+        storage_options (dict | None): keyword arguments for the fsspec filesystem (``endpoint_url``,
+            ``key``, ``token``, ...); they reach every request the store makes.
+        allow_check_then_put (bool): accept a non-atomic commit on backends without a create-only
+            write (see module docstring).
+
+    Raises:
+        ValueError: the URL is empty or chained (``a::b``).
+    """
+    text = os.fspath(url)
+    if not text:
+        raise ValueError("store URL is empty")
+    if "::" in text:
+        raise ValueError(f"chained fsspec URLs are not supported as stores: {text}")
+    options = dict(storage_options or {})
+    # A private instance: fsspec returns one cached instance per argument set, and the store drops
+    # that instance's listing caches before every decision.
+    options.setdefault("skip_instance_cache", True)
+    fs, root = fsspec.core.url_to_fs(text, **options)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    cls = _BY_PROTOCOL.get(protocol)
+    root = root.rstrip("/") or "/"
+    if cls is LocalStorage:
+        root = os.path.abspath(root)
+        return LocalStorage(fs, root, root)
+    url_root = fs.unstrip_protocol(root)
+    if cls is None:
+        return CheckThenPutStorage(fs, root, url_root, allow_check_then_put=allow_check_then_put)
+    return cls(fs, root, url_root)
+
+
+__all__ = [
+    "CheckThenPutStorage",
+    "GCSStorage",
+    "LocalStorage",
+    "MemoryStorage",
+    "S3Storage",
+    "open_storage",
+]
