@@ -48,6 +48,10 @@ class AmbiguousCommitError(CommitError):
     failed too, so the outcome is unknown. Payloads are kept; ask ``is_complete`` later."""
 
 
+class StoreUnreachableError(OpdStoreError, OSError):
+    """The store cannot be used at all: no such bucket, no credentials, no connection."""
+
+
 class ResumeMismatchError(OpdStoreError, ValueError):
     """A checkpoint cannot be resumed under the current config, provenance or world size."""
 
@@ -66,6 +70,7 @@ __all__ = [
     "ManifestError",
     "OpdStoreError",
     "ResumeMismatchError",
+    "StoreUnreachableError",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
 ]

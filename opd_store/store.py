@@ -163,6 +163,15 @@ class CheckpointStore:
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
 
+    def check_reachable(self) -> None:
+        """Fail fast, before any work, when the store cannot be used.
+
+        Raises:
+            StoreUnreachableError: no such bucket, missing credentials, no connection, or a local
+                root that is not a writable directory; the message names the URL and the cause.
+        """
+        self.storage.check_reachable()
+
     # -- listing ---------------------------------------------------------------------------
     def _step_prefixes(self) -> list[int]:
         dirs, _files = self.storage.list_children("")

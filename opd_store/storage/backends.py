@@ -93,11 +93,29 @@ class LocalStorage(Storage):
     def abort_write(self, handle, rel: str) -> None:
         handle.discard()
 
+    def check_reachable(self) -> None:
+        from ..errors import StoreUnreachableError
+
+        existing = self.root
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise StoreUnreachableError(f"{self.url_root}: {existing} exists and is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise StoreUnreachableError(f"{self.url_root}: {existing} is not writable")
+
     def sync_prefix(self, rel: str) -> None:
+        # Every directory of the attempt, then each ancestor up to the store root, so that the
+        # names the manifest will point at survive a power loss once the commit returns.
         top = self.path(rel)
         for dirpath, _dirnames, _files in os.walk(top):
             _fsync_dir(dirpath)
-        _fsync_dir(os.path.dirname(top))
+        parent = os.path.dirname(top)
+        while True:
+            _fsync_dir(parent)
+            if parent == self.root or len(parent) <= len(self.root):
+                break
+            parent = os.path.dirname(parent)
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
         final = self.path(rel)
@@ -141,6 +159,7 @@ class S3Storage(Storage):
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
     atomic_create = True
+    bucketed = True
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.path(rel), data, mode="create")
@@ -152,6 +171,7 @@ class GCSStorage(Storage):
 
     commit_primitive = "single-request upload with ifGenerationMatch=0 (412 when the object exists)"
     atomic_create = True
+    bucketed = True
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
         self.fs.pipe_file(self.path(rel), data, mode="create")

@@ -129,6 +129,34 @@ class Storage:
         self.refresh()
         return self.fs.cat_file(self.path(rel))
 
+    def check_reachable(self) -> None:
+        """Fail fast when the store cannot be used: missing bucket, credentials or connection.
+
+        Raises:
+            StoreUnreachableError: naming the store URL and the backend's cause.
+        """
+        from ..errors import StoreUnreachableError
+
+        self.refresh()
+        bucket = self.root.split("/", 1)[0] if self.bucketed else None
+        try:
+            if bucket is not None:
+                try:
+                    self.fs.info(bucket)
+                except FileNotFoundError as exc:
+                    raise StoreUnreachableError(f"{self.url_root}: bucket {bucket!r} does not exist") from exc
+            try:
+                self.fs.ls(self.root, detail=False, refresh=True)
+            except FileNotFoundError:
+                pass  # an empty store: the first save creates it
+        except StoreUnreachableError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every backend failure is reported the same way
+            cause = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+            raise StoreUnreachableError(f"{self.url_root}: cannot reach the store ({cause})") from exc
+
+    bucketed = False
+
     # -- writes ------------------------------------------------------------------------------
     def open_write(self, rel: str) -> BinaryIO:
         """A new binary writer for the object ``rel``; the object appears at ``close()``.

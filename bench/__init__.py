@@ -1,0 +1,7 @@
+"""Benchmarks for opd_store (printed side by side in one run; not timed tests).
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.core --size-mib 256
+    .venv/bin/python -m bench.core            # 1 GiB, the issue's size
+"""

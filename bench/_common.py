@@ -1,0 +1,234 @@
+"""Helpers shared by the benchmarks: the moto process, the state, RSS readings, the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+N_TENSORS = 64
+
+
+# -- state ---------------------------------------------------------------------------------------
+def make_state(size_mib: int, n_tensors: int = N_TENSORS, seed: int = 0) -> dict:
+    """``n_tensors`` float32 tensors of random values totalling ``size_mib`` MiB."""
+    import torch
+
+    numel = size_mib * MIB // n_tensors // 4
+    gen = torch.Generator().manual_seed(seed)
+    return {f"layer.{i:02d}.weight": torch.rand(numel, generator=gen) for i in range(n_tensors)}
+
+
+def state_nbytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def tensor_views(state: dict) -> list[memoryview]:
+    """Byte memoryviews of every tensor's storage (no copies)."""
+    return [memoryview(t.numpy()).cast("B") for t in state.values()]
+
+
+# -- statistics ----------------------------------------------------------------------------------
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# -- memory of this process ----------------------------------------------------------------------
+def proc_status_kib(field: str) -> int | None:
+    """A ``Vm*`` field of /proc/self/status in KiB (``VmRSS``, ``VmHWM``), or None."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# -- moto in its own process ---------------------------------------------------------------------
+class MotoProcess:
+    """``python -m bench._moto_server`` on 127.0.0.1, port chosen by the OS, with a request counter."""
+
+    def __init__(self) -> None:
+        self._log = open(os.devnull, "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "bench._moto_server"],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        line = self.process.stdout.readline()
+        if not line.startswith("PORT "):
+            self.process.kill()
+            raise RuntimeError(f"moto server did not start: {line!r}")
+        self.endpoint_url = f"http://127.0.0.1:{int(line.split()[1])}"
+        self.pid = self.process.pid
+
+    def _post(self, path: str) -> bytes:
+        request = urllib.request.Request(f"{self.endpoint_url}{path}", method="POST", data=b"")
+        return urllib.request.urlopen(request, timeout=120).read()
+
+    def reset(self) -> None:
+        self._post("/moto-api/reset")
+
+    def requests(self) -> dict[str, Any]:
+        return json.loads(urllib.request.urlopen(f"{self.endpoint_url}/__bench__/requests", timeout=30).read())
+
+    def reset_requests(self) -> None:
+        self._post("/__bench__/requests/reset")
+
+    def storage_options(self) -> dict[str, Any]:
+        return {
+            "endpoint_url": self.endpoint_url,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+
+    def boto3_client(self, max_pool_connections: int = 10):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+            config=Config(max_pool_connections=max_pool_connections),
+        )
+
+    def new_bucket(self, bucket: str) -> None:
+        self.boto3_client().create_bucket(Bucket=bucket)
+
+    def rss_mib(self) -> float | None:
+        try:
+            with open(f"/proc/{self.pid}/status") as handle:
+                for line in handle:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
+class S3RequestCounter:
+    """Counts requests a botocore client sends (``before-send.s3``: once per HTTP attempt, retries included)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_op: dict[str, int] = {}
+
+    def __call__(self, request=None, **kwargs) -> None:  # noqa: ANN001 - botocore event signature
+        self.total += 1
+        name = kwargs.get("event_name", "")
+        op = getattr(request, "context", {}).get("operation_name") if request is not None else None
+        op = op or name.rpartition(".")[2]
+        self.by_op[op] = self.by_op.get(op, 0) + 1
+
+    def reset(self) -> None:
+        self.total = 0
+        self.by_op = {}
+
+    def attach(self, fs) -> None:
+        """Register on an s3fs filesystem's (aio)botocore client, creating the client first."""
+        fs.connect()
+        fs.s3.meta.events.register("before-send.s3", self)
+
+
+# -- machine -------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001
+        return "not installed"
+
+
+def machine_description(tmp_dir: str | None = None) -> list[tuple[str, str]]:
+    import crc32c
+
+    rows = [
+        ("host", platform.node()),
+        ("cpus (nproc / affinity)", f"{os.cpu_count()} / {len(os.sched_getaffinity(0))}"),
+        ("cpu model", _cpu_model()),
+        ("cpu has sse4_2", str("sse4_2" in Path("/proc/cpuinfo").read_text())),
+        ("ram", f"{_mem_total_gib():.1f} GiB"),
+        ("load average (1/5/15 min) at start", " ".join(f"{x:.2f}" for x in os.getloadavg())),
+        ("kernel", platform.release()),
+        ("python", sys.version.split()[0]),
+        ("torch", _version("torch")),
+        ("fsspec", _version("fsspec")),
+        ("s3fs", _version("s3fs")),
+        ("aiobotocore / botocore", f"{_version('aiobotocore')} / {_version('botocore')}"),
+        ("moto", _version("moto")),
+        ("crc32c", f"{_version('crc32c')} (hardware_based={crc32c.hardware_based})"),
+        ("opd_store", _version("opd_store")),
+    ]
+    if tmp_dir:
+        usage = shutil.disk_usage(tmp_dir)
+        rows.append(("local temp dir / free", f"{tmp_dir} / {usage.free / 2**30:.0f} GiB"))
+    return rows
+
+
+def now_stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
