@@ -71,15 +71,49 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def process_cpu_secs(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of a process (this one by default)."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def drop_file_cache(path: str) -> None:
+    """Ask the kernel to drop ``path``'s pages from the page cache (clean pages only)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_file_cache(path: str) -> None:
+    """Read ``path`` once so its pages are in the page cache."""
+    buffer = bytearray(16 * MIB)
+    with open(path, "rb", buffering=0) as handle:
+        while handle.readinto(buffer):
+            pass
+
+
 # -- moto in its own process ---------------------------------------------------------------------
 class MotoProcess:
     """``python -m bench._moto_server`` on 127.0.0.1, port chosen by the OS, with a request counter."""
 
-    def __init__(self) -> None:
+    def __init__(self, key_buffer_bytes: int | None = 4 * 2**30) -> None:
         self._log = open(os.devnull, "wb")  # noqa: SIM115
+        env = dict(os.environ)
+        if key_buffer_bytes:
+            # moto keeps each object in a SpooledTemporaryFile that spills to disk above ~5 MiB by
+            # default; the benchmark keeps objects in memory so disk noise stays out of the s3 runs.
+            env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(key_buffer_bytes)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench._moto_server"],
             cwd=REPO_ROOT,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
@@ -110,7 +144,14 @@ class MotoProcess:
             "key": "testing",
             "secret": "testing",
             "client_kwargs": {"region_name": "us-east-1"},
+            # moto completes a 1 GiB multipart upload slowly on a busy 2-core machine; botocore's
+            # default 60 s read timeout then retries a completion moto already consumed (500).
+            "config_kwargs": {"read_timeout": 1800, "connect_timeout": 60},
         }
+
+    def cpu_secs(self) -> float:
+        """CPU seconds (user + system) the moto process has used so far."""
+        return process_cpu_secs(self.pid)
 
     def boto3_client(self, max_pool_connections: int = 10):
         import boto3

@@ -52,11 +52,15 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # ``python bench/core.py``
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import prototypes  # noqa: E402
 from bench._common import (  # noqa: E402
     MIB,
     N_TENSORS,
     REPO_ROOT,
     MotoProcess,
+    drop_file_cache,
+    process_cpu_secs,
+    warm_file_cache,
     S3RequestCounter,
     machine_description,
     make_state,
@@ -87,6 +91,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def fmt_ratio(value: float, target: float) -> str:
     return f"{value:.3f}x {'PASS' if value <= target else 'MISS'}"
+
+
+def s3_speed_options(args, moto: MotoProcess) -> dict:
+    options = moto.storage_options()
+    if args.s3_max_concurrency:
+        options["max_concurrency"] = args.s3_max_concurrency
+    return options
 
 
 # ================================================================================================
@@ -145,14 +156,14 @@ class LocalCase:
 class S3Case:
     name = "s3"
 
-    def __init__(self, moto: MotoProcess, bucket: str) -> None:
+    def __init__(self, moto: MotoProcess, bucket: str, options: dict) -> None:
         import s3fs
 
         from opd_store import CheckpointStore
 
         self.moto = moto
         self.bucket = bucket
-        options = moto.storage_options()
+        self.options = options
         self.store = CheckpointStore(f"s3://{bucket}/store", storage_options=options)
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
         self.fs.connect()
@@ -165,7 +176,14 @@ class S3Case:
             f'fs.open(path, "wb") + torch.save (s3fs multipart, block {self.block_size // MIB} MiB, parts sent '
             "one at a time)"
         )
-        self.describe_raw_load = "torch.load(io.BytesIO(fs.cat_file(path))) (one GET)"
+        self.describe_raw_load = (
+            "torch.load(io.BytesIO(fs.cat_file(path))) (one GET with max_concurrency=1, else s3fs's "
+            "HEAD + concurrent ranged GETs)"
+        )
+        self.describe_options = (
+            f"s3fs options for raw and store alike: max_concurrency={self.fs.max_concurrency}, "
+            f"default_block_size={self.block_size // MIB} MiB"
+        )
 
     def raw_path(self, tag: int) -> str:
         return f"{self.bucket}/raw/raw-{tag}.pt"
@@ -213,11 +231,31 @@ def store_load(case, tag: int):
         return torch.load(handle)
 
 
+def store_payload_path(case, tag: int) -> str:
+    from opd_store.layout import step_dirname
+
+    entry = case.store.manifest(tag).entry(PAYLOAD)
+    return case.store.storage.path(f"{step_dirname(tag)}/{entry.path}")
+
+
+def measure(fn: Callable[[], Any], moto: MotoProcess | None) -> tuple[dict[str, float], Any]:
+    """Wall seconds, client CPU seconds (all threads) and moto CPU seconds of one call."""
+    gc.collect()
+    server0 = moto.cpu_secs() if moto is not None else 0.0
+    cpu0 = process_cpu_secs()
+    started = time.perf_counter()
+    result = fn()
+    wall = time.perf_counter() - started
+    cpu = process_cpu_secs() - cpu0
+    server = (moto.cpu_secs() - server0) if moto is not None else 0.0
+    return {"wall": wall, "cpu": cpu, "server": server}, result
+
+
 def run_speed(args, state, cases: list, results: dict) -> list[str]:
     import torch
 
     size_bytes = state_nbytes(state)
-    lines: list[str] = []
+    mib = size_bytes / MIB
     small = make_state(8, seed=1)
     for case in cases:
         log(f"speed/{case.name}: warm-up with an 8 MiB state")
@@ -227,73 +265,144 @@ def run_speed(args, state, cases: list, results: dict) -> list[str]:
         store_load(case, 900_000)
         case.cleanup(900_000)
 
+    def prepare_load(case, who: str, tag: int, variant: str) -> None:
+        if not isinstance(case, LocalCase):
+            return
+        path = case.raw_path(tag) if who == "raw" else store_payload_path(case, tag)
+        if variant == "cold":
+            drop_file_cache(path)
+        else:
+            warm_file_cache(path)
+
+    def proto_loader(case, tag: int, who: str):
+        crc = prototypes.crc_function(who.rpartition("-")[2])
+
+        def load():
+            with prototypes.verified_local_open(case.store, tag, PAYLOAD, crc) as handle:
+                return torch.load(handle)
+
+        return load
+
     for case in cases:
-        runs: dict[str, list[float]] = {"raw_save": [], "store_save": [], "raw_load": [], "store_load": []}
-        extra: dict[str, list[float]] = {}
+        moto = case.moto if isinstance(case, S3Case) else None
+        protos: tuple[str, ...] = ()
+        if isinstance(case, LocalCase) and args.extras:
+            protos = ("proto-crc32c",) + (("proto-awscrt",) if prototypes.awscrt_available() else ())
+        load_ops = ("load_cold", "load_warm") if isinstance(case, LocalCase) else ("load",)
+        ops = ("save",) + load_ops
+        runs: dict[str, list[dict]] = {f"{who}_{op}": [] for op in ops for who in ("raw", "store")}
         object_bytes = {}
         for rep in range(args.repeats):
             tag = rep + 1
             order = ("raw", "store") if rep % 2 == 0 else ("store", "raw")
             for who in order:
-                if who == "raw":
-                    secs, nbytes = timed(lambda: case.raw_save(state, tag))
-                    object_bytes["raw"] = nbytes
-                else:
-                    secs, nbytes = timed(lambda: store_save(case, state, tag))
-                    object_bytes["store"] = nbytes
-                runs[f"{who}_save"].append(secs)
-                log(f"speed/{case.name} rep {rep}: {who} save {secs:.2f}s")
-            for who in order:
-                if who == "raw":
-                    secs, loaded = timed(lambda: case.raw_load(tag))
-                else:
-                    secs, loaded = timed(lambda: store_load(case, tag))
-                runs[f"{who}_load"].append(secs)
-                log(f"speed/{case.name} rep {rep}: {who} load {secs:.2f}s")
-                if rep == 0:
-                    key = next(iter(state))
-                    if not torch.equal(loaded[key], state[key]) or len(loaded) != len(state):
-                        raise RuntimeError(f"{case.name}/{who}: loaded state differs from the saved one")
-                del loaded
+                fn = (lambda: case.raw_save(state, tag)) if who == "raw" else (lambda: store_save(case, state, tag))
+                m, nbytes = measure(fn, moto)
+                object_bytes[who] = nbytes
+                runs[f"{who}_save"].append(m)
+                log(f"speed/{case.name} rep {rep}: {who} save {m['wall']:.2f}s (cpu {m['cpu']:.2f}s, moto {m['server']:.2f}s)")
+            for op in load_ops:
+                for who in order + protos:
+                    prepare_load(case, who, tag, op.rpartition("_")[2])
+                    if who == "raw":
+                        fn = lambda: case.raw_load(tag)  # noqa: E731
+                    elif who == "store":
+                        fn = lambda: store_load(case, tag)  # noqa: E731
+                    else:
+                        fn = proto_loader(case, tag, who)
+                    m, loaded = measure(fn, moto)
+                    runs.setdefault(f"{who}_{op}", []).append(m)
+                    log(f"speed/{case.name} rep {rep}: {who} {op} {m['wall']:.2f}s (cpu {m['cpu']:.2f}s, moto {m['server']:.2f}s)")
+                    if rep == 0:
+                        key = next(iter(state))
+                        if not torch.equal(loaded[key], state[key]) or len(loaded) != len(state):
+                            raise RuntimeError(f"{case.name}/{who}: loaded state differs from the saved one")
+                    del loaded
             if isinstance(case, LocalCase) and args.extras:
-                secs, _ = timed(lambda: case.pyfile_save(state, tag))
-                extra.setdefault("python-file save", []).append(secs)
-                log(f"speed/{case.name} rep {rep}: python-file save {secs:.2f}s")
-            if isinstance(case, S3Case) and args.extras and rep == 0:
-                secs, loaded = timed(lambda: case.ranged_load(tag))
+                m, _ = measure(lambda: case.pyfile_save(state, tag), None)
+                runs.setdefault("python-file save", []).append(m)
+                log(f"speed/{case.name} rep {rep}: python-file save {m['wall']:.2f}s (cpu {m['cpu']:.2f}s)")
+            if isinstance(case, S3Case) and args.ranged_load and rep == 0:
+                m, loaded = measure(lambda: case.ranged_load(tag), moto)
                 del loaded
-                extra.setdefault("s3fs ranged load", []).append(secs)
-                log(f"speed/{case.name} rep {rep}: ranged load {secs:.2f}s")
+                runs.setdefault("s3fs ranged load", []).append(m)
+                log(f"speed/{case.name} rep {rep}: ranged load {m['wall']:.2f}s (cpu {m['cpu']:.2f}s)")
             case.cleanup(tag)
-        results[case.name] = {"runs": runs, "extra": extra, "object_bytes": object_bytes}
+        results[case.name] = {"runs": runs, "object_bytes": object_bytes, "ops": ops}
 
-    lines.append(f"State: {N_TENSORS} float32 tensors, {size_bytes / MIB:.0f} MiB of tensor data; "
-                 f"median of {args.repeats} runs, alternating raw/store order. MiB/s counts tensor data.")
-    lines.append("")
-    lines.append("| backend | op | raw (s) | raw MiB/s | store (s) | store MiB/s | store/raw | target | all runs raw / store (s) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    def med(values: list[dict], key: str) -> float:
+        return median([v[key] for v in values])
+
+    def walls(values: list[dict]) -> str:
+        return ", ".join(f"{v['wall']:.2f}" for v in values)
+
+    lines = [
+        f"State: {N_TENSORS} float32 tensors, {mib:.0f} MiB of tensor data. {args.repeats} runs each, raw and "
+        "store alternating (raw first in even runs, store first in odd ones); medians, MiB/s of tensor data. "
+        "*cpu* = CPU seconds of the benchmark process (all threads: s3fs's I/O thread included), the "
+        "store's own work independent of other tenants; *moto* = CPU seconds of the moto server.",
+        "",
+        "| backend | op | raw s | raw MiB/s | store s | store MiB/s | store/raw (wall) | target | "
+        "min-of-runs ratio | cpu raw / store s | cpu ratio | moto cpu raw / store s | runs raw / store (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for case in cases:
-        runs = results[case.name]["runs"]
-        for op, target in (("save", SAVE_TARGET), ("load", LOAD_TARGET)):
-            raw = median(runs[f"raw_{op}"])
-            sto = median(runs[f"store_{op}"])
-            mib = size_bytes / MIB
+        result = results[case.name]
+        runs = result["runs"]
+        for op in result["ops"]:
+            raw_runs, sto_runs = runs[f"raw_{op}"], runs[f"store_{op}"]
+            target = SAVE_TARGET if op == "save" else LOAD_TARGET
+            raw, sto = med(raw_runs, "wall"), med(sto_runs, "wall")
+            rmin, smin = min(v["wall"] for v in raw_runs), min(v["wall"] for v in sto_runs)
+            craw, csto = med(raw_runs, "cpu"), med(sto_runs, "cpu")
+            server = (
+                f"{med(raw_runs, 'server'):.2f} / {med(sto_runs, 'server'):.2f}" if case.name == "s3" else "-"
+            )
             lines.append(
-                f"| {case.name} | {op} | {raw:.2f} | {mib / raw:.0f} | {sto:.2f} | {mib / sto:.0f} | "
-                f"{fmt_ratio(sto / raw, target)} | <= {target:.2f}x | "
-                f"{', '.join(f'{x:.2f}' for x in runs[f'raw_{op}'])} / {', '.join(f'{x:.2f}' for x in runs[f'store_{op}'])} |"
+                f"| {case.name} | {op.replace('_', ' ')} | {raw:.2f} | {mib / raw:.0f} | {sto:.2f} | {mib / sto:.0f} | "
+                f"{fmt_ratio(sto / raw, target)} | <= {target:.2f}x | {smin / rmin:.3f}x | {craw:.2f} / {csto:.2f} | "
+                f"{csto / craw:.2f}x | {server} | "
+                f"{walls(raw_runs)} / {walls(sto_runs)} |"
             )
     lines.append("")
     for case in cases:
-        lines.append(f"- {case.name} raw save: {case.describe_raw_save}; raw load: {case.describe_raw_load}.")
+        lines.append(f"- **{case.name}** raw save: {case.describe_raw_save}; raw load: {case.describe_raw_load}.")
         ob = results[case.name]["object_bytes"]
         lines.append(f"  Object sizes: raw {ob.get('raw')} B, store payload {ob.get('store')} B.")
-        for label, values in results[case.name]["extra"].items():
-            raw_op = "save" if "save" in label else "load"
-            raw = median(results[case.name]["runs"][f"raw_{raw_op}"])
+        if isinstance(case, S3Case):
             lines.append(
-                f"  Informational, {label}: median {median(values):.2f}s over {len(values)} run(s) "
-                f"({median(values) / raw:.2f}x raw {raw_op})."
+                f"  {case.describe_options}. moto builds the whole object in memory for every ranged GET, "
+                "so s3fs's default 10 concurrent ranged GETs of a 1 GiB object would need ~20 GiB in moto."
+            )
+        if isinstance(case, LocalCase):
+            lines.append(
+                "  *load cold*: the file's pages dropped from the page cache first (fsync + "
+                "posix_fadvise DONTNEED), so both read from disk; *load warm*: the file read once just "
+                "before, so both copy from the page cache (the worst case for the store's extra work). "
+                "This VM runs DAMON proactive page-out (kdamond, action pageout), so the page cache does "
+                "not stay warm by itself."
+            )
+        runs = results[case.name]["runs"]
+        for key in sorted(runs):
+            who, _, op = key.partition("_")
+            if not who.startswith("proto-"):
+                continue
+            raw = med(runs[f"raw_{op}"], "wall")
+            sto = med(runs[f"store_{op}"], "wall")
+            lines.append(
+                f"  Prototype (bench/prototypes.py `verified_local_open`, CRC by {who[6:]}), {op.replace('_', ' ')}: "
+                f"median {med(runs[key], 'wall'):.2f}s = {med(runs[key], 'wall') / raw:.3f}x raw "
+                f"(store today {sto / raw:.3f}x); cpu {med(runs[key], 'cpu'):.2f}s; runs {walls(runs[key])}."
+            )
+        for label in ("python-file save", "s3fs ranged load"):
+            if label not in runs:
+                continue
+            values = runs[label]
+            raw_op = "save" if "save" in label else "load"
+            raw = med(runs[f"raw_{raw_op}"], "wall")
+            lines.append(
+                f"  Informational, {label}: median {med(values, 'wall'):.2f}s over {len(values)} run(s) "
+                f"({med(values, 'wall') / raw:.2f}x raw {raw_op}; cpu {med(values, 'cpu'):.2f}s)."
             )
     return lines
 
@@ -313,7 +422,7 @@ def run_rss(args, moto: MotoProcess | None, tmp_root: str) -> list[str]:
                 bucket = f"bench-rss-{mode}"
                 moto.new_bucket(bucket)
                 root = f"s3://{bucket}/run"
-                options = moto.storage_options()
+                options = s3_speed_options(args, moto)
             log(f"rss/{backend}/{mode}: fresh process")
             proc = subprocess.run(
                 [
@@ -409,11 +518,23 @@ def run_crc(args, state, speed_results: dict) -> list[str]:
             hasher.update(view)
         return hasher.hexdigest()
 
+    def aws_crc() -> int:
+        fn = prototypes.crc_function("awscrt")
+        value = 0
+        for view in views:
+            value = fn(view, value)
+        return value
+
     raw_crc()
     raw_times = [timed(raw_crc)[0] for _ in range(max(3, args.repeats))]
     store_times = [timed(store_crc)[0] for _ in range(max(3, args.repeats))]
     crc_secs = median(raw_times)
     wrapper_secs = median(store_times)
+    aws_secs = None
+    if prototypes.awscrt_available():
+        if aws_crc() != raw_crc():
+            raise RuntimeError("awscrt and crc32c disagree")
+        aws_secs = median([timed(aws_crc)[0] for _ in range(max(3, args.repeats))])
 
     spy = _SpyWriter()
     torch.save(state, spy)
@@ -432,16 +553,34 @@ def run_crc(args, state, speed_results: dict) -> list[str]:
         "|---|---|---|",
         f"| crc32c.crc32c over {len(views)} tensor memoryviews ({nbytes / MIB:.0f} MiB) | {crc_secs:.3f} | {nbytes / 2**30 / crc_secs:.1f} |",
         f"| opd_store.checksum.Crc32c.update over the same | {wrapper_secs:.3f} | {nbytes / 2**30 / wrapper_secs:.1f} |",
+    ]
+    if aws_secs is not None:
+        import awscrt
+
+        lines.append(
+            f"| (alternative) awscrt {getattr(awscrt, '__version__', '')} checksums.crc32c over the same | "
+            f"{aws_secs:.3f} | {nbytes / 2**30 / aws_secs:.1f} |"
+        )
+    lines += [
         "",
-        "| backend | store save median (s) | crc share of save | target |",
-        "|---|---|---|---|",
+        "| backend | store save median (s) | crc share of save (Crc32c.update) | target | share with awscrt (info) |",
+        "|---|---|---|---|---|",
     ]
     for name, result in speed_results.items():
-        save = median(result["runs"]["store_save"])
+        save = median([m["wall"] for m in result["runs"]["store_save"]])
         pct = 100 * wrapper_secs / save
-        lines.append(f"| {name} | {save:.2f} | {pct:.1f} % | {'PASS' if pct < CRC_TARGET_PCT else 'MISS'} (< {CRC_TARGET_PCT:.0f} %) |")
+        aws = f"{100 * aws_secs / save:.1f} %" if aws_secs is not None else "-"
+        lines.append(
+            f"| {name} | {save:.2f} | {pct:.1f} % | {'PASS' if pct < CRC_TARGET_PCT else 'MISS'} "
+            f"(< {CRC_TARGET_PCT:.0f} %) | {aws} |"
+        )
     if not speed_results:
-        lines.append("| (speed section not run) | | | |")
+        lines.append("| (speed section not run) | | | | |")
+    lines.append("")
+    lines.append(
+        "The same CRC pass also runs on every verified read (`store.read`/`store.open` checksum the "
+        "whole payload), where its share of a warm local load is far larger than of a save."
+    )
     return lines
 
 
@@ -586,11 +725,23 @@ def run_requests(args, moto: MotoProcess) -> list[str]:
             row["is_complete"] = _count(moto, counter, lambda: store.is_complete(newest))
             if args.checkpoints_info:
                 row["checkpoints"] = _count(moto, counter, store.checkpoints)
+            # Prototypes (bench/prototypes.py) on a second store instance.
+            proto = CheckpointStore(f"s3://{bucket}/{prefix}", storage_options=moto.storage_options())
+            proto_counter = S3RequestCounter()
+            proto_counter.attach(proto.storage.fs)
+            prototypes.patch_one_get_reads(proto)
+            row["proto_latest"] = _count(moto, proto_counter, proto.latest_step)
+            assert row["proto_latest"]["value"] == newest
+            if args.checkpoints_info:
+                row["proto_checkpoints"] = _count(moto, proto_counter, proto.checkpoints)
             # Informational: a killed save of a newer step sits above the newest complete one.
             killed = newest + 5
             writer.write_leftovers([killed])
             row["latest_behind_killed"] = _count(moto, counter, store.latest_step)
             assert row["latest_behind_killed"]["value"] == newest
+            row["proto_behind_killed"] = _count(moto, proto_counter, proto.latest_step)
+            row["proto2_behind_killed"] = _count(moto, proto_counter, lambda: prototypes.latest_step_one_listing(proto))
+            assert row["proto2_behind_killed"]["value"] == newest
             writer.delete_prefix(step_dirname(killed))
             writer.leftover_objects -= 3
             rows.append(row)
@@ -638,6 +789,26 @@ def run_requests(args, moto: MotoProcess) -> list[str]:
     if "checkpoints" in last:
         lines.append(f"- checkpoints(): {ops(last['checkpoints'])}")
     lines.append(f"- latest_step() behind a killed newer save: {ops(last['latest_behind_killed'])}")
+    lines.append("")
+    lines.append(
+        "Prototypes (bench/prototypes.py), same fixtures: (a) `read_bytes` of the manifest with one GET "
+        "(`cat_file(path, max_concurrency=1)`: no s3fs size-probe HEAD); (b) (a) plus `latest_step` "
+        "deciding each candidate from one listing of its step prefix."
+    )
+    lines.append("")
+    lines.append("| committed steps | latest_step() today / (a) | checkpoints() today / (a) | behind a killed save: today / (a) / (b) |")
+    lines.append("|---|---|---|---|")
+    for row in rows:
+        chk = (
+            f"{cell(row['checkpoints'])} / {cell(row['proto_checkpoints'])}" if "checkpoints" in row else "not run"
+        )
+        lines.append(
+            f"| {row['steps']} | {cell(row['latest_step'])} / {cell(row['proto_latest'])} | {chk} | "
+            f"{cell(row['latest_behind_killed'])} / {cell(row['proto_behind_killed'])} / {cell(row['proto2_behind_killed'])} |"
+        )
+    lines.append("")
+    lines.append(f"- (a) latest_step() at {last['steps']} steps: {ops(last['proto_latest'])}")
+    lines.append(f"- (b) behind a killed save at {last['steps']} steps: {ops(last['proto2_behind_killed'])}")
     steps_ok = all(r["steps_call"]["client"] <= r["objects"] / 1000 + 3 for r in rows)
     lines.append("")
     lines.append(
@@ -662,12 +833,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip informational rows (python-file save, s3fs ranged load)")
     parser.add_argument("--no-checkpoints-info", dest="checkpoints_info", action="store_false",
                         help="skip counting checkpoints() requests (one manifest read per step)")
+    parser.add_argument("--s3-max-concurrency", type=int, default=1,
+                        help="s3fs max_concurrency for the speed and rss runs, raw and store alike "
+                             "(default 1: one GET per object; 0 keeps s3fs's default of 10)")
+    parser.add_argument("--ranged-load", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time torch.load on an s3fs file (readahead); default only at <= 256 MiB")
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     args.backends = [s.strip() for s in args.backends.split(",") if s.strip()]
     args.steps = [int(s) for s in args.steps.split(",") if s.strip()]
+    if args.ranged_load is None:
+        args.ranged_load = args.extras and args.size_mib <= 256
 
     need_bytes = 3 * args.size_mib * MIB + 2 * 2**30
     free = shutil.disk_usage(args.tmp_dir).free
@@ -702,30 +880,33 @@ def main(argv: list[str] | None = None) -> int:
         if "speed" in args.sections or "crc" in args.sections:
             log(f"building the state: {N_TENSORS} tensors, {args.size_mib} MiB")
             state = make_state(args.size_mib)
+        def section(title: str, fn: Callable[[], list[str]]) -> None:
+            out.extend([title, ""])
+            try:
+                out.extend(fn())
+            except Exception as exc:  # noqa: BLE001 - report and go on with the next section
+                import traceback
+
+                log(f"{title}: FAILED\n{traceback.format_exc()}")
+                out.append(f"**Section failed**: `{exc!r}`"[:2000])
+            out.append("")
+
         if "speed" in args.sections:
             cases = []
             if "local" in args.backends:
                 cases.append(LocalCase(os.path.join(tmp_root, "speed")))
             if "s3" in args.backends:
                 moto.new_bucket("bench-speed")
-                cases.append(S3Case(moto, "bench-speed"))
-            out += ["## 1. Save and load: store vs raw", ""]
-            out += run_speed(args, state, cases, speed_results)
-            out.append("")
+                cases.append(S3Case(moto, "bench-speed", s3_speed_options(args, moto)))
+            section("## 1. Save and load: store vs raw", lambda: run_speed(args, state, cases, speed_results))
         if "rss" in args.sections:
-            out += ["## 2. Peak RSS of one save (fresh process)", ""]
-            out += run_rss(args, moto, tmp_root)
-            out.append("")
+            section("## 2. Peak RSS of one save (fresh process)", lambda: run_rss(args, moto, tmp_root))
         if "crc" in args.sections:
-            out += ["## 3. Checksum cost", ""]
-            out += run_crc(args, state, speed_results)
-            out.append("")
+            section("## 3. Checksum cost", lambda: run_crc(args, state, speed_results))
         del state
         gc.collect()
         if "requests" in args.sections:
-            out += ["## 4. Backend requests on moto", ""]
-            out += run_requests(args, moto)
-            out.append("")
+            section("## 4. Backend requests on moto", lambda: run_requests(args, moto))
         out.append(f"Finished {now_stamp()}; load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.")
     finally:
         if moto is not None:

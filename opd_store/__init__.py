@@ -13,6 +13,7 @@ from .errors import (
     ManifestError,
     OpdStoreError,
     ResumeMismatchError,
+    StoreUnreachableError,
     UnsafeCheckpointError,
     UnsupportedBackendError,
 )
@@ -22,7 +23,35 @@ from .transaction import PayloadWriter, Transaction
 
 __version__ = "0.1.0"
 
+# The OPD layer needs torch (and pydantic/yaml for its config); import it on first use so that
+# ``import opd_store`` and store-only tools stay light.
+_LAZY = {
+    "save_opd_checkpoint": "opd_store.opd.checkpoint",
+    "load_opd_checkpoint": "opd_store.opd.checkpoint",
+    "load_adapter": "opd_store.opd.checkpoint",
+    "latest_complete_checkpoint": "opd_store.opd.checkpoint",
+    "OPDConfig": "opd_store.opd.config",
+    "migrate_legacy": "opd_store.opd.legacy",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'opd_store' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
+    "OPDConfig",
+    "latest_complete_checkpoint",
+    "load_adapter",
+    "load_opd_checkpoint",
+    "migrate_legacy",
+    "save_opd_checkpoint",
     "AmbiguousCommitError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
@@ -38,6 +67,7 @@ __all__ = [
     "PayloadWriter",
     "Problem",
     "ResumeMismatchError",
+    "StoreUnreachableError",
     "Transaction",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",

@@ -242,17 +242,23 @@ class Transaction:
                 f"{self.url}: payloads {names} were never closed cleanly; nothing was committed"
             )
         self._state = "committing"
-        self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
-        manifest = Manifest(
-            step=self.step,
-            attempt_id=self.attempt_id,
-            writer=Writer(host=socket.gethostname(), pid=os.getpid(), rank=self.rank),
-            created_at=_dt.datetime.now(_dt.timezone.utc),
-            world_size=self.world_size,
-            payloads=tuple(self._entries.values()),
-            metadata=self.metadata,
-        )
-        data = manifest.to_json_bytes()
+        try:
+            self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
+            manifest = Manifest(
+                step=self.step,
+                attempt_id=self.attempt_id,
+                writer=Writer(host=socket.gethostname(), pid=os.getpid(), rank=self.rank),
+                created_at=_dt.datetime.now(_dt.timezone.utc),
+                world_size=self.world_size,
+                payloads=tuple(self._entries.values()),
+                metadata=self.metadata,
+            )
+            data = manifest.to_json_bytes()
+        except BaseException:
+            # Before the create nothing can name this attempt's payloads: fail like an abort.
+            self._state = "failed"
+            self._discard_payloads()
+            raise
         manifest_rel = f"{self._step_rel}/{MANIFEST_NAME}"
         try:
             self.storage.create_exclusive(manifest_rel, data)

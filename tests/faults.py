@@ -198,22 +198,23 @@ class FaultyStorage(Storage):
     __repr__ = describe
 
     # -- reads -------------------------------------------------------------------------------
-    def list_children(self, rel: str = ""):
-        return self._read("list", rel, lambda: self.inner.list_children(rel))
+    # Extra keyword arguments (``read_bytes(rel, small=True)``...) are passed through untouched.
+    def list_children(self, rel: str = "", **kwargs):
+        return self._read("list", rel, lambda: self.inner.list_children(rel, **kwargs))
 
-    def list_tree(self, rel: str = ""):
-        return self._read("list", rel, lambda: self.inner.list_tree(rel))
+    def list_tree(self, rel: str = "", **kwargs):
+        return self._read("list", rel, lambda: self.inner.list_tree(rel, **kwargs))
 
-    def size(self, rel: str):
-        return self._read("size", rel, lambda: self.inner.size(rel))
+    def size(self, rel: str, **kwargs):
+        return self._read("size", rel, lambda: self.inner.size(rel, **kwargs))
 
-    def read_bytes(self, rel: str) -> bytes:
-        return self._read("read", rel, lambda: self.inner.read_bytes(rel))
+    def read_bytes(self, rel: str, **kwargs) -> bytes:
+        return self._read("read", rel, lambda: self.inner.read_bytes(rel, **kwargs))
 
     # -- writes ------------------------------------------------------------------------------
-    def open_write(self, rel: str):
+    def open_write(self, rel: str, **kwargs):
         self.ops.append(Op("open", rel, 0))
-        return _FaultyHandle(self, self.inner.open_write(rel), rel)
+        return _FaultyHandle(self, self.inner.open_write(rel, **kwargs), rel)
 
     def abort_write(self, handle, rel: str) -> None:
         self.ops.append(Op("abort", rel, 0))
@@ -238,11 +239,11 @@ class FaultyStorage(Storage):
     def sync_prefix(self, rel: str) -> None:
         self._mutate("sync", rel, lambda: self.inner.sync_prefix(rel))
 
-    def create_exclusive(self, rel: str, data: bytes) -> None:
+    def create_exclusive(self, rel: str, data: bytes, **kwargs) -> None:
         def create():
             if self.before_create is not None:
                 self.before_create(self.inner, rel, data)
-            self.inner.create_exclusive(rel, data)
+            self.inner.create_exclusive(rel, data, **kwargs)
 
         self._mutate("create", rel, create)
 
@@ -251,6 +252,22 @@ class FaultyStorage(Storage):
 
     def delete_tree(self, rel: str) -> None:
         self._mutate("delete_tree", rel, lambda: self.inner.delete_tree(rel))
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"Forwarded unchanged to the wrapped storage's ``{name}`` (not recorded)."
+    return method
+
+
+# Any other verb of the Storage seam (present or added later) goes to the wrapped storage, so a
+# backend's own override is never bypassed by the base implementation running on the wrapper.
+for _name, _value in list(vars(Storage).items()):
+    if callable(_value) and not _name.startswith("__") and _name not in FaultyStorage.__dict__:
+        setattr(FaultyStorage, _name, _delegate(_name))
 
 
 __all__ = ["Fault", "FaultyStorage", "InjectedFault", "MUTATING", "Op"]

@@ -86,7 +86,7 @@ def _marked_paths(model: type[BaseModel], key: str, prefix: str = "") -> list[st
 
 
 def _without_paths(data: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
-    """A deep copy of ``data`` with every dotted path in ``paths`` (and what is under it) removed."""
+    """A deep copy of ``data`` without the dotted ``paths`` (and what is under them)."""
     pruned = json.loads(json.dumps(data))
     for path in paths:
         *parents, leaf = path.split(".")
@@ -135,7 +135,8 @@ class TrainingSection(_Section):
     def _check(self) -> TrainingSection:
         if self.warmup_updates > self.total_updates:
             raise ValueError(
-                f"warmup_updates ({self.warmup_updates}) exceeds total_updates ({self.total_updates})"
+                f"warmup_updates ({self.warmup_updates}) exceeds "
+                f"total_updates ({self.total_updates})"
             )
         if not all(0 <= beta < 1 for beta in self.betas):
             raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
@@ -232,7 +233,8 @@ class OPDConfig(_Section):
         """Dotted path of the field marked as the rollout limit (stopping rule).
 
         Returns:
-            str | None: ``"rollout.rollout_limit"`` for ``OPDConfig``; ``None`` if no field is marked.
+            str | None: ``"rollout.rollout_limit"`` for ``OPDConfig``; ``None`` if no field is
+            marked.
 
         Raises:
             TypeError: more than one field is marked (a schema bug: the resume rule needs one).
@@ -311,7 +313,9 @@ class OPDConfig(_Section):
         if data is None:
             raise ValueError(f"OPD config {where} is empty")
         if not isinstance(data, dict):
-            hint = " (if it was meant as a path, no such file exists)" if where == "<yaml text>" else ""
+            hint = ""
+            if where == "<yaml text>":
+                hint = " (if it was meant as a path, no such file exists)"
             raise ValueError(
                 f"OPD config {where} must be a YAML mapping, got {type(data).__name__} "
                 f"{data!r:.80}{hint}"

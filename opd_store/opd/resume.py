@@ -11,12 +11,14 @@ Modes (``config.checkpoint.resume_mode``):
   all match.
 * ``execution_change``: the parent's ``config.yaml`` and the current config may differ only in
   fields the config marks execution-only; provenance only in keys it marks execution-only.
-* ``rollout_limit_change``: as ``execution_change``, and the rollout limit (stopping rule) may change.
+* ``rollout_limit_change``: as ``execution_change``, and the rollout limit (stopping rule) may
+  change.
 
 Whatever the mode, a world-size change is refused: each rank restores its own RNG state.
 
-The config is duck-typed. It must offer ``fingerprint() -> str`` and ``as_dict() -> dict`` (the seed's
-contract). It may also offer the markings that :class:`opd_store.opd.config.OPDConfig` provides:
+The config is duck-typed. It must offer ``fingerprint() -> str`` and ``as_dict() -> dict``
+(the seed's contract). It may also offer the markings that
+:class:`opd_store.opd.config.OPDConfig` provides:
 
 * ``execution_only_paths() -> Iterable[str]``: dotted paths of execution-only fields; a path covers
   everything beneath it;
@@ -48,12 +50,13 @@ class ResumeDecision:
 
     Attributes:
         mode (str): the resume mode used, one of :data:`RESUME_MODES`.
-        rollout_limit_changed (bool): True only under ``rollout_limit_change`` when the rollout limit
-            differs from the parent's; the loader then drops the validation baseline and records
-            ``rollout_limit_changed_at_update`` (issue 3, item 4, after the seed).
+        rollout_limit_changed (bool): True only under ``rollout_limit_change`` when the rollout
+            limit differs from the parent's; the loader then drops the validation baseline and
+            records ``rollout_limit_changed_at_update`` (issue 3, item 4, after the seed).
         accepted_changes (tuple[str, ...]): dotted config paths and ``"provenance.<key>"`` entries
-            that differed but were allowed; empty when nothing was diffed (fingerprint and
-            provenance matched) or nothing differed.
+            that differed but were allowed. The config is diffed only when its fingerprint
+            differs, so execution-only config changes are listed only then; empty when
+            fingerprint and provenance both matched.
     """
 
     mode: str

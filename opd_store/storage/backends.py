@@ -165,6 +165,14 @@ class S3Storage(Storage):
         self.fs.pipe_file(self.path(rel), data, mode="create")
         self.refresh()
 
+    def read_bytes(self, rel: str, *, small: bool = False) -> bytes:
+        self.refresh()
+        if small:
+            # s3fs's cat_file sends a HEAD first to plan a concurrent ranged download; a manifest
+            # is one GET.
+            return self.fs.cat_file(self.path(rel), max_concurrency=1)
+        return self.fs.cat_file(self.path(rel))
+
 
 class GCSStorage(Storage):
     """Google Cloud Storage through gcsfs."""

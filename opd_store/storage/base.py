@@ -36,7 +36,9 @@ class Storage:
     def __init__(self, fs, root: str, url_root: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/") or "/"
-        self.url_root = url_root.rstrip("/") or url_root
+        stripped = url_root.rstrip("/")
+        # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
+        self.url_root = stripped if stripped and not stripped.endswith(":") else url_root
 
     # -- names -------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -120,8 +122,13 @@ class Storage:
             return None
         return int(info.get("size") or 0)
 
-    def read_bytes(self, rel: str) -> bytes:
-        """The whole object ``rel``, fetched in one request where the backend allows.
+    def read_bytes(self, rel: str, *, small: bool = False) -> bytes:
+        """The whole object ``rel``.
+
+        Args:
+            rel (str): object path relative to the root.
+            small (bool): the object is known to be small (a manifest): backends that would first
+                ask for its size to plan a parallel download skip that request.
 
         Raises:
             FileNotFoundError: no such object.

@@ -4,23 +4,39 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import crc32c
 
 from opd_store import CheckpointStore
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
-PROC_WRITER = TESTS_DIR / "proc_writer.py"
-REPO_ROOT = TESTS_DIR.parent
 
 
-def open_store(backend, **kwargs) -> CheckpointStore:
-    """A store on ``backend`` with its storage options (a private fsspec instance)."""
-    return CheckpointStore(backend.url, storage_options=backend.storage_options, **kwargs)
+_AIO_SESSIONS: dict[str, object] = {}
+_BOTO3_CLIENTS: dict[str, object] = {}
+
+
+def open_store(backend, *, fresh_session: bool = False, **kwargs) -> CheckpointStore:
+    """A store on ``backend`` with its storage options (a private fsspec instance).
+
+    For S3 the private s3fs instance shares one aiobotocore session per test process (each fresh
+    session re-parses botocore's service models, ~0.5 s on this machine); every store still gets
+    its own S3FileSystem, client and caches. ``fresh_session=True`` passes the options untouched.
+    """
+    options = dict(backend.storage_options)
+    if backend.name == "s3" and not fresh_session:
+        import aiobotocore.session
+
+        options["session"] = _AIO_SESSIONS.setdefault("s3", aiobotocore.session.AioSession())
+    return CheckpointStore(backend.url, storage_options=options, **kwargs)
+
+
+def boto3_client(moto):
+    """One boto3 client per moto server (moto's reset between tests keeps the endpoint)."""
+    client = _BOTO3_CLIENTS.get(moto.endpoint_url)
+    if client is None:
+        client = _BOTO3_CLIENTS[moto.endpoint_url] = moto.boto3_client()
+    return client
 
 
 def save(store: CheckpointStore, step: int, payloads: dict[str, bytes], *, metadata=None, chunk: int | None = None):
@@ -31,7 +47,7 @@ def save(store: CheckpointStore, step: int, payloads: dict[str, bytes], *, metad
                 txn.write_bytes(name, data)
             else:
                 with txn.open(name) as writer:
-                    for offset in range(0, max(len(data), 1), chunk):
+                    for offset in range(0, len(data), chunk):
                         writer.write(memoryview(data)[offset:offset + chunk])
     return txn
 
@@ -42,18 +58,34 @@ def crc_hex(data: bytes) -> str:
 
 
 class Raw:
-    """The backend seen without opd_store: a fresh fsspec instance per call (no caches), and
-    boto3 for S3. Keys are relative to the store root."""
+    """The backend seen without opd_store. Keys are relative to the store root.
+
+    S3 is read and written with boto3 (no s3fs at all); the other backends with one private fsspec
+    instance whose caches are dropped before every call, so each call sees the backend as it is now.
+    """
 
     def __init__(self, backend, moto=None) -> None:
         self.backend = backend
         self.moto = moto
+        self._raw_fs = None
+        if backend.name == "s3":
+            assert moto is not None, "S3 raw checks need the moto server"
+            self.bucket, _, self.prefix = backend.url[len("s3://"):].partition("/")
 
     def _fs(self):
-        return self.backend.raw_fs(), self.backend.raw_root()
+        if self._raw_fs is None:
+            self._raw_fs = self.backend.raw_fs()
+        self._raw_fs.invalidate_cache()
+        return self._raw_fs, self.backend.raw_root()
+
+    @property
+    def client(self):
+        return boto3_client(self.moto)
 
     def keys(self) -> dict[str, int]:
         """{relative key: size} of every object under the root (fresh listing)."""
+        if self.backend.name == "s3":
+            return self.s3_keys()
         fs, root = self._fs()
         try:
             found = fs.find(root, detail=True)
@@ -70,24 +102,22 @@ class Raw:
 
     def s3_keys(self) -> dict[str, int]:
         """S3 only: {relative key: size} listed with boto3 (paginated)."""
-        assert self.backend.name == "s3" and self.moto is not None
-        bucket, _, prefix = self.backend.url[len("s3://"):].partition("/")
-        client = self.moto.boto3_client()
         out = {}
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
             for obj in page.get("Contents", []):
-                out[obj["Key"][len(prefix) + 1:]] = obj["Size"]
+                out[obj["Key"][len(self.prefix) + 1:]] = obj["Size"]
         return out
 
-    def s3_get(self, rel: str) -> bytes:
-        bucket, _, prefix = self.backend.url[len("s3://"):].partition("/")
-        return self.moto.boto3_client().get_object(Bucket=bucket, Key=f"{prefix}/{rel}")["Body"].read()
-
     def cat(self, rel: str) -> bytes:
+        if self.backend.name == "s3":
+            return self.client.get_object(Bucket=self.bucket, Key=f"{self.prefix}/{rel}")["Body"].read()
         fs, root = self._fs()
         return fs.cat_file(f"{root}/{rel}")
 
     def put(self, rel: str, data: bytes) -> None:
+        if self.backend.name == "s3":
+            self.client.put_object(Bucket=self.bucket, Key=f"{self.prefix}/{rel}", Body=data)
+            return
         fs, root = self._fs()
         path = f"{root}/{rel}"
         if self.backend.name == "local":
@@ -95,71 +125,85 @@ class Raw:
         fs.pipe_file(path, data)
 
     def rm(self, rel: str) -> None:
+        if self.backend.name == "s3":
+            self.client.delete_object(Bucket=self.bucket, Key=f"{self.prefix}/{rel}")
+            return
         fs, root = self._fs()
         fs.rm_file(f"{root}/{rel}")
 
-    def exists(self, rel: str) -> bool:
-        return rel in self.keys()
+    def fsspec_keys(self) -> dict[str, int]:
+        """Like :meth:`keys` but always through a fresh fsspec instance (for S3: s3fs)."""
+        fs = self.backend.raw_fs()
+        root = self.backend.raw_root()
+        out = {}
+        for full, info in fs.find(root, detail=True).items():
+            if info.get("type") != "directory":
+                out[fs._strip_protocol(full)[len(root) + 1:]] = int(info["size"])
+        return out
 
 
 def run_proc(backend, *args: str, timeout: float = 120) -> dict[str, Any]:
-    """Run ``tests/proc_writer.py`` to completion; return its last stdout line parsed as JSON."""
-    done = subprocess.run(
-        [sys.executable, str(PROC_WRITER), backend.to_json(), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(REPO_ROOT),
-    )
-    assert done.returncode == 0, f"proc_writer {args} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run a ``tests/proc_writer.py`` command in a separate process to completion; return its result."""
+    return Proc(backend, *args).result(timeout=timeout)
 
 
 class Proc:
-    """A ``proc_writer.py`` child that talks line by line over pipes (a barrier, not sleeps)."""
+    """A ``proc_writer`` child process (forked from a preloaded forkserver), talking over a pipe.
+
+    Messages are the synchronisation (a barrier, not sleeps): :meth:`expect` blocks until the
+    child reports a point in its work, :meth:`send` releases it.
+    """
 
     def __init__(self, backend, *args: str) -> None:
-        self.args = args
-        self.popen = subprocess.Popen(
-            [sys.executable, str(PROC_WRITER), backend.to_json(), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=str(REPO_ROOT),
-        )
+        import proc_writer
 
-    def expect(self, word: str) -> str:
-        """Block until the child prints a line; assert it starts with ``word``; return it."""
-        line = self.popen.stdout.readline()
-        if not line.startswith(word):
-            rest_out, rest_err = self.kill_and_collect()
-            raise AssertionError(f"expected {word!r} from {self.args}, got {line!r}\n{rest_out}\n{rest_err}")
-        return line.strip()
+        self.args = args
+        self.process, self.conn = proc_writer.start(backend.to_json(), *args)
+
+    def _recv(self, timeout: float) -> str:
+        if not self.conn.poll(timeout):
+            self.kill()
+            raise AssertionError(f"proc_writer {self.args}: no message within {timeout} s")
+        try:
+            message = self.conn.recv()
+        except EOFError:
+            self.process.join(30)
+            raise AssertionError(f"proc_writer {self.args} exited ({self.process.exitcode}) without a message")
+        if message.startswith('{"child_error"'):
+            raise AssertionError(f"proc_writer {self.args} failed:\n{json.loads(message)['child_error']}")
+        return message
+
+    def expect(self, word: str, timeout: float = 120) -> str:
+        """Block until the child sends a message; assert it is ``word``."""
+        message = self._recv(timeout)
+        assert message == word, (self.args, message)
+        return message
 
     def send(self, line: str) -> None:
-        self.popen.stdin.write(line + "\n")
-        self.popen.stdin.flush()
+        self.conn.send(line)
+
+    def query(self, line: str, timeout: float = 120) -> dict[str, Any]:
+        self.send(line)
+        return json.loads(self._recv(timeout))
 
     def result(self, timeout: float = 120) -> dict[str, Any]:
-        out, err = self.popen.communicate(timeout=timeout)
-        assert self.popen.returncode == 0, f"{self.args} exited {self.popen.returncode}:\n{out}\n{err}"
-        return json.loads(out.strip().splitlines()[-1])
-
-    def query(self, line: str) -> dict[str, Any]:
-        self.send(line)
-        reply = self.popen.stdout.readline()
-        if not reply:
-            _, err = self.kill_and_collect()
-            raise AssertionError(f"{self.args} died:\n{err}")
-        return json.loads(reply)
+        """The child's final JSON message; the child must then exit with status 0."""
+        message = json.loads(self._recv(timeout))
+        self.process.join(timeout)
+        assert self.process.exitcode == 0, (self.args, self.process.exitcode)
+        return message
 
     def sigkill(self) -> int:
-        self.popen.kill()
-        self.popen.wait(timeout=60)
-        return self.popen.returncode
+        """SIGKILL the child; return its exit code (``-SIGKILL``)."""
+        self.process.kill()
+        self.process.join(60)
+        return self.process.exitcode
 
-    def kill_and_collect(self):
-        if self.popen.poll() is None:
-            self.popen.kill()
-        return self.popen.communicate(timeout=60)
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(60)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()

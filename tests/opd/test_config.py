@@ -91,8 +91,14 @@ def test_fingerprint_is_sha256_of_canonical_json_of_math_fields():
 
 
 def test_fingerprint_stable_under_key_order():
-    forward = "model:\n  lora_rank: 8\n  lora_alpha: 16\ntraining:\n  seed: 3\n  learning_rate: 2.0e-5\n"
-    backward = "training:\n  learning_rate: 2.0e-5\n  seed: 3\nmodel:\n  lora_alpha: 16\n  lora_rank: 8\n"
+    forward = (
+        "model:\n  lora_rank: 8\n  lora_alpha: 16\n"
+        "training:\n  seed: 3\n  learning_rate: 2.0e-5\n"
+    )
+    backward = (
+        "training:\n  learning_rate: 2.0e-5\n  seed: 3\n"
+        "model:\n  lora_alpha: 16\n  lora_rank: 8\n"
+    )
     first, second = OPDConfig.from_yaml(forward), OPDConfig.from_yaml(backward)
     assert first.fingerprint() == second.fingerprint()
     assert first.fingerprint() != OPDConfig().fingerprint()

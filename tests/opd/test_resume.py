@@ -19,7 +19,11 @@ from opd_store.opd.resume import (
 )
 
 URL = "s3://runs/opd-demo/checkpoints/step-000040"
-PROVENANCE = {"code_revision": "3f2a9c1", "teacher_weights": "sha256:teacher", "dataset": "sha256:data"}
+PROVENANCE = {
+    "code_revision": "3f2a9c1",
+    "teacher_weights": "sha256:teacher",
+    "dataset": "sha256:data",
+}
 
 
 def make_config(mode: str = "exact", **dotted) -> OPDConfig:
@@ -49,7 +53,9 @@ def check(
     """Resume ``current`` from a checkpoint saved under ``parent``, as the loader will call it."""
     return validate_resume(
         checkpoint_url=URL,
-        saved_config_fingerprint=parent.fingerprint() if saved_fingerprint is None else saved_fingerprint,
+        saved_config_fingerprint=(
+            parent.fingerprint() if saved_fingerprint is None else saved_fingerprint
+        ),
         saved_provenance=dict(saved_provenance),
         saved_world_size=saved_world_size,
         saved_config_dict=yaml.safe_load(yaml.safe_dump(parent.as_dict(), sort_keys=False))
@@ -85,9 +91,8 @@ def test_resume_mode_of():
     assert resume_mode_of(make_config("rollout_limit_change")) == "rollout_limit_change"
     assert resume_mode_of(object()) == "exact"
     assert resume_mode_of(types.SimpleNamespace(checkpoint=types.SimpleNamespace())) == "exact"
-    assert resume_mode_of(types.SimpleNamespace(checkpoint={"resume_mode": "execution_change"})) == (
-        "execution_change"
-    )
+    as_mapping = types.SimpleNamespace(checkpoint={"resume_mode": "execution_change"})
+    assert resume_mode_of(as_mapping) == "execution_change"
     with pytest.raises(ValueError, match="unknown resume_mode 'fast'"):
         resume_mode_of(types.SimpleNamespace(checkpoint=types.SimpleNamespace(resume_mode="fast")))
 
@@ -120,7 +125,9 @@ def test_world_size_checked_before_anything_else():
 
 def test_exact_accepts_identical_run():
     decision = check(OPDConfig(), OPDConfig(), saved_world_size=2, world_size=2)
-    assert decision == ResumeDecision(mode="exact", rollout_limit_changed=False, accepted_changes=())
+    assert decision == ResumeDecision(
+        mode="exact", rollout_limit_changed=False, accepted_changes=()
+    )
 
 
 def test_exact_accepts_execution_only_change_since_fingerprint_ignores_it():
@@ -136,11 +143,13 @@ def test_exact_refuses_math_change_naming_fields_and_fingerprints():
     )
     message = refusal(parent=parent, current=current)
     assert "resume_mode 'exact': 3 refused difference(s)" in message
-    assert f"config_fingerprint: saved '{parent.fingerprint()}', current '{current.fingerprint()}'" in message
+    fingerprints = f"saved '{parent.fingerprint()}', current '{current.fingerprint()}'"
+    assert f"config_fingerprint: {fingerprints}" in message
     assert "model.lora_rank: saved 16, current 32" in message
     assert "training.learning_rate: saved 1e-05, current 2e-05" in message
-    # Execution-only differences are reported, but not as the cause: they are outside the fingerprint.
-    assert "also differing, execution-only and outside the fingerprint: execution.num_workers" in message
+    # Execution-only differences are reported, but not as a cause: they are outside the fingerprint.
+    note = "also differing, execution-only and outside the fingerprint: execution.num_workers"
+    assert note in message
     assert "execution.num_workers: saved" not in message
     assert "would accept" not in message
 
@@ -156,7 +165,8 @@ def test_exact_refuses_provenance_change_and_names_the_mode_that_would_accept():
 
 
 def test_exact_refuses_rollout_limit_change_and_names_rollout_limit_change():
-    message = refusal(parent=OPDConfig(), current=make_config("exact", **{"rollout.rollout_limit": 12}))
+    current = make_config("exact", **{"rollout.rollout_limit": 12})
+    message = refusal(parent=OPDConfig(), current=current)
     assert "rollout.rollout_limit: saved 8, current 12" in message
     assert "resume_mode 'rollout_limit_change' would accept these changes" in message
 
@@ -224,7 +234,10 @@ def test_execution_change_accepts_added_execution_only_provenance_key():
 @pytest.mark.parametrize(
     ("dotted", "expected"),
     [
-        ({"model.lora_rank": 8}, "model.lora_rank: saved 16, current 8 (not marked execution-only)"),
+        (
+            {"model.lora_rank": 8},
+            "model.lora_rank: saved 16, current 8 (not marked execution-only)",
+        ),
         (
             {"training.betas": [0.9, 0.95]},
             "training.betas: saved [0.9, 0.999], current [0.9, 0.95] (not marked execution-only)",
@@ -260,7 +273,8 @@ def test_execution_change_refuses_math_and_rollout_limit(dotted, expected):
     ],
 )
 def test_execution_change_refuses_provenance_change_added_or_removed(provenance, expected):
-    message = refusal(parent=OPDConfig(), current=make_config("execution_change"), provenance=provenance)
+    current = make_config("execution_change")
+    message = refusal(parent=OPDConfig(), current=current, provenance=provenance)
     assert f"{expected} (provenance key not marked execution-only)" in message
 
 
@@ -316,7 +330,8 @@ def test_fingerprint_mismatch_with_identical_dicts():
     message = refusal(parent=OPDConfig(), current=current_exact, saved_fingerprint="f" * 64)
     assert "fingerprint definition may have changed" in message
     assert "resume_mode 'execution_change' would accept these changes" in message
-    decision = check(make_config("execution_change"), make_config("execution_change"), saved_fingerprint="f" * 64)
+    same = make_config("execution_change")
+    decision = check(same, make_config("execution_change"), saved_fingerprint="f" * 64)
     assert decision == ResumeDecision("execution_change", False, ())
 
 
@@ -355,7 +370,8 @@ def test_saved_config_that_is_not_a_mapping_is_refused():
 
 
 def test_rollout_limit_change_accepts_new_limit():
-    decision = check(OPDConfig(), make_config("rollout_limit_change", **{"rollout.rollout_limit": 16}))
+    current = make_config("rollout_limit_change", **{"rollout.rollout_limit": 16})
+    decision = check(OPDConfig(), current)
     assert decision == ResumeDecision(
         mode="rollout_limit_change",
         rollout_limit_changed=True,
@@ -431,7 +447,8 @@ class BareConfig:
 
 @pytest.mark.parametrize("mode", RESUME_MODES)
 def test_bare_config_accepts_only_an_unchanged_run(mode):
-    decision = check(BareConfig({"lr": 1e-5, "workers": 2}), BareConfig({"lr": 1e-5, "workers": 2}, mode))
+    values = {"lr": 1e-5, "workers": 2}
+    decision = check(BareConfig(dict(values)), BareConfig(dict(values), mode))
     assert decision == ResumeDecision(mode, False, ())
 
 
@@ -503,5 +520,7 @@ def test_duck_typed_config_with_markings():
     )
     # The tuple in as_dict() equals the list read back from config.yaml.
     assert decision == ResumeDecision(
-        "rollout_limit_change", True, ("limits.max_turns", "run.workers", "provenance.code_revision")
+        "rollout_limit_change",
+        True,
+        ("limits.max_turns", "run.workers", "provenance.code_revision"),
     )

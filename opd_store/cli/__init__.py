@@ -1,0 +1,49 @@
+"""The ``opd-store`` command line (also ``python -m opd_store``).
+
+Human output goes to stdout, diagnostics to stderr; exit codes are listed in
+:mod:`opd_store.cli.common`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .common import EXIT_USAGE, CliError, exit_code_for
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import demo_cmd, migrate_cmd, train_cmd
+
+    parser = argparse.ArgumentParser(
+        prog="opd-store",
+        description="Crash-safe PyTorch checkpoints on any fsspec URL.",
+        epilog="exit codes: 0 ok, 2 usage or unreachable store, 3 not found, 4 incomplete/corrupt, "
+        "5 resume mismatch, 6 commit conflict",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    train_cmd.add_parser(subparsers)
+    demo_cmd.add_parser(subparsers)
+    migrate_cmd.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``opd-store``; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except (CliError, OSError, ValueError) as exc:
+        message = str(exc).strip() or type(exc).__name__
+        print(f"opd-store {args.command}: error: {message}", file=sys.stderr)
+        return exit_code_for(exc) if not isinstance(exc, CliError) else exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["main", "build_parser", "EXIT_USAGE"]

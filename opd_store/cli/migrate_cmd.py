@@ -1,0 +1,42 @@
+"""``opd-store migrate SRC DST``: import seed-layout checkpoints into any store."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import add_store_options, parse_storage_options
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "migrate",
+        help="copy seed-layout (COMPLETE-marker) checkpoints into a store as manifest-committed ones",
+        description=(
+            "Copies every step-NNNNNN directory with a COMPLETE marker under SRC (a local directory) "
+            "into the store DST, committing each with a manifest and verifying each copy. Steps "
+            "already committed at DST with identical content are skipped; different content is a "
+            "conflict (exit 6)."
+        ),
+    )
+    parser.add_argument("src", help="local directory holding seed-layout step-NNNNNN/ checkpoints")
+    parser.add_argument("dst", help="destination store URL (local path, s3://, gs://, ...)")
+    parser.add_argument("--step", type=int, action="append", default=None, help="only this step (repeatable)")
+    add_store_options(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..opd.legacy import migrate_legacy
+    from ..store import CheckpointStore
+
+    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    destination = CheckpointStore(args.dst, storage_options=options)
+    destination.check_reachable()
+    result = migrate_legacy(args.src, destination, steps=args.step)
+    for url in result:
+        print(f"migrated {url}")
+    for url in result.skipped:
+        print(f"skipped {url} (already committed with identical content)")
+    if not result and not result.skipped:
+        print(f"no seed-layout checkpoints found under {args.src}")
+    return 0

@@ -1,0 +1,61 @@
+"""``opd-store train``: the main job (a small real OPD run that checkpoints and resumes)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+from .common import add_store_options, parse_storage_options
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="run the OPD main job against a store, resuming from its latest complete checkpoint",
+        description=(
+            "A small on-policy distillation run on CPU (tiny Llama student with a LoRA adapter, "
+            "frozen teacher, local tokenizer) that checkpoints every K successful updates."
+        ),
+    )
+    parser.add_argument("--store", required=True, help="store URL: local path, s3://, gs://, memory://, ...")
+    parser.add_argument("--updates", type=int, required=True, help="successful updates to reach")
+    parser.add_argument("--checkpoint-every", type=int, default=2, help="save every K successful updates")
+    parser.add_argument("--resume", default="auto", help="auto (default), never, or a step number")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log", default=None, help="per-update JSON-lines log file (default: stdout)")
+    parser.add_argument("--events", default=None, help="JSON-lines file of resume/save events")
+    parser.add_argument("--final-state", default=None, help="torch.save the final adapter and optimizer state here")
+    add_store_options(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..job.train import train
+    from ..store import CheckpointStore
+
+    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    store = CheckpointStore(args.store, storage_options=options)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(args.log, "a", encoding="utf-8")) if args.log else sys.stdout
+        events = stack.enter_context(open(args.events, "a", encoding="utf-8")) if args.events else sys.stderr
+        result = train(
+            store=store,
+            updates=args.updates,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            seed=args.seed,
+            log=log,
+            events=events,
+            final_state_path=args.final_state,
+        )
+    summary = {
+        "store": store.url,
+        "resumed_from": result.resumed_from,
+        "attempted_updates": result.attempted_updates,
+        "successful_updates": result.successful_updates,
+        "checkpoints_saved": [save["step"] for save in result.saves],
+    }
+    print(json.dumps(summary), file=sys.stderr if not args.log else sys.stdout)
+    return 0

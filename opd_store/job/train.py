@@ -1,0 +1,287 @@
+"""The main job: a small, real on-policy distillation run that checkpoints to a store and resumes.
+
+``opd-store train`` runs :func:`train`. The run is deterministic given its config: the same updates
+happen in the same order with the same random draws, so a run killed at any point and resumed from
+its latest complete checkpoint ends bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+import numpy as np
+import torch
+
+from .. import __version__
+from ..errors import CheckpointNotFoundError, ResumeMismatchError
+from ..opd.checkpoint import latest_complete_checkpoint, load_adapter, load_opd_checkpoint, save_opd_checkpoint
+from ..opd.config import OPDConfig
+from ..store import CheckpointStore
+from .corpus import CORPUS, prompts_for
+from .models import ModelSpec, build_student, build_teacher, build_tokenizer
+from .update import run_update
+
+STUDENT_NAME = "opd-store/tiny-llama-2x64-lora"
+TEACHER_NAME = "opd-store/tiny-llama-3x64"
+
+
+def job_config(*, updates: int, checkpoint_every: int, store_url: str, seed: int = 0,
+               resume_mode: str = "exact") -> OPDConfig:
+    """The main job's OPD config (tiny models, CPU-sized batches).
+
+    ``updates`` (``training.total_updates``) shapes the learning-rate decay, so it is part of the
+    config fingerprint: resuming with another ``--updates`` is refused under ``exact``.
+    """
+    spec = ModelSpec()
+    return OPDConfig.model_validate(
+        {
+            "model": {
+                "student": STUDENT_NAME,
+                "teacher": TEACHER_NAME,
+                "dtype": "float32",
+                "lora_rank": spec.lora_rank,
+                "lora_alpha": float(spec.lora_alpha),
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+            },
+            "training": {
+                "seed": seed,
+                "learning_rate": 5e-3,
+                "warmup_updates": min(2, updates),
+                "total_updates": updates,
+                "weight_decay": 0.01,
+                "grad_clip": 1.0,
+                "loss": "forward_kl",
+                "queries_per_update": 2,
+                "rollouts_per_query": 1,
+            },
+            "rollout": {"temperature": 1.0, "max_new_tokens": 6, "rollout_limit": 1},
+            "execution": {"inference_batch_size": 1, "teacher_inference_batch_size": 1, "num_workers": 0},
+            "logging": {"log_every": 1},
+            "checkpoint": {"dir": store_url, "every_updates": checkpoint_every, "resume_mode": resume_mode},
+        }
+    )
+
+
+def provenance_fingerprints(tokenizer) -> dict[str, str]:
+    """What the run was built from: corpus and vocabulary hashes, and the code revision."""
+    corpus = hashlib.sha256("\n".join(CORPUS).encode()).hexdigest()
+    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    return {"corpus": corpus, "tokenizer": vocab, "code_revision": __version__}
+
+
+def warmup_decay(warmup_updates: int, total_updates: int) -> Callable[[int], float]:
+    """Linear warmup over ``warmup_updates`` then cosine decay to 10% at ``total_updates``."""
+
+    def factor(update: int) -> float:
+        if update < warmup_updates:
+            return (update + 1) / max(1, warmup_updates)
+        progress = min(1.0, (update - warmup_updates) / max(1, total_updates - warmup_updates))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """Summary of one ``train`` invocation.
+
+    Attributes:
+        resumed_from: checkpoint URL the run resumed from, or ``None``.
+        resumed_step: its step, or ``None``.
+        attempted_updates / successful_updates: final trainer counters.
+        saves: one dict per checkpoint saved (``step``, ``url``, ``seconds``, ``size_bytes``).
+    """
+
+    resumed_from: str | None
+    resumed_step: int | None
+    attempted_updates: int
+    successful_updates: int
+    saves: list[dict[str, Any]]
+
+
+class TeacherState:
+    """The frozen teacher's checkpoint state: its name and the update count it has served."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.update_count = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.name, "update_count": self.update_count}
+
+    def load(self, state: dict[str, Any]) -> None:
+        if state.get("model") != self.name:
+            raise ResumeMismatchError(f"checkpoint teacher {state.get('model')!r} is not {self.name!r}")
+        self.update_count = int(state["update_count"])
+
+
+def _emit(stream: TextIO, record: dict[str, Any]) -> None:
+    stream.write(json.dumps(record) + "\n")
+    stream.flush()
+
+
+def train(
+    *,
+    store: CheckpointStore,
+    updates: int,
+    checkpoint_every: int,
+    resume: str = "auto",
+    seed: int = 0,
+    log: TextIO | None = None,
+    events: TextIO | None = None,
+    resume_mode: str = "exact",
+    final_state_path: str | None = None,
+) -> TrainResult:
+    """Run (or continue) the OPD job until ``updates`` successful updates.
+
+    Args:
+        store (CheckpointStore): where checkpoints go; checked for reachability first.
+        updates (int): successful updates to reach (``successful_updates`` at the end).
+        checkpoint_every (int): save after every ``checkpoint_every`` successful updates.
+        resume (str): ``auto`` (latest complete checkpoint if any), ``never``, or a step number.
+        seed (int): seeds models, data order and every RNG.
+        log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
+            ``step``, ``ok``, ``loss``, ``lr``); losses are written with full float precision.
+        events (TextIO | None): receives one JSON line per event (``resumed``, ``update``,
+            ``save_begin``, ``saved``); the demo uses these to time its kills.
+        resume_mode (str): the config's ``checkpoint.resume_mode``.
+        final_state_path (str | None): where to ``torch.save`` the final adapter weights
+            (``adapter``: name -> float32 tensor) and optimizer ``state_dict`` for comparison.
+
+    Raises:
+        StoreUnreachableError: the store cannot be used (before any training).
+        CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
+        ResumeMismatchError: the checkpoint was saved under another config, provenance or world size.
+    """
+    if updates < 1 or checkpoint_every < 1:
+        raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
+    store.check_reachable()
+    log = log or sys.stdout
+    events = events or open("/dev/null", "w")  # noqa: SIM115
+    torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
+    config = job_config(updates=updates, checkpoint_every=checkpoint_every, store_url=store.url, seed=seed,
+                        resume_mode=resume_mode)
+
+    tokenizer = build_tokenizer()
+    student = build_student(len(tokenizer), seed)
+    teacher = build_teacher(len(tokenizer), seed)
+    teacher_state = TeacherState(TEACHER_NAME)
+    provenance = provenance_fingerprints(tokenizer)
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=config.training.learning_rate,
+        betas=tuple(config.training.betas),
+        eps=config.training.adam_eps,
+        weight_decay=config.training.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_decay(config.training.warmup_updates, config.training.total_updates)
+    )
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    trainer: dict[str, Any] = {"attempted_updates": 0, "successful_updates": 0, "query_update": 0}
+
+    resumed_from = _resume_target(store, resume)
+    resumed_step = None
+    if resumed_from is not None:
+        load_adapter(resumed_from, student, storage_options=store.storage_options)
+        trainer = load_opd_checkpoint(
+            resumed_from,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            config=config,
+            provenance_fingerprints=provenance,
+            teacher_state_loader=teacher_state.load,
+            storage_options=store.storage_options,
+        )
+        resumed_step = int(trainer["successful_updates"])
+        _emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step})
+
+    saves: list[dict[str, Any]] = []
+    while trainer["successful_updates"] < updates:
+        prompts = prompts_for(trainer["query_update"], config.training.queries_per_update)
+        outcome = run_update(
+            student=student,
+            teacher=teacher,
+            tokenizer=tokenizer,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            prompts=prompts,
+            max_new_tokens=config.rollout.max_new_tokens,
+            temperature=config.rollout.temperature,
+            grad_clip=config.training.grad_clip or float("inf"),
+        )
+        trainer["attempted_updates"] += 1
+        trainer["query_update"] += 1
+        if outcome.ok:
+            trainer["successful_updates"] += 1
+            teacher_state.update_count = trainer["successful_updates"]
+        _emit(
+            log,
+            {
+                "attempted_update": trainer["attempted_updates"],
+                "step": trainer["successful_updates"],
+                "ok": outcome.ok,
+                "loss": outcome.loss,
+                "lr": outcome.lr,
+                "accepted": outcome.accepted,
+                "rejected": outcome.rejected,
+            },
+        )
+        _emit(events, {"event": "update", "attempted_update": trainer["attempted_updates"], "ok": outcome.ok})
+        if outcome.ok and trainer["successful_updates"] % checkpoint_every == 0:
+            step = trainer["successful_updates"]
+            _emit(events, {"event": "save_begin", "step": step})
+            started = time.perf_counter()
+            url = save_opd_checkpoint(
+                checkpoints_dir=store,
+                model=student,
+                processor=tokenizer,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                trainer_state=dict(trainer),
+                config=config,
+                provenance_fingerprints=provenance,
+                teacher_state=teacher_state.state_dict(),
+            )
+            seconds = time.perf_counter() - started
+            size_bytes = store.manifest(step).total_size_bytes
+            saves.append({"step": step, "url": url, "seconds": seconds, "size_bytes": size_bytes})
+            _emit(events, {"event": "saved", "step": step, "url": url, "seconds": seconds, "size_bytes": size_bytes})
+    if final_state_path is not None:
+        adapter = {name: p.detach().clone() for name, p in student.named_parameters() if p.requires_grad}
+        torch.save({"adapter": adapter, "optimizer": optimizer.state_dict(), "trainer": dict(trainer)}, final_state_path)
+    return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"], saves)
+
+
+def _resume_target(store: CheckpointStore, resume: str) -> str | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        try:
+            return latest_complete_checkpoint(store)
+        except FileNotFoundError:
+            return None
+    try:
+        step = int(resume)
+    except ValueError as exc:
+        raise ValueError(f"--resume must be auto, never or a step number, got {resume!r}") from exc
+    if not store.is_complete(step):
+        complete = [info.step for info in store.checkpoints() if info.status == "complete"]
+        raise CheckpointNotFoundError(
+            f"--resume {step}: step {step} is not a complete checkpoint in {store.url}; complete steps: {complete or 'none'}"
+        )
+    return store.step_url(step)
+
+
+__all__ = ["TrainResult", "job_config", "provenance_fingerprints", "train", "warmup_decay"]
