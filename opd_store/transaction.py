@@ -98,6 +98,12 @@ class PayloadWriter:
         except BaseException:
             self._state = "failed"
             self._txn._writer_failed(self)
+            # A failed publish must leave nothing that could publish later or keep costing (an
+            # open S3 multipart upload whose completion failed): discard the handle, best effort.
+            try:
+                self._txn.storage.abort_write(self._handle, self._rel)
+            except Exception:  # noqa: BLE001 - the close error is the one to report
+                logger.warning("could not discard the failed payload writer %s", self._rel, exc_info=True)
             raise
         self._state = "closed"
         self._txn._record(

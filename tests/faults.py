@@ -226,15 +226,9 @@ class FaultyStorage(Storage):
         def publish():
             self.inner.finish_write(inner_handle, rel)
 
-        try:
-            self._mutate("close", rel, publish)
-        except InjectedFault:
-            # A close that failed without landing must not publish later either (an fsspec
-            # buffered file would upload at garbage collection): throw the bytes away, as a
-            # real failed upload would have.
-            if not inner_handle.closed:
-                self.inner.abort_write(inner_handle, rel)
-            raise
+        # A close failed without landing leaves the real handle open, as a failed upload would:
+        # discarding it (so that it never publishes at garbage collection) is the caller's job.
+        self._mutate("close", rel, publish)
 
     def sync_prefix(self, rel: str) -> None:
         self._mutate("sync", rel, lambda: self.inner.sync_prefix(rel))

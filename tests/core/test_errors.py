@@ -20,6 +20,7 @@ from opd_store import (
     ManifestError,
     OpdStoreError,
     ResumeMismatchError,
+    StoreUnreachableError,
     UnsafeCheckpointError,
     UnsupportedBackendError,
 )
@@ -42,6 +43,7 @@ from .helpers import Raw, save
         (UnsafeCheckpointError, ValueError),
         (CommitError, OSError),
         (AmbiguousCommitError, CommitError),
+        (StoreUnreachableError, OSError),
     ],
 )
 def test_error_classes_subclass_root_and_builtin(cls, builtin):
@@ -52,9 +54,12 @@ def test_error_classes_subclass_root_and_builtin(cls, builtin):
 
 
 def test_every_public_error_is_rooted():
-    errors = [getattr(opd_store, n) for n in opd_store.__all__ if n.endswith("Error")]
-    assert len(errors) == 11
-    assert all(issubclass(e, OpdStoreError) for e in errors)
+    errors = [getattr(opd_store, n) for n in opd_store.__all__ if n.endswith("Error") and n != "OpdStoreError"]
+    assert len(errors) >= 11
+    for error in errors:
+        assert issubclass(error, OpdStoreError), error
+        # ... and also the builtin that matches its meaning, never a bare Exception subclass.
+        assert issubclass(error, (FileNotFoundError, FileExistsError, ValueError, OSError)), error
 
 
 def test_backend_errors_kept_as_cause(tmp_path):

@@ -112,6 +112,7 @@ def test_latest_step_at_most_five_requests(thousand_steps):
     store = open_store(backend)
     counter = RequestCounter(store.storage.fs)
     latest, requests = counter.measure(store.latest_step)
+    print(f"latest_step(): {len(requests)} requests: {[m for m, _ in requests]}")
     assert latest == 10_000
     assert len(requests) <= 5, requests
     # Every request went to the moto endpoint given in storage_options.
@@ -128,6 +129,7 @@ def test_steps_lists_pages_not_steps(thousand_steps):
     store = open_store(backend)
     counter = RequestCounter(store.storage.fs)
     steps, requests = counter.measure(store.steps)
+    print(f"steps(): {len(requests)} requests for {count} objects")
     assert steps == STEPS  # exact, numeric order; uncommitted steps 15 and 5005 are not listed
     assert len(requests) <= math.ceil(count / 1000) + 2, len(requests)
     assert all(method == "GET" and "list-type=2" in url for method, url in requests), requests
@@ -146,6 +148,7 @@ def test_latest_step_skipping_the_newest_costs_a_constant(thousand_steps, moto_s
         store = open_store(backend)
         counter = RequestCounter(store.storage.fs)
         latest, requests = counter.measure(store.latest_step)
+        print(f"latest_step() skipping the newest: {len(requests)} requests")
         assert latest == 9_990
         assert len(requests) <= 5 + 4, requests
     finally:

@@ -4,6 +4,7 @@ under a committed name, and committed steps are untouched (issue 5, scenarios 6,
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -142,3 +143,62 @@ def test_commit_failing_before_the_create_discards_the_attempt(backend, raw):
         txn.commit()  # the transaction is over
     save(store, 2, {"model.pt": b"ok"}, metadata={"fine": 1})
     assert store.latest_step() == 2
+
+
+@pytest.mark.parametrize("how", ["exception", "dropped"])
+def test_s3_failed_multipart_payload_leaves_no_open_upload(s3_backend, moto_s3, how):
+    """A payload above the multipart threshold that fails after a part was uploaded: the
+    multipart upload is aborted (an open one costs money on real S3 until someone aborts it)."""
+    from .helpers import Raw, boto3_client
+
+    options = {**s3_backend.storage_options, "default_block_size": 5 * 2**20}  # S3's minimum part
+    store = open_store(dataclasses.replace(s3_backend, storage_options=options))
+    raw = Raw(s3_backend, moto_s3)
+    save(store, 1, PREV_PAYLOADS)
+    client = boto3_client(moto_s3)
+    bucket = s3_backend.url[len("s3://"):].split("/")[0]
+    part = make_bytes("part", 6 * 2**20)
+    txn = store.begin(2)
+    writer = txn.open("model.pt")
+    writer.write(part)  # more than one block: a multipart upload is open, one part uploaded
+    assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 1
+    if how == "exception":
+        with pytest.raises(RuntimeError):
+            with writer:
+                raise RuntimeError("boom")
+        txn.abort()
+    else:
+        del writer
+        gc.collect()
+        with pytest.raises(IncompleteCheckpointError):
+            txn.commit()
+    gc.collect()
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert [k for k in raw.keys() if k.startswith("step-000002/")] == []
+    assert store.steps() == [1] and store.latest_step() == 1
+
+
+def test_s3_failed_multipart_completion_leaves_no_open_upload(s3_backend, moto_s3):
+    """The publish of a multipart payload fails at CompleteMultipartUpload: the error reaches the
+    caller, the upload is aborted, nothing is committed."""
+    from .helpers import Raw, boto3_client
+
+    options = {**s3_backend.storage_options, "default_block_size": 5 * 2**20}
+    store = open_store(dataclasses.replace(s3_backend, storage_options=options))
+    raw = Raw(s3_backend, moto_s3)
+    save(store, 1, PREV_PAYLOADS)
+    client = boto3_client(moto_s3)
+    bucket = s3_backend.url[len("s3://"):].split("/")[0]
+
+    def complete_fails(**_kwargs):
+        raise ConnectionResetError("connection reset during CompleteMultipartUpload")
+
+    store.storage.fs.s3.meta.events.register("before-call.s3.CompleteMultipartUpload", complete_fails)
+    with pytest.raises(ConnectionResetError):
+        with store.begin(2) as txn:
+            txn.write_bytes("model.pt", make_bytes("big", 6 * 2**20))
+    gc.collect()
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert [k for k in raw.keys() if k.startswith("step-000002/")] == []
+    assert store.steps() == [1] and store.latest_step() == 1
+    assert txn.attempt_id

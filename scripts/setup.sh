@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install opd_store with everything the job, the demo and the tests need.
+# torch is pinned here (pyproject keeps the range torch>=2.4): a CPU wheel of 2.13.0 is on every
+# machine of this project, and any other spec would download several GB.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".[job,test]"
