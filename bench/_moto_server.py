@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import threading
+import time
 import urllib.parse
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -82,9 +83,24 @@ class CountingMiddleware:
         return self.app(environ, start_response)
 
 
+def _exit_with_parent() -> None:
+    """Stop serving when the process that started us is gone (no orphaned servers after a crash)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(2)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main() -> None:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
+
+    _exit_with_parent()
 
     app = CountingMiddleware(DomainDispatcherApplication(create_backend_app))
     server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)

@@ -70,9 +70,12 @@ def verified_local_open(store, step: int, name: str, crc: Callable[[object, int]
 
 
 # -- fewer requests on S3 ------------------------------------------------------------------------
-def read_bytes_one_get(storage, rel: str) -> bytes:
+def read_bytes_one_get(storage, rel: str, **_ignored) -> bytes:
     """``Storage.read_bytes`` without s3fs's size probe: ``cat_file`` issues a HEAD before the GET
-    (to decide on a concurrent ranged download) unless ``max_concurrency=1``."""
+    (to decide on a concurrent ranged download) unless ``max_concurrency=1``.
+
+    (opd_store has since adopted this for manifests: ``read_bytes(rel, small=True)``.)
+    """
     storage.refresh()
     try:
         return storage.fs.cat_file(storage.path(rel), max_concurrency=1)
@@ -83,7 +86,7 @@ def read_bytes_one_get(storage, rel: str) -> bytes:
 def patch_one_get_reads(store) -> None:
     """Make one store instance read small objects with a single GET (prototype of the diff)."""
     storage = store.storage
-    storage.read_bytes = lambda rel: read_bytes_one_get(storage, rel)
+    storage.read_bytes = lambda rel, **kwargs: read_bytes_one_get(storage, rel)
 
 
 def latest_step_one_listing(store) -> int:

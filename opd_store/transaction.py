@@ -288,7 +288,9 @@ class Transaction:
         except FileNotFoundError:
             found = None
         except ManifestError as bad:
+            # Whatever that object is, it does not name this attempt's payloads.
             self._state = "failed"
+            self._discard_payloads()
             raise CommitConflictError(
                 f"{self.url}: step {self.step} already holds an unreadable manifest ({bad}); "
                 f"attempt {self.attempt_id} was not committed"

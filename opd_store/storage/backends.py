@@ -154,16 +154,23 @@ class MemoryStorage(Storage):
             self.fs.pipe_file(path, data)
 
 
-class S3Storage(Storage):
-    """Amazon S3 (or an S3-compatible server) through s3fs."""
+class _BucketStorage(Storage):
+    """An object store whose fsspec ``pipe_file(mode="create")`` is one conditional request."""
 
-    commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
     atomic_create = True
     bucketed = True
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
+        # Small data only (a manifest): both s3fs and gcsfs send it as one request, to which the
+        # precondition applies; above their chunk sizes they would switch to multipart/resumable.
         self.fs.pipe_file(self.path(rel), data, mode="create")
         self.refresh()
+
+
+class S3Storage(_BucketStorage):
+    """Amazon S3 (or an S3-compatible server) through s3fs."""
+
+    commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
 
     def read_bytes(self, rel: str, *, small: bool = False) -> bytes:
         self.refresh()
@@ -174,16 +181,10 @@ class S3Storage(Storage):
         return self.fs.cat_file(self.path(rel))
 
 
-class GCSStorage(Storage):
+class GCSStorage(_BucketStorage):
     """Google Cloud Storage through gcsfs."""
 
     commit_primitive = "single-request upload with ifGenerationMatch=0 (412 when the object exists)"
-    atomic_create = True
-    bucketed = True
-
-    def create_exclusive(self, rel: str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(rel), data, mode="create")
-        self.refresh()
 
 
 class CheckThenPutStorage(Storage):
