@@ -28,7 +28,9 @@ from bench._common import make_state, proc_status_kib, reset_peak_rss, state_nby
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=("local", "s3"), required=True)
-    parser.add_argument("--mode", choices=("raw", "store"), required=True)
+    parser.add_argument("--mode", choices=("raw", "store", "proto-sliced"), required=True,
+                        help="proto-sliced: the store, with writes sliced to 8 MiB (bench/prototypes.py)")
+    parser.add_argument("--n-tensors", type=int, default=64)
     parser.add_argument("--size-mib", type=int, required=True)
     parser.add_argument("--root", required=True, help="local directory, or s3://bucket/prefix")
     parser.add_argument("--storage-options", default="{}")
@@ -41,7 +43,7 @@ def main() -> None:
 
     fs = None
     store = None
-    if args.mode == "store":
+    if args.mode != "raw":
         store = CheckpointStore(args.root, storage_options=options or None)
         if args.backend == "s3":
             store.storage.fs.connect()
@@ -59,17 +61,19 @@ def main() -> None:
     gc.collect()
     out: dict = {"backend": args.backend, "mode": args.mode, "pid": os.getpid()}
     out["baseline_kib"] = proc_status_kib("VmRSS")
-    state = make_state(args.size_mib)
+    state = make_state(args.size_mib, n_tensors=args.n_tensors)
     out["state_bytes"] = state_nbytes(state)
     gc.collect()
     out["with_state_kib"] = proc_status_kib("VmRSS")
     out["hwm_reset"] = reset_peak_rss()
 
     started = time.perf_counter()
-    if args.mode == "store":
+    if args.mode != "raw":
+        from bench.prototypes import SlicedWrites
+
         with store.begin(1) as txn:
             with txn.open("state.pt") as writer:
-                torch.save(state, writer)
+                torch.save(state, SlicedWrites(writer) if args.mode == "proto-sliced" else writer)
     elif args.backend == "local":
         torch.save(state, raw_path)
         fd = os.open(raw_path, os.O_RDONLY)
@@ -88,7 +92,7 @@ def main() -> None:
     out["before_load_kib"] = proc_status_kib("VmRSS")
     reset_peak_rss()
     started = time.perf_counter()
-    if args.mode == "store":
+    if args.mode != "raw":
         with store.open(1, "state.pt") as handle:
             loaded = torch.load(handle)
     elif args.backend == "local":
@@ -98,7 +102,8 @@ def main() -> None:
     out["load_secs"] = time.perf_counter() - started
     out["load_peak_kib"] = proc_status_kib("VmHWM")
     out["after_load_kib"] = proc_status_kib("VmRSS")
-    out["loaded_ok"] = bool(torch.equal(loaded["layer.00.weight"], state["layer.00.weight"]))
+    first = next(iter(state))
+    out["loaded_ok"] = bool(torch.equal(loaded[first], state[first]))
     print(json.dumps(out), flush=True)
 
 

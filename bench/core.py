@@ -13,16 +13,27 @@ Sections:
      Local raw load: ``torch.load(path)``; store: ``torch.load(store.open(step, name))``.
      Both write and read through the page cache: the reads run right after the writes, so they are
      warm-cache reads (memory copies and CPU, no disk); the writes include the ``fsync`` to disk.
-   - s3 (moto, in its own process): raw save ``with fs.open(path, "wb") as f: torch.save(state, f)``
-     on an s3fs instance with the store's own options (so the same multipart block size); raw load
+     Local loads run twice: *cold* (the file dropped from the page cache first) and *warm* (read
+     once just before).
+   - s3 (moto, in its own process, objects kept in memory): raw save
+     ``with fs.open(path, "wb") as f: torch.save(state, f)`` on an s3fs instance with the store's
+     own options (so the same multipart block size); raw load
      ``torch.load(io.BytesIO(fs.cat_file(path)))`` (one GET: the fastest raw way, field notes).
+     Both use ``max_concurrency=1`` (``--s3-max-concurrency``): moto materialises the whole object
+     for every ranged GET, so s3fs's 10 concurrent ranged GETs of 1 GiB would need ~20 GiB there.
 
    Runs alternate (raw, store, then store, raw, ...) so drift on a shared machine hits both; the
-   median of ``--repeats`` runs is reported. Target: store <= 1.10x raw.
+   median of ``--repeats`` runs is reported, with the min-of-runs ratio, the client's CPU seconds
+   and moto's CPU seconds beside it. Target: store <= 1.10x raw. Also printed: the store's fixed
+   cost per save (begin + one empty payload + commit) and prototypes of proposed changes
+   (``bench/prototypes.py``; ``--no-extras`` skips them).
 2. rss: peak resident memory of one save in a fresh process (VmHWM reset after building the
-   state), store vs raw. Target: peak <= state size + 256 MiB (process baseline excluded).
+   state), store vs raw. Target: peak <= state size + 256 MiB (process baseline excluded). With
+   extras, also one single big tensor on S3 (fsspec buffers a whole ``write()``), and the
+   sliced-writes prototype.
 3. crc: CRC32C alone over the tensors' storage (memoryviews, no copies) versus the store's save
-   time. Target: < 5 % of the save.
+   time. Target: < 5 % of the save. awscrt's CRC32C is timed beside it when installed (the
+   ``bench`` extra).
 4. requests: S3 requests (counted both by a botocore ``before-send.s3`` handler on the store's own
    client and at the moto server) of ``latest_step()`` and ``steps()`` with 10, 100 and 1,000
    committed steps of 10 objects each plus failed-attempt leftovers. Targets: ``latest_step()``
@@ -454,47 +465,53 @@ def run_speed(args, state, cases: list, results: dict) -> list[str]:
 # 2. rss
 # ================================================================================================
 def run_rss(args, moto: MotoProcess | None, tmp_root: str) -> list[str]:
-    rows = []
     backends = [b for b in args.backends if b in ("local", "s3")]
-    for backend in backends:
-        for mode in ("raw", "store"):
-            if backend == "local":
-                root = os.path.join(tmp_root, f"rss-{mode}")
-                options = {}
-            else:
-                bucket = f"bench-rss-{mode}"
-                moto.new_bucket(bucket)
-                root = f"s3://{bucket}/run"
-                options = s3_speed_options(args, moto)
-            log(f"rss/{backend}/{mode}: fresh process")
-            proc = subprocess.run(
-                [
-                    sys.executable, "-m", "bench._rss_child",
-                    "--backend", backend, "--mode", mode, "--size-mib", str(args.size_mib),
-                    "--root", root, "--storage-options", json.dumps(options),
-                ],
-                cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"rss child failed: {proc.stderr[-3000:]}")
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            if backend == "local":
-                shutil.rmtree(root, ignore_errors=True)
-            else:
-                client = moto.boto3_client()
-                for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-                    keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-                    if keys:
-                        client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+    large_mib = min(args.size_mib, 256)
+    scenarios = [(backend, mode, args.size_mib, N_TENSORS) for backend in backends for mode in ("raw", "store")]
+    if "s3" in backends and args.extras:
+        # One big tensor (an embedding matrix): fsspec buffers a whole write() before uploading.
+        scenarios += [("s3", mode, large_mib, 1) for mode in ("raw", "store", "proto-sliced")]
+    rows = []
+    for backend, mode, size_mib, n_tensors in scenarios:
+        if backend == "local":
+            root = os.path.join(tmp_root, f"rss-{mode}")
+            options = {}
+        else:
+            bucket = f"bench-rss-{mode}-{n_tensors}"
+            moto.new_bucket(bucket)
+            root = f"s3://{bucket}/run"
+            options = s3_speed_options(args, moto)
+        log(f"rss/{backend}/{mode}/{n_tensors} tensors: fresh process")
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "bench._rss_child",
+                "--backend", backend, "--mode", mode, "--size-mib", str(size_mib),
+                "--n-tensors", str(n_tensors), "--root", root, "--storage-options", json.dumps(options),
+            ],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"rss child failed: {proc.stderr[-3000:]}")
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["n_tensors"] = n_tensors
+        rows.append(row)
+        if backend == "local":
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            client = moto.boto3_client()
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if keys:
+                    client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
     lines = [
         "Fresh process per row. *baseline*: RSS after imports and client set-up; *state*: RSS growth from "
         "building the state; *save peak over state*: VmHWM during the save minus RSS with the state "
-        "built (VmHWM reset just before the save). Target: state + save overhead <= state size + "
-        f"{RSS_HEADROOM_MIB} MiB, i.e. save peak over state <= {RSS_HEADROOM_MIB} MiB.",
+        "built (VmHWM reset just before the save). Target: peak <= state size + "
+        f"{RSS_HEADROOM_MIB} MiB beyond the process baseline, i.e. save peak over state <= {RSS_HEADROOM_MIB} MiB.",
         "",
-        "| backend | mode | baseline MiB | state MiB | save peak MiB (abs) | save peak over state MiB | target | "
+        "| backend | state | mode | baseline MiB | state MiB | save peak MiB (abs) | save peak over state MiB | target | "
         "load peak over pre-load MiB (info) | save s | load s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         base = row["baseline_kib"] / 1024
@@ -502,15 +519,22 @@ def run_rss(args, moto: MotoProcess | None, tmp_root: str) -> list[str]:
         peak = row["save_peak_kib"] / 1024
         over = peak - with_state
         load_over = row["load_peak_kib"] / 1024 - row["before_load_kib"] / 1024
-        target = "PASS" if over <= RSS_HEADROOM_MIB else "MISS"
-        mark = target if row["mode"] == "store" else "(baseline)"
+        verdict = "PASS" if over <= RSS_HEADROOM_MIB else "MISS"
+        mark = "(baseline)" if row["mode"] == "raw" else (verdict if row["mode"] == "store" else f"{verdict} (prototype)")
+        state_desc = f"{row['n_tensors']} x {row['state_bytes'] / row['n_tensors'] / MIB:.0f} MiB"
         lines.append(
-            f"| {row['backend']} | {row['mode']} | {base:.0f} | {with_state - base:.0f} | {peak:.0f} | {over:.0f} | "
-            f"{mark} (<= {RSS_HEADROOM_MIB}) | {load_over:.0f} | {row['save_secs']:.2f} | {row['load_secs']:.2f} |"
+            f"| {row['backend']} | {state_desc} | {row['mode']} | {base:.0f} | {with_state - base:.0f} | {peak:.0f} | "
+            f"{over:.0f} | {mark} | {load_over:.0f} | {row['save_secs']:.2f} | {row['load_secs']:.2f} |"
         )
     if rows and not all(row["hwm_reset"] for row in rows):
         lines.append("")
         lines.append("Warning: VmHWM could not be reset; save peaks include the state build.")
+    if any(row["mode"] == "proto-sliced" for row in rows):
+        lines.append("")
+        lines.append(
+            "*proto-sliced*: the store with `torch.save` writes passed on in 8 MiB memoryview slices "
+            "(bench/prototypes.py `SlicedWrites`), bounding s3fs's buffer at one block plus one slice."
+        )
     return lines
 
 
@@ -853,7 +877,8 @@ def run_requests(args, moto: MotoProcess) -> list[str]:
     lines.append("")
     lines.append(
         "Prototypes (bench/prototypes.py), same fixtures: (a) `read_bytes` of the manifest with one GET "
-        "(`cat_file(path, max_concurrency=1)`: no s3fs size-probe HEAD); (b) (a) plus `latest_step` "
+        "(`cat_file(path, max_concurrency=1)`: no s3fs size-probe HEAD; opd_store has since adopted this "
+        "as `read_bytes(rel, small=True)`, so today = (a) on current code); (b) (a) plus `latest_step` "
         "deciding each candidate from one listing of its step prefix."
     )
     lines.append("")
@@ -891,7 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="10,100,1000", help="committed step counts for the requests section")
     parser.add_argument("--tmp-dir", default=tempfile.gettempdir(), help="where the local store and files go")
     parser.add_argument("--no-extras", dest="extras", action="store_false",
-                        help="skip informational rows (python-file save, s3fs ranged load)")
+                        help="skip informational rows and prototypes (python-file save, s3fs ranged "
+                             "load, verified local open, single-tensor RSS)")
     parser.add_argument("--no-checkpoints-info", dest="checkpoints_info", action="store_false",
                         help="skip counting checkpoints() requests (one manifest read per step)")
     parser.add_argument("--s3-max-concurrency", type=int, default=1,
@@ -979,6 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         os.makedirs(args.out_dir, exist_ok=True)
         suffix = "" if args.size_mib == 1024 else f"-{args.size_mib}mib"
+        if set(args.sections) != {"speed", "rss", "crc", "requests"}:
+            suffix += "-" + "-".join(args.sections)
         path = Path(args.out_dir) / f"core-{time.strftime('%Y-%m-%d')}{suffix}.md"
         path.write_text(text)
         log(f"wrote {path}")

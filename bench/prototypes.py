@@ -112,3 +112,29 @@ def latest_step_one_listing(store) -> int:
         if all(objects.get(e.path) == e.size_bytes for e in manifest.payloads):
             return step
     raise CheckpointNotFoundError(f"no complete checkpoint in {store.url}")
+
+
+# -- bounded upload buffer -----------------------------------------------------------------------
+class SlicedWrites:
+    """Pass writes on in slices of at most ``slice_bytes`` (zero-copy memoryview slices).
+
+    fsspec's buffered writers append a whole ``write()`` to their buffer before uploading a block,
+    so one 1 GiB tensor handed over in one call sits in the s3fs buffer whole, and is copied again
+    for the part upload. ``PayloadWriter.write`` slicing its input bounds that buffer at the block
+    size plus one slice, whatever the largest tensor.
+    """
+
+    def __init__(self, inner, slice_bytes: int = 8 * 2**20) -> None:
+        self.inner = inner
+        self.slice_bytes = slice_bytes
+
+    def write(self, data) -> int:
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        for offset in range(0, view.nbytes, self.slice_bytes):
+            self.inner.write(view[offset : offset + self.slice_bytes])
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.inner.flush()

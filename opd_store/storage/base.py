@@ -164,6 +164,25 @@ class Storage:
 
     bucketed = False
 
+    def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
+        """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.
+
+        The default fetches the object whole (one request where the backend allows) and serves it
+        from memory; the CRC is computed over exactly the bytes the reader returns.
+
+        Returns:
+            tuple[BinaryIO, int, str]: (reader positioned at 0, size_bytes, crc32c as 8 hex digits).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        import io
+
+        from ..checksum import crc32c_hex
+
+        data = self.read_bytes(rel)
+        return io.BytesIO(data), len(data), crc32c_hex(data)
+
     # -- writes ------------------------------------------------------------------------------
     def open_write(self, rel: str) -> BinaryIO:
         """A new binary writer for the object ``rel``; the object appears at ``close()``.
