@@ -2,11 +2,17 @@
 # Create .venv and install opd_store with everything the job, the demo and the tests need.
 # torch is pinned here (pyproject keeps the range torch>=2.4): a CPU wheel of 2.13.0 is on every
 # machine of this project, and any other spec would download several GB.
+# Later runs only check: the install is redone when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+stamp=.venv/.opd-store-installed
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+    exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[job,test]"
+touch "$stamp"

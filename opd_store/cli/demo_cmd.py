@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import logging
 import os
 from pathlib import Path
 
@@ -13,10 +14,10 @@ from .common import CliError, add_store_options, parse_storage_options
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="kill a training run mid-save, resume it on a fresh machine, compare with a reference",
+        help="kill a training run (once mid-save), resume it on a fresh machine, compare with a reference",
         description=(
             "Runs an uninterrupted reference, then a run that is SIGKILLed twice (once at a random "
-            "update, once inside a save) and resumed each time in a new process with an empty working "
+            "update, once while a save is streaming its payloads) and resumed each time in a new process with an empty working "
             "directory, HOME and temp dir. Exits 1 unless the final adapter weights, optimizer state "
             "and per-update loss log are bit-identical to the reference."
         ),
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
             from moto.server import ThreadedMotoServer
         except ImportError as exc:
             raise CliError(f"--s3-emulator needs moto[server] and boto3 ({exc}); pip install 'opd_store[job]'") from exc
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request log lines
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()

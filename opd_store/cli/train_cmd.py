@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from .common import add_store_options, parse_storage_options
+from .common import CliError, add_store_options, parse_storage_options
 
 
 def add_parser(subparsers) -> None:
@@ -21,9 +21,9 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--store", required=True, help="store URL: local path, s3://, gs://, memory://, ...")
     parser.add_argument("--updates", type=int, required=True, help="successful updates to reach")
-    parser.add_argument("--checkpoint-every", type=int, default=2, help="save every K successful updates")
+    parser.add_argument("--checkpoint-every", type=int, default=2, help="save every K successful updates (default 2)")
     parser.add_argument("--resume", default="auto", help="auto (default), never, or a step number")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of models, data order and every RNG (default 0)")
     parser.add_argument("--log", default=None, help="per-update JSON-lines log file (default: stdout)")
     parser.add_argument("--events", default=None, help="JSON-lines file of resume/save events")
     parser.add_argument("--final-state", default=None, help="torch.save the final adapter and optimizer state here")
@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from ..job.train import train
     from ..store import CheckpointStore
 
+    if args.resume not in ("auto", "never") and not args.resume.isdigit():
+        raise CliError(f"--resume must be auto, never or a step number, got {args.resume!r}")
     options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
     store = CheckpointStore(args.store, storage_options=options)
     with contextlib.ExitStack() as stack:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..layout import MANIFEST_NAME, step_dirname
 from ..store import CheckpointStore
 
 
@@ -67,13 +68,32 @@ def _train_cmd(store_url: str, updates: int, every: int, seed: int, store_args: 
     return cmd
 
 
+def _kill_while_streaming(process: subprocess.Popen, store: CheckpointStore, step: int) -> bool:
+    """SIGKILL ``process`` once payload objects of ``step`` exist but its manifest does not.
+
+    Watches the store's step prefix (fresh listings) from the moment the save began. Returns
+    False when the manifest appeared first (the save committed before it could be caught); the
+    caller then waits for the next save.
+    """
+    prefix = step_dirname(step)
+    while process.poll() is None:
+        objects = store.storage.list_tree(prefix)
+        if MANIFEST_NAME in objects:
+            return False
+        if any(name.startswith("attempt-") for name in objects):
+            process.send_signal(signal.SIGKILL)
+            return True
+    return False
+
+
 def _run_until(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, kill_after_updates: int | None,
-               kill_on_save: bool, timeout_secs: float) -> tuple[bool, str, list[dict[str, Any]], int | None]:
+               kill_on_save: bool, timeout_secs: float,
+               spot: CheckpointStore | None = None) -> tuple[bool, str, list[dict[str, Any]], int | None]:
     """Run one start; SIGKILL it at the chosen point. Returns (killed, kill point, events, resumed step).
 
     ``kill_after_updates`` kills after that many attempted updates following the first completed
-    save (so the next start has a checkpoint to resume from); ``kill_on_save`` kills the moment a
-    save begins.
+    save (so the next start has a checkpoint to resume from); ``kill_on_save`` kills while a save
+    is streaming its payloads into ``spot`` (objects written, manifest not yet created).
     """
     process = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events: list[dict[str, Any]] = []
@@ -92,10 +112,10 @@ def _run_until(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, kil
         events.append(event)
         if event.get("event") == "resumed":
             resumed_step = event["step"]
-        if kill_on_save and event.get("event") == "save_begin":
-            process.send_signal(signal.SIGKILL)
-            killed, kill_point = True, f"during the save of step {event['step']}"
-            break
+        if kill_on_save and event.get("event") == "save_begin" and spot is not None:
+            if _kill_while_streaming(process, spot, event["step"]):
+                killed, kill_point = True, f"during the save of step {event['step']}"
+                break
         if event.get("event") == "update" and saved_once:
             updates_since_save += 1
         saved_once = saved_once or event.get("event") == "saved"
@@ -180,12 +200,16 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
         killed, point, events, resumed = _run_until(
             _train_cmd(spot_url, updates, every, seed, store_args, log, final_state if is_last else None),
             env, cwd, log, kill_after_updates=kill_after, kill_on_save=kill_on_save, timeout_secs=timeout_secs,
+            spot=spot,
         )
         saves = [e for e in events if e.get("event") == "saved"]
         start = Start(label, killed, point, resumed, saves)
         if killed and kill_on_save:
             step = next(e["step"] for e in reversed(events) if e.get("event") == "save_begin")
-            start.killed_during_save = spot.status(step) != "complete"
+            leftovers = [info for info in spot.checkpoints() if info.step == step]
+            # Proof that the kill landed mid-save: the attempt's objects are there, no manifest.
+            start.killed_during_save = bool(leftovers) and leftovers[0].status == "uncommitted" and bool(leftovers[0].attempts)
+            start.kill_point += f" ({leftovers[0].total_size_bytes if leftovers else 0} B of payloads written)"
         starts.append(start)
         if not killed and not is_last:
             break  # the run finished before the kill point: nothing left to resume
@@ -213,7 +237,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     print("|---|---|---|---|", file=out)
     for start in starts:
         saves = ", ".join(f"{s['step']}: {s['seconds']:.3f} s, {s['size_bytes']} B" for s in start.saves) or "-"
-        kill = start.kill_point + (" (uncommitted, as required)" if start.killed_during_save else "")
+        kill = start.kill_point + (", step left uncommitted" if start.killed_during_save else "")
         print(f"| {start.label} | {start.resumed_step if start.resumed_step is not None else 'fresh'} | {kill} | {saves} |", file=out)
     print("", file=out)
     print(f"updates: {updates} successful, checkpoint every {every}", file=out)

@@ -164,6 +164,7 @@ def train(
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
     store.check_reachable()
+    resumed_from = _resume_target(store, resume)  # bad --resume fails before models are built
     log = log or sys.stdout
     events = events or open("/dev/null", "w")  # noqa: SIM115
     torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
@@ -191,7 +192,6 @@ def train(
     torch.manual_seed(seed)
     trainer: dict[str, Any] = {"attempted_updates": 0, "successful_updates": 0, "query_update": 0}
 
-    resumed_from = _resume_target(store, resume)
     resumed_step = None
     if resumed_from is not None:
         load_adapter(resumed_from, student, storage_options=store.storage_options)
