@@ -270,6 +270,7 @@ def fixed_store_cost(case, repeats: int = 5) -> dict[str, Any]:
         counter = S3RequestCounter()
         counter.attach(case.store.storage.fs)
     times = []
+    counts: tuple[int, dict] | None = None
     for i in range(repeats):
         tag = 800_000 + i
         if counter is not None:
@@ -281,11 +282,12 @@ def fixed_store_cost(case, repeats: int = 5) -> dict[str, Any]:
 
         secs, _ = timed(save)
         times.append(secs)
+        if counter is not None:
+            counts = (counter.total, dict(counter.by_op))
         case.store.delete(tag)
     out: dict[str, Any] = {"secs": median(times)}
-    if counter is not None:
-        out["requests"] = counter.total
-        out["by_op"] = dict(counter.by_op)
+    if counts is not None:
+        out["requests"], out["by_op"] = counts
     return out
 
 
@@ -622,6 +624,28 @@ def run_crc(args, state, speed_results: dict) -> list[str]:
     spy = _SpyWriter()
     torch.save(state, spy)
 
+    # torch.save's own zip CRC-32 per record (torch >= 2.5 can turn it off), for scale.
+    zip_crc = None
+    try:
+        from torch.utils.serialization import config as ser_config
+    except ImportError:
+        ser_config = None
+    if ser_config is not None and hasattr(ser_config.save, "compute_crc32"):
+        previous = ser_config.save.compute_crc32
+
+        def save_to_null() -> None:
+            with open(os.devnull, "wb") as handle:
+                torch.save(state, handle)
+
+        try:
+            timings = {}
+            for flag in (True, False):
+                ser_config.save.compute_crc32 = flag
+                timings[flag] = median([timed(save_to_null)[0] for _ in range(3)])
+        finally:
+            ser_config.save.compute_crc32 = previous
+        zip_crc = timings
+
     lines = [
         f"Implementation: `crc32c` package {crc32c.__dict__.get('__version__', '')}, "
         f"`crc32c.hardware_based` = {crc32c.hardware_based} "
@@ -643,6 +667,12 @@ def run_crc(args, state, speed_results: dict) -> list[str]:
         lines.append(
             f"| (alternative) awscrt {getattr(awscrt, '__version__', '')} checksums.crc32c over the same | "
             f"{aws_secs:.3f} | {nbytes / 2**30 / aws_secs:.1f} |"
+        )
+    if zip_crc is not None:
+        lines.append(
+            f"| (for scale) torch.save to /dev/null, zip CRC-32 on (default) / off "
+            f"(`torch.utils.serialization.config.save.compute_crc32`) | {zip_crc[True]:.3f} / {zip_crc[False]:.3f} | "
+            f"torch's own CRC-32: ~{nbytes / 2**30 / max(zip_crc[True] - zip_crc[False], 1e-9):.1f} |"
         )
     lines += [
         "",
