@@ -186,6 +186,9 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     print(f"reference run: {updates} updates in {time.perf_counter() - started:.1f} s", file=out)
 
     spot = CheckpointStore(spot_url, storage_options=storage_options)
+    # Warm its client now: a first S3 request builds the client (about a second), long enough for
+    # a small save to commit before the watcher could see its payloads.
+    spot.check_reachable()
     starts: list[Start] = []
     logs: list[Path] = []
     # Start 1 dies at a random update after its first checkpoint; start 2 dies inside its first
@@ -198,7 +201,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
         env, cwd = _fresh_env(workdir, storage_env)
         is_last = index == len(plan) - 1
         killed, point, events, resumed = _run_until(
-            _train_cmd(spot_url, updates, every, seed, store_args, log, final_state if is_last else None),
+            _train_cmd(spot_url, updates, every, seed, store_args, log, final_state),
             env, cwd, log, kill_after_updates=kill_after, kill_on_save=kill_on_save, timeout_secs=timeout_secs,
             spot=spot,
         )
