@@ -45,6 +45,7 @@ import yaml
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..layout import parse_step_dirname, step_dirname
+from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, LEGACY, CheckpointStore, VerifyReport, as_store, split_checkpoint_url
 from .resume import validate_resume
 from .rng import capture_rng_state, preserve_global_rng, restore_rng_state
@@ -215,6 +216,8 @@ def save_opd_checkpoint(
     world_size: int = 1,
     rank_rng_states: list[dict] | None = None,
     storage_options: dict[str, Any] | None = None,
+    retention: RetentionPolicy | None = None,
+    lineage: RunLineage | None = None,
 ) -> str:
     """Commit one OPD checkpoint after a complete update with a cleared failure queue.
 
@@ -255,6 +258,12 @@ def save_opd_checkpoint(
         world_size (int): ranks of the run; schema v1 for 1, v2 above.
         rank_rng_states (list[dict] | None): per-rank RNG states, index = rank.
         storage_options (dict | None): fsspec options when ``checkpoints_dir`` is a URL.
+        retention (RetentionPolicy | None): applied only after this commit succeeded (issue 6;
+            ``config.checkpoint.retention_policy()`` gives the config's); never deletes this step,
+            the newest complete step, pinned steps or ``lineage.parent_step`` until this run has a
+            second checkpoint. A failing retention pass is logged, not raised. ``None``: keep all.
+        lineage (RunLineage | None): run id and resume parent, recorded in the manifest metadata
+            (``run_id``, ``parent_step``).
 
     Returns:
         str: the committed checkpoint's URL (its step prefix; a plain absolute path for a local
@@ -309,6 +318,8 @@ def save_opd_checkpoint(
             "world_size": world_size,
             "processor_class": _class_name(processor),
         }
+        if lineage is not None:
+            metadata.update(lineage.as_metadata())
         store = as_store(checkpoints_dir, storage_options)
         with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
             with store.begin(step, world_size=world_size, metadata=metadata) as txn:
@@ -320,6 +331,10 @@ def save_opd_checkpoint(
                 _save_torch(txn, TRAINING_STATE, training_state)
                 txn.write_bytes(CONFIG_YAML, config_yaml)
         logger.info("committed OPD checkpoint %s (step %d, world size %d)", txn.committed_url, step, world_size)
+        if retention is not None:
+            from ..gc import retention_after_commit
+
+            retention_after_commit(store, retention, step, lineage)
         return txn.committed_url
 
 

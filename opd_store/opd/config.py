@@ -193,6 +193,12 @@ class CheckpointSection(_Section):
     )
     resume_mode: ResumeMode = "exact"
 
+    def retention_policy(self) -> "RetentionPolicy":
+        """The retention policy of this section, for ``save_opd_checkpoint(retention=...)`` (issue 6)."""
+        from ..retention import RetentionPolicy
+
+        return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+
 
 class OPDConfig(_Section):
     """The whole OPD training config.

@@ -204,6 +204,34 @@ class S3Storage(_BucketStorage):
         return self.fs.cat_file(self.path(rel))
 
 
+    def _bucket_and_prefix(self) -> tuple[str, str]:
+        bucket, _, prefix = self.root.partition("/")
+        return bucket, prefix
+
+    def list_uploads(self) -> list[tuple[str, str, float]]:
+        # ListMultipartUploads with the store's prefix (s3fs's list_multipart_uploads lists the
+        # whole bucket and drops pagination); a prefix on a key boundary only.
+        bucket, prefix = self._bucket_and_prefix()
+        key_prefix = f"{prefix}/" if prefix else ""
+        found: list[tuple[str, str, float]] = []
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": key_prefix}
+        while True:
+            out = self.fs.call_s3("list_multipart_uploads", **kwargs)
+            for upload in out.get("Uploads", []) or []:
+                key = upload["Key"]
+                if key.startswith(key_prefix):
+                    found.append((key[len(key_prefix):], upload["UploadId"], upload["Initiated"].timestamp()))
+            if not out.get("IsTruncated"):
+                return found
+            kwargs["KeyMarker"] = out.get("NextKeyMarker")
+            kwargs["UploadIdMarker"] = out.get("NextUploadIdMarker")
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        bucket, prefix = self._bucket_and_prefix()
+        key = f"{prefix}/{rel}" if prefix else rel
+        self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+
+
 class GCSStorage(_BucketStorage):
     """Google Cloud Storage through gcsfs."""
 

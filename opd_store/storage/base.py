@@ -183,6 +183,26 @@ class Storage:
         data = self.read_bytes(rel)
         return io.BytesIO(data), len(data), crc32c_hex(data)
 
+    def open_read(self, rel: str) -> BinaryIO:
+        """A streaming binary reader of the object ``rel`` (for copies: nothing is held whole).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        self.refresh()
+        return self.fs.open(self.path(rel), "rb")
+
+    def list_uploads(self) -> list[tuple[str, str, float]]:
+        """Unfinished multipart uploads under the root: ``(rel, upload_id, initiated_secs)``.
+
+        Only object stores with multipart uploads have any (S3); the default has none.
+        """
+        return []
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Abort one unfinished multipart upload from :meth:`list_uploads`."""
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
+
     # -- writes ------------------------------------------------------------------------------
     def open_write(self, rel: str) -> BinaryIO:
         """A new binary writer for the object ``rel``; the object appears at ``close()``.

@@ -1,0 +1,112 @@
+"""Copy one committed checkpoint between stores, committed at the destination with the same protocol.
+
+Used by ``opd-store cp`` and by tiered stores (issue 6). The copy streams payload by payload (never
+a whole payload in memory): each source object is read in chunks straight into a destination
+payload writer, which checksums the bytes as they pass; a size or CRC32C that differs from the
+source manifest aborts the attempt before anything is committed. After the commit, the destination
+is verified deeply (every object read back, sizes and CRC32C against its manifest); a copy that
+fails that check is deleted again (manifest first) and reported.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fsspec.callbacks import DEFAULT_CALLBACK, Callback
+
+from .checksum import Crc32c
+from .errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
+from .layout import step_dirname
+from .store import COMPLETE, LEGACY, CheckpointStore
+
+logger = logging.getLogger("opd_store.transfer")
+
+_CHUNK_BYTES = 8 << 20
+
+
+def copy_checkpoint(
+    src: CheckpointStore, step: int, dst: CheckpointStore, *, callback: Callback | None = None
+) -> str:
+    """Copy the committed checkpoint ``step`` of ``src`` into ``dst`` and commit it there.
+
+    The destination manifest lists the same payload names, sizes and CRC32C values, the same
+    ``world_size`` and the same ``metadata`` as the source manifest; it gets its own attempt id,
+    writer and ``created_at``.
+
+    Args:
+        src (CheckpointStore): the source store.
+        step (int): a complete (manifest-committed) step of ``src``.
+        dst (CheckpointStore): the destination store (any backend).
+        callback (fsspec.callbacks.Callback | None): progress; ``set_size`` receives the total
+            payload bytes and ``relative_update`` the bytes copied (``TqdmCallback`` shows a bar).
+
+    Returns:
+        str: the committed destination checkpoint URL (``dst.step_url(step)``).
+
+    Raises:
+        CheckpointNotFoundError: ``src`` has no checkpoint at ``step`` (``FileNotFoundError``).
+        IncompleteCheckpointError: the source step is not complete (incomplete, corrupt, or a
+            legacy seed-layout step, which has no manifest: use ``opd-store migrate``).
+        IntegrityError: a source payload's bytes differ from its manifest entry (nothing is
+            committed), or the committed destination copy fails deep verification (it is deleted).
+        CommitConflictError: ``dst`` already holds ``step`` (``FileExistsError``); nothing written.
+        ManifestError: the source manifest is unreadable.
+        OSError: a backend failure; the destination step is then not committed.
+    """
+    callback = callback or DEFAULT_CALLBACK
+    status = src.status(step)
+    if status == LEGACY:
+        raise IncompleteCheckpointError(
+            f"{src.step_url(step)} is a seed-layout (legacy) checkpoint without a manifest; "
+            "import it with `opd-store migrate` instead"
+        )
+    if status != COMPLETE:
+        if status == "uncommitted":
+            raise CheckpointNotFoundError(f"no checkpoint at {src.step_url(step)} (step {step} is not committed)")
+        report = src.verify(step)
+        raise IncompleteCheckpointError(
+            f"cannot copy {src.step_url(step)}: step {step} is {status} "
+            f"({'; '.join(p.detail for p in report.problems)})"
+        )
+    manifest = src.manifest(step)
+    callback.set_size(manifest.total_size_bytes)
+    prefix = step_dirname(step)
+    with dst.begin(step, world_size=manifest.world_size, metadata=dict(manifest.metadata)) as txn:
+        for entry in manifest.payloads:
+            source_url = src.storage.url(f"{prefix}/{entry.path}")
+            try:
+                reader = src.storage.open_read(f"{prefix}/{entry.path}")
+            except FileNotFoundError as exc:
+                raise IncompleteCheckpointError(
+                    f"step {step}: payload {entry.name!r} listed in the manifest is missing at {source_url}"
+                ) from exc
+            crc = Crc32c()
+            with reader, txn.open(entry.name) as writer:
+                while True:
+                    chunk = reader.read(_CHUNK_BYTES)
+                    if not chunk:
+                        break
+                    crc.update(chunk)
+                    writer.write(chunk)
+                    callback.relative_update(len(chunk))
+                    if crc.size_bytes > entry.size_bytes:
+                        break
+                if crc.size_bytes != entry.size_bytes or crc.hexdigest() != entry.crc32c:
+                    raise IntegrityError(
+                        f"step {step}: source payload {entry.name!r} at {source_url} does not match its "
+                        f"manifest (expected {entry.size_bytes} bytes, crc32c {entry.crc32c}; read "
+                        f"{crc.size_bytes} bytes, crc32c {crc.hexdigest()}); nothing committed at {dst.url}"
+                    )
+    url = txn.committed_url
+    report = dst.verify(step, deep=True)
+    if not report.ok:
+        dst.delete(step)
+        raise IntegrityError(
+            f"copy of step {step} at {url} failed verification and was deleted: "
+            + "; ".join(f"{p.name}: {p.detail}" for p in report.problems)
+        )
+    logger.info("copied %s to %s (%d bytes)", src.step_url(step), url, manifest.total_size_bytes)
+    return url
+
+
+__all__ = ["copy_checkpoint"]
