@@ -14,7 +14,7 @@ from .common import EXIT_USAGE, CliError, exit_code_for
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo_cmd, migrate_cmd, train_cmd
+    from . import demo_cmd, inspect_cmd, migrate_cmd, store_cmds, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="opd-store",
@@ -27,13 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_parser(subparsers)
     demo_cmd.add_parser(subparsers)
     migrate_cmd.add_parser(subparsers)
+    inspect_cmd.add_parsers(subparsers)
+    store_cmds.add_parsers(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``opd-store``; returns the process exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage error (2) or --help (0); main returns, never exits
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

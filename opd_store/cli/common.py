@@ -1,6 +1,6 @@
 """Options and exit codes shared by every ``opd-store`` command.
 
-Exit codes (documented in docs/operations.md and ``opd-store --help``):
+Exit codes (documented in docs/cli.md and ``opd-store --help``):
 
 ==  ==========================================
 0   ok
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ..errors import (
@@ -103,6 +104,90 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--s3-endpoint-url", default=None, help="endpoint of an S3-compatible server")
 
 
+def open_store(url: str, args: argparse.Namespace, *, check: bool = True):
+    """The :class:`~opd_store.store.CheckpointStore` at ``url`` with the command's store options.
+
+    Raises:
+        CliError: a malformed ``--storage-option`` (exit 2).
+        StoreUnreachableError: the store cannot be reached (exit 2), when ``check``.
+    """
+    from ..store import CheckpointStore
+
+    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    store = CheckpointStore(url, storage_options=options)
+    if check:
+        store.check_reachable()
+    return store
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    """``--json``: one JSON document on stdout instead of the human-readable text."""
+    parser.add_argument("--json", action="store_true", help="print JSON (machine-readable) on stdout")
+
+
+def print_json(value: Any) -> None:
+    """Print ``value`` as indented JSON on stdout."""
+    print(json.dumps(value, indent=1, sort_keys=False, default=str))
+
+
+def progress_callback(desc: str, *, unit: str = "B"):
+    """A tqdm progress bar through an fsspec ``TqdmCallback`` on a terminal, else ``None`` (quiet).
+
+    The bar goes to stderr and only when stderr is a terminal (issue 6: quiet when not).
+    """
+    if not sys.stderr.isatty():
+        return None
+    from fsspec.callbacks import TqdmCallback
+
+    kwargs = {"desc": desc, "file": sys.stderr, "leave": False, "unit": unit}
+    if unit == "B":
+        kwargs.update(unit_scale=True, unit_divisor=1024)
+    return TqdmCallback(tqdm_kwargs=kwargs)
+
+
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``90``, ``90s``, ``30m``, ``1h``, ``1.5h`` or ``2d``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse reports it, exit 2).
+    """
+    value = text.strip().lower()
+    unit = value[-1:] if value[-1:] in _DURATION_UNITS and not value[-1:].isdigit() else ""
+    number = value[: -len(unit)] if unit else value
+    try:
+        seconds = float(number) * _DURATION_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 30m, 1h, 2d)") from None
+    if seconds < 0 or seconds != seconds:
+        raise argparse.ArgumentTypeError(f"duration must be >= 0: {text!r}")
+    return seconds
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def step_arg(text: str) -> int:
+    """argparse type: a step number (int >= 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a step number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"step must be >= 0, got {value}")
+    return value
+
+
 __all__ = [
     "CliError",
     "EXIT_CONFLICT",
@@ -111,7 +196,14 @@ __all__ = [
     "EXIT_OK",
     "EXIT_RESUME_MISMATCH",
     "EXIT_USAGE",
+    "add_json_option",
     "add_store_options",
+    "open_store",
+    "parse_duration",
+    "positive_int",
+    "print_json",
+    "progress_callback",
+    "step_arg",
     "exit_code_for",
     "parse_storage_options",
 ]

@@ -1,0 +1,163 @@
+"""Write commands: ``opd-store cp``, ``pin``, ``unpin`` and ``gc`` (issue 6)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import (
+    EXIT_OK,
+    add_json_option,
+    add_store_options,
+    open_store,
+    parse_duration,
+    parse_storage_options,
+    positive_int,
+    print_json,
+    progress_callback,
+    step_arg,
+)
+
+
+def add_parsers(subparsers) -> None:
+    cp = subparsers.add_parser(
+        "cp", help="copy one committed checkpoint to another store, verified and committed there",
+        description="Copy step STEP of SRC_URL into DST_URL payload by payload (size and CRC32C "
+        "checked while streaming), commit it there with a manifest, then verify it deeply. The "
+        "destination options default to the source's when both use the same protocol.",
+    )
+    cp.add_argument("src", metavar="SRC_URL", help="source store URL")
+    cp.add_argument("step", type=step_arg, metavar="STEP", help="a complete step of SRC_URL")
+    cp.add_argument("dst", metavar="DST_URL", help="destination store URL")
+    add_store_options(cp)
+    cp.add_argument("--dst-storage-option", action="append", default=None, metavar="KEY=VALUE",
+                    help="fsspec option for the destination only (repeatable)")
+    cp.add_argument("--dst-s3-endpoint-url", default=None, help="S3 endpoint of the destination only")
+    add_json_option(cp)
+    cp.set_defaults(handler=run_cp)
+
+    for name, helptext in (("pin", "never delete STEP by retention or gc"), ("unpin", "remove STEP's pin")):
+        sub = subparsers.add_parser(name, help=helptext)
+        sub.add_argument("url", help="store URL")
+        sub.add_argument("step", type=step_arg, help="step number")
+        if name == "pin":
+            sub.add_argument("--reason", default="", help="free text kept with the pin")
+        add_store_options(sub)
+        sub.set_defaults(handler=run_pin if name == "pin" else run_unpin)
+
+    gc = subparsers.add_parser(
+        "gc", help="apply a retention policy and remove orphans (dry run unless --yes)",
+        description="Plan retention (--keep-last/--keep-every; without either no step is deleted) "
+        "and find orphan attempts and stale S3 multipart uploads older than the grace period. "
+        "Prints what it would delete and the bytes freed; deletes only with --yes. Never deleted: "
+        "pinned steps, the newest complete step, a run's resume parent until the run has a second "
+        "checkpoint, damaged or legacy steps, and objects outside the attempt layout.",
+    )
+    gc.add_argument("url", help="store URL")
+    gc.add_argument("--keep-last", type=positive_int, default=None, metavar="N", help="keep the N newest complete steps")
+    gc.add_argument("--keep-every", type=positive_int, default=None, metavar="K",
+                    help="also keep complete steps that are multiples of K")
+    gc.add_argument("--orphans-older-than", type=parse_duration, default=3600.0, metavar="DURATION",
+                    help="grace period of uncommitted attempts and multipart uploads (default 1h; 90s, 30m, 2d)")
+    gc.add_argument("--deep", action="store_true",
+                    help="recompute checksums of the newest complete steps so a corrupt one never counts as kept")
+    gc.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
+    add_json_option(gc)
+    add_store_options(gc)
+    gc.set_defaults(handler=run_gc)
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
+def run_cp(args: argparse.Namespace) -> int:
+    from ..store import CheckpointStore
+    from ..transfer import copy_checkpoint
+
+    src = open_store(args.src, args)
+    if args.dst_storage_option is not None or args.dst_s3_endpoint_url:
+        dst_options = parse_storage_options(args.dst_storage_option, args.dst_s3_endpoint_url)
+    elif _protocol(args.src) == _protocol(args.dst):
+        dst_options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    else:
+        dst_options = {}
+    dst = CheckpointStore(args.dst, storage_options=dst_options)
+    dst.check_reachable()
+    callback = progress_callback(f"cp step {args.step}")
+    try:
+        url = copy_checkpoint(src, args.step, dst, callback=callback)
+    finally:
+        if callback is not None:
+            callback.close()
+    if args.json:
+        print_json({"source": src.step_url(args.step), "destination": url, "step": args.step})
+    else:
+        print(url)
+    return EXIT_OK
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    from ..pins import pin
+
+    store = open_store(args.url, args)
+    created = pin(store, args.step, reason=args.reason)
+    print(f"{'pinned' if created else 'already pinned'}: step {args.step} at {store.step_url(args.step)}")
+    return EXIT_OK
+
+
+def run_unpin(args: argparse.Namespace) -> int:
+    from ..pins import unpin
+
+    store = open_store(args.url, args)
+    if unpin(store, args.step):
+        print(f"unpinned: step {args.step} at {store.step_url(args.step)}")
+    else:
+        print(f"step {args.step} was not pinned at {store.url}", file=sys.stderr)
+    return EXIT_OK
+
+
+def run_gc(args: argparse.Namespace) -> int:
+    from ..gc import collect_garbage
+    from ..retention import RetentionPolicy
+
+    store = open_store(args.url, args)
+    policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
+    report = collect_garbage(
+        store, policy, orphans_older_than_secs=args.orphans_older_than, deep=args.deep, dry_run=not args.yes
+    )
+    plan = report.plan
+    if args.json:
+        print_json({
+            "url": store.url,
+            "dry_run": report.dry_run,
+            "policy": {"keep_last": policy.keep_last, "keep_every": policy.keep_every},
+            "delete_steps": [{"step": s, "size_bytes": report.sizes.get(s, 0), "url": store.step_url(s)} for s in plan.delete],
+            "deleted_steps": report.deleted_steps,
+            "keep_steps": {str(s): list(why) for s, why in plan.keep.items()},
+            "untouched_steps": {str(s): status for s, status in plan.untouched.items()},
+            "orphans": [{"url": o.url, "step": o.step, "attempt_id": o.attempt_id, "size_bytes": o.size_bytes,
+                         "age_secs": round(o.age_secs, 1)} for o in report.orphans],
+            "stale_uploads": [{"key": u.rel, "upload_id": u.upload_id, "age_secs": round(u.age_secs, 1)}
+                              for u in report.uploads],
+            "freed_bytes": report.freed_bytes,
+        })
+        return EXIT_OK
+    verb = "would delete" if report.dry_run else "deleted"
+    for step in plan.delete:
+        if report.dry_run or step in report.deleted_steps:
+            print(f"{verb} step {step} ({report.sizes.get(step, 0)} bytes) {store.step_url(step)}")
+    for step, why in plan.keep.items():
+        print(f"keep step {step} ({', '.join(why)})")
+    for step, status in plan.untouched.items():
+        print(f"leave step {step} ({status}: retention deletes only complete steps)")
+    for orphan in report.orphans:
+        print(f"{verb} orphan {orphan.url} ({orphan.size_bytes} bytes, age {orphan.age_secs:.0f} s)")
+    for upload in report.uploads:
+        print(f"{'would abort' if report.dry_run else 'aborted'} multipart upload {upload.rel} "
+              f"(upload id {upload.upload_id}, age {upload.age_secs:.0f} s)")
+    if report.dry_run:
+        print(f"would free {report.freed_bytes} bytes (dry run: pass --yes to delete)")
+    else:
+        print(f"freed {report.freed_bytes} bytes")
+    return EXIT_OK
