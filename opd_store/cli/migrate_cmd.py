@@ -12,13 +12,14 @@ def add_parser(subparsers) -> None:
         "migrate",
         help="copy seed-layout (COMPLETE-marker) checkpoints into a store as manifest-committed ones",
         description=(
-            "Copies every step-NNNNNN directory with a COMPLETE marker under SRC (a local directory) "
+            "Copies every step-NNNNNN directory with a COMPLETE marker under SRC (a local directory or a "
+            "store URL, read with the same storage options) "
             "into the store DST, committing each with a manifest and verifying each copy. Steps "
             "already committed at DST with identical content are skipped; different content is a "
             "conflict (exit 6)."
         ),
     )
-    parser.add_argument("src", help="local directory holding seed-layout step-NNNNNN/ checkpoints")
+    parser.add_argument("src", help="local directory or store URL holding seed-layout step-NNNNNN/ checkpoints")
     parser.add_argument("dst", help="destination store URL (local path, s3://, gs://, ...)")
     parser.add_argument("--step", type=int, action="append", default=None, help="only this step (repeatable)")
     add_store_options(parser)
@@ -32,7 +33,10 @@ def run(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
     destination = CheckpointStore(args.dst, storage_options=options)
     destination.check_reachable()
-    result = migrate_legacy(args.src, destination, steps=args.step)
+    # A bucket source (a seed checkpoint copied in by another tool, issue 5 scenario 31) is read
+    # with the same options as the destination.
+    source = CheckpointStore(args.src, storage_options=options) if "://" in args.src else args.src
+    result = migrate_legacy(source, destination, steps=args.step)
     for url in result:
         print(f"migrated {url}")
     for url in result.skipped:
