@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_store_options, parse_storage_options
+from .common import add_store_options, parse_storage_options, progress_callback
 
 
 def add_parser(subparsers) -> None:
@@ -36,7 +36,11 @@ def run(args: argparse.Namespace) -> int:
     # A bucket source (a seed checkpoint copied in by another tool, issue 5 scenario 31) is read
     # with the same options as the destination.
     source = CheckpointStore(args.src, storage_options=options) if "://" in args.src else args.src
-    result = migrate_legacy(source, destination, steps=args.step)
+    callback = progress_callback("migrate", unit="step")
+    if callback is None:
+        result = migrate_legacy(source, destination, steps=args.step)
+    else:
+        result = _migrate_with_progress(source, destination, args.step, callback)
     for url in result:
         print(f"migrated {url}")
     for url in result.skipped:
@@ -44,3 +48,24 @@ def run(args: argparse.Namespace) -> int:
     if not result and not result.skipped:
         print(f"no seed-layout checkpoints found under {args.src}")
     return 0
+
+
+def _migrate_with_progress(source, destination, steps, callback):
+    """One ``migrate_legacy`` call per step, advancing a progress bar (a terminal only)."""
+    from ..opd.legacy import MigrationResult, migrate_legacy
+    from ..store import LEGACY, as_store
+
+    source_store = as_store(source)
+    if steps is None:
+        steps = [info.step for info in source_store.checkpoints() if info.status == LEGACY]
+    result = MigrationResult()
+    try:
+        callback.set_size(len(steps))
+        for step in sorted(set(steps)):
+            done = migrate_legacy(source_store, destination, steps=[step])
+            result.extend(done)
+            result.skipped.extend(done.skipped)
+            callback.relative_update(1)
+    finally:
+        callback.close()
+    return result

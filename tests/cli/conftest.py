@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from backends import Backend
+from cli_helpers import cli_store_args
 
 
 @pytest.fixture(scope="session")
@@ -28,19 +29,6 @@ def with_session(backend: Backend, session) -> Backend:
 def backend(request, tmp_path, aio_session) -> Backend:
     """A clean store location on local disk and on S3 (moto server)."""
     return with_session(request.getfixturevalue(f"{request.param}_backend"), aio_session)
-
-
-def cli_store_args(backend: Backend) -> list[str]:
-    """The command-line store options that reach ``backend`` (moto: endpoint and test keys)."""
-    if backend.name != "s3":
-        return []
-    options = backend.storage_options
-    return [
-        "--s3-endpoint-url", options["endpoint_url"],
-        "--storage-option", f"key={options['key']}",
-        "--storage-option", f"secret={options['secret']}",
-        "--storage-option", "client_kwargs.region_name=us-east-1",
-    ]
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import time
 import pytest
 from fsspec.callbacks import Callback
 
+from cli_helpers import cli_store_args
 from opd_store import CheckpointStore
 from opd_store.cli import main
 from opd_store.gc import find_orphans
@@ -114,8 +115,6 @@ def test_not_found_corrupt_and_usage_exit_codes(local_backend, tmp_path, capsys)
 
 
 def test_unreachable_bucket_is_exit_2(s3_backend, capsys):
-    from conftest import cli_store_args
-
     code, out, err = run(capsys, "ls", "s3://no-such-bucket/run", *cli_store_args(s3_backend))
     assert code == 2 and out == "" and "no-such-bucket" in err
 
@@ -153,8 +152,6 @@ def test_gc_dry_run_then_yes_and_pins(backend, store_args, capsys):
 
 @pytest.mark.parametrize("direction", ["local-to-s3", "s3-to-local"])
 def test_cp_between_local_and_s3(direction, local_backend, s3_backend, capsys):
-    from conftest import cli_store_args
-
     src_backend, dst_backend = (local_backend, s3_backend) if direction == "local-to-s3" else (s3_backend, local_backend)
     src = open_store(src_backend)
     commit(src, 7, size=3000)

@@ -14,6 +14,7 @@ import termios
 from pathlib import Path
 
 import opd_store
+from cli_helpers import cli_store_args
 from opd_store import CheckpointStore
 
 REPO_ROOT = Path(opd_store.__file__).resolve().parents[1]
@@ -33,8 +34,6 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 
 def test_cli_in_a_subprocess_on_s3(s3_backend, tmp_path):
-    from conftest import cli_store_args
-
     args = cli_store_args(s3_backend)
     store = CheckpointStore(s3_backend.url, storage_options=s3_backend.storage_options)
     for step in (4, 8):

@@ -11,6 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from cli_helpers import cli_store_args
 from opd_store import CheckpointStore
 from opd_store.cli import main
 from opd_store.opd.checkpoint import load_opd_checkpoint
@@ -50,8 +51,6 @@ def tree(fs, root: str, under: str) -> dict[str, bytes]:
 
 
 def test_gc_never_deletes_a_foreign_checkpoint_and_migrate_imports_it(s3_backend, tmp_path, capsys):
-    from conftest import cli_store_args
-
     args = cli_store_args(s3_backend)
     store = CheckpointStore(s3_backend.url, storage_options=s3_backend.storage_options)
     for step in (100, 200):
@@ -93,3 +92,35 @@ def test_gc_never_deletes_a_foreign_checkpoint_and_migrate_imports_it(s3_backend
     assert state["successful_updates"] == 150
     # The imported copy is ours: retention may manage it; the foreign original is still untouched.
     assert tree(s3_backend.raw_fs(), root, "step-000150") == {k: v for k, v in foreign.items() if k.startswith("step-000150/")}
+
+
+def test_migrate_on_a_terminal_advances_a_progress_bar_per_step(tmp_path, capsys, monkeypatch):
+    from fsspec.callbacks import Callback
+
+    import opd_store.cli.migrate_cmd as migrate_cmd
+
+    class Recorder(Callback):
+        def __init__(self):
+            super().__init__()
+            self.sizes, self.updates, self.closed = [], [], False
+
+        def set_size(self, size):
+            self.sizes.append(size)
+
+        def relative_update(self, inc=1):
+            self.updates.append(inc)
+
+        def close(self):
+            self.closed = True
+
+    recorder = Recorder()
+    monkeypatch.setattr(migrate_cmd, "progress_callback", lambda desc, unit="B": recorder)
+    seed_dir = tmp_path / "seed"
+    for step in (2, 4):
+        write_seed(seed_dir, step)
+    write_seed(seed_dir, 6, mark_complete=False)
+    destination = tmp_path / "dst"
+    assert main(["migrate", str(seed_dir), str(destination)]) == 0
+    assert capsys.readouterr().out == f"migrated {destination / 'step-000002'}\nmigrated {destination / 'step-000004'}\n"
+    assert (recorder.sizes, recorder.updates, recorder.closed) == ([2], [1, 1], True)
+    assert CheckpointStore(destination).steps() == [2, 4]
