@@ -22,6 +22,7 @@ _COUNTERS = ("successful_updates", "attempted_updates", "query_update")
 
 
 def add_parsers(subparsers) -> None:
+    """Register ``ls``, ``latest``, ``show`` and ``verify``."""
     ls = subparsers.add_parser(
         "ls", help="one row per step: status, created_at, size, trainer counters",
         description="List the checkpoints of a store (uncommitted steps and leftover attempts with --all).",
@@ -66,6 +67,7 @@ def _iso(value) -> str | None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    """``opd-store ls``: one row per step (exit 0; 2 when the store is unreachable)."""
     from ..gc import find_orphans
     from ..pins import pinned_steps
     from ..store import UNCOMMITTED
@@ -120,6 +122,7 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_latest(args: argparse.Namespace) -> int:
+    """``opd-store latest``: the newest complete step (exit 3 when none)."""
     store = open_store(args.url, args)
     step = store.latest_step(include_legacy=True)  # CheckpointNotFoundError: exit 3
     if args.json:
@@ -130,6 +133,7 @@ def run_latest(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    """``opd-store show``: manifest and config.yaml of one step (exit 3 no manifest, 4 unreadable)."""
     import sys
 
     from ..errors import CheckpointNotFoundError, OpdStoreError
@@ -184,6 +188,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    """``opd-store verify``: sizes or checksums of one or all steps (exit 4 when any is bad, 3 when none)."""
     from ..store import UNCOMMITTED
 
     store = open_store(args.url, args)

@@ -20,6 +20,7 @@ from .common import (
 
 
 def add_parsers(subparsers) -> None:
+    """Register ``cp``, ``pin``, ``unpin`` and ``gc``."""
     cp = subparsers.add_parser(
         "cp", help="copy one committed checkpoint to another store, verified and committed there",
         description="Copy step STEP of SRC_URL into DST_URL payload by payload (size and CRC32C "
@@ -72,6 +73,7 @@ def _protocol(url: str) -> str:
 
 
 def run_cp(args: argparse.Namespace) -> int:
+    """``opd-store cp``: copy one step with :func:`opd_store.transfer.copy_checkpoint` (exit 3/4/6 on errors)."""
     from ..store import CheckpointStore
     from ..transfer import copy_checkpoint
 
@@ -98,6 +100,7 @@ def run_cp(args: argparse.Namespace) -> int:
 
 
 def run_pin(args: argparse.Namespace) -> int:
+    """``opd-store pin``: pin a committed step (exit 3 when there is none)."""
     from ..pins import pin
 
     store = open_store(args.url, args)
@@ -107,6 +110,7 @@ def run_pin(args: argparse.Namespace) -> int:
 
 
 def run_unpin(args: argparse.Namespace) -> int:
+    """``opd-store unpin``: remove a pin (exit 0 also when there was none)."""
     from ..pins import unpin
 
     store = open_store(args.url, args)
@@ -118,6 +122,7 @@ def run_unpin(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
+    """``opd-store gc``: retention, orphans and stale uploads; a dry run unless ``--yes``."""
     from ..gc import collect_garbage
     from ..retention import RetentionPolicy
 
