@@ -27,7 +27,10 @@ from .errors import (
     CommitError,
     IncompleteCheckpointError,
     ManifestError,
+    OpdStoreError,
+    StoragePermissionError,
     UnsupportedBackendError,
+    backend_operation,
 )
 from .layout import MANIFEST_NAME, check_payload_name, step_dirname
 from .manifest import Manifest, PayloadEntry, Writer, parse_manifest
@@ -57,12 +60,29 @@ class PayloadWriter:
         self._handle = handle
         self._crc = Crc32c()
         self._state = "open"
+        # The first backend error of a write(), raised by close(). torch.save cannot report an
+        # exception from write(): its zip writer then fails its own position check while writing
+        # the end records and raises "RuntimeError: unexpected pos", hiding the cause (found with
+        # a 403 on S3 multipart uploads, issue 5). So write() records the error and drops every
+        # later byte; close() discards the object and raises the error; nothing can publish.
+        self._write_error: Exception | None = None
 
     # file protocol ------------------------------------------------------------------------
     def write(self, data) -> int:
-        """Write a buffer (``bytes``, ``bytearray`` or ``memoryview``); return its byte count."""
+        """Write a buffer (``bytes``, ``bytearray`` or ``memoryview``); return its byte count.
+
+        A backend failure (after the backend's own retries) is not raised here but by
+        :meth:`close` (or the ``with`` block's exit): ``torch.save`` cannot pass an exception from
+        ``write`` through its zip writer (it would report ``RuntimeError: unexpected pos``
+        instead). Bytes written after a failure are dropped; the payload is never published.
+
+        Raises:
+            ValueError: the writer is closed, aborted or failed.
+        """
         if self._state != "open":
             raise ValueError(f"write to a {self._state} payload writer {self.name!r}")
+        if self._write_error is not None:
+            return memoryview(data).nbytes  # dropped: this payload already failed (see __init__)
         view = data if isinstance(data, memoryview) else memoryview(data)
         if not view.c_contiguous:
             view = memoryview(view.tobytes())
@@ -70,15 +90,29 @@ class PayloadWriter:
         count = self._crc.update(view)
         # fsspec's buffered files copy each whole write() into their part buffer before uploading:
         # one 1 GiB tensor would cost ~3 GiB of RSS. Zero-copy slices keep it to one part.
-        for offset in range(0, count, _WRITE_SLICE_BYTES):
-            self._handle.write(view[offset:offset + _WRITE_SLICE_BYTES])
+        try:
+            for offset in range(0, count, _WRITE_SLICE_BYTES):
+                self._handle.write(view[offset:offset + _WRITE_SLICE_BYTES])
+        except Exception as exc:  # noqa: BLE001 - raised by close(), see __init__
+            # A remote writer uploads as it goes (S3: CreateMultipartUpload, UploadPart).
+            self._write_error = exc
+            logger.debug("payload %s: write failed (%r); raised at close", self._rel, exc)
         return count
+
+    def _denied(self, exc: PermissionError) -> PermissionError:
+        if isinstance(exc, OpdStoreError):
+            return exc
+        operation = backend_operation(exc) or "the write"
+        return StoragePermissionError(
+            f"{self._txn.storage.url(self._rel)}: permission denied: the backend refused {operation} while "
+            f"writing payload {self.name!r} of step {self._txn.step} ({exc}); step {self._txn.step} is not committed"
+        )
 
     def tell(self) -> int:
         return self._crc.size_bytes
 
     def flush(self) -> None:
-        if self._state == "open":
+        if self._state == "open" and self._write_error is None:
             self._handle.flush()
 
     def writable(self) -> bool:
@@ -99,12 +133,26 @@ class PayloadWriter:
         return self._crc.size_bytes
 
     def close(self) -> None:
-        """Publish the object and record its entry (size_bytes, crc32c) in the transaction."""
+        """Publish the object and record its entry (size_bytes, crc32c) in the transaction.
+
+        Raises:
+            StoragePermissionError: the backend refused an upload request, now or during an
+                earlier :meth:`write` (S3: the credentials may not ``CreateMultipartUpload`` or
+                ``UploadPart``); names the operation (issue 5, scenario 34).
+            OSError: any other backend failure, now or during an earlier :meth:`write`; the object
+                is discarded (no open multipart upload is left).
+        """
         if self._state != "open":
             return
+        if self._write_error is not None:
+            failed = self._write_error
+            self.abort()
+            if isinstance(failed, PermissionError):
+                raise self._denied(failed) from failed
+            raise failed
         try:
             self._txn.storage.finish_write(self._handle, self._rel)
-        except BaseException:
+        except BaseException as exc:
             self._state = "failed"
             self._txn._writer_failed(self)
             # A failed publish must leave nothing that could publish later or keep costing (an
@@ -113,6 +161,8 @@ class PayloadWriter:
                 self._txn.storage.abort_write(self._handle, self._rel)
             except Exception:  # noqa: BLE001 - the close error is the one to report
                 logger.warning("could not discard the failed payload writer %s", self._rel, exc_info=True)
+            if isinstance(exc, PermissionError) and not isinstance(exc, OpdStoreError):
+                raise self._denied(exc) from exc
             raise
         self._state = "closed"
         self._txn._record(
