@@ -291,8 +291,12 @@ class Transaction:
     def commit(self) -> str:
         """Create the manifest if absent; return the committed checkpoint URL.
 
+        Before the create, one listing of the attempt prefix checks that every payload is stored
+        with the size that was written (:meth:`_check_stored_sizes`).
+
         Raises:
-            IncompleteCheckpointError: a payload writer is still open or failed.
+            IncompleteCheckpointError: a payload writer is still open or failed, or a payload is
+                missing or of another size on the backend (this attempt's payloads are deleted).
             CommitConflictError: another attempt committed this step first (this attempt's
                 payloads are then deleted: no manifest names them).
             UnsupportedBackendError: no create-only write and no opt-in to check-then-put.
@@ -309,6 +313,7 @@ class Transaction:
         self._state = "committing"
         try:
             self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
+            self._check_stored_sizes()
             manifest = Manifest(
                 step=self.step,
                 attempt_id=self.attempt_id,
@@ -338,6 +343,35 @@ class Transaction:
         self._state = "committed"
         self.committed_url = self.url
         return self.url
+
+    def _check_stored_sizes(self) -> None:
+        """Refuse to name a payload whose stored size differs from the bytes written to it.
+
+        A backend (or a proxy, a FUSE mount, a buggy S3-compatible server) can report success for
+        a write yet store nothing or a short object (issue 5, scenario 37). Readers would find the
+        step incomplete forever, while the save had reported success. One listing of the attempt
+        prefix, just before the manifest is created, compares every entry's ``size_bytes`` with
+        what the backend holds. Cost: one LIST request per 1,000 payloads on S3/GCS (one in
+        practice), a directory walk locally; it also covers payloads other ranks wrote
+        (:meth:`Transaction.add_entry`).
+
+        Raises:
+            IncompleteCheckpointError: an object is absent or of another size; names each one's
+                URL with expected and stored sizes.
+        """
+        listed = self.storage.list_tree(f"{self._step_rel}/{self.attempt_id}")
+        wrong = []
+        for entry in self._entries.values():
+            stored = listed.get(entry.name)
+            if stored != entry.size_bytes:
+                where = self.storage.url(self._payload_rel(entry.name))
+                wrong.append(f"{where}: wrote {entry.size_bytes} bytes, backend holds "
+                             + ("no object" if stored is None else f"{stored} bytes"))
+        if wrong:
+            raise IncompleteCheckpointError(
+                f"{self.url}: step {self.step} not committed, the backend did not store what was written: "
+                + "; ".join(wrong)
+            )
 
     def _settle(self, manifest_rel: str, exc: BaseException, *, lost_race: bool) -> None:
         """Decide a failed create by reading the manifest back and comparing attempt ids."""

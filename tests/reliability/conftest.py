@@ -24,3 +24,12 @@ def s3_proxy(moto_s3):
         yield Backend("s3", backend.url, options), proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture
+def raw(backend, request):
+    """An independent view of ``backend`` (see ``tests/core/helpers.py``)."""
+    from core.helpers import Raw
+
+    moto = request.getfixturevalue("moto_s3") if backend.name == "s3" else None
+    return Raw(backend, moto)
