@@ -34,7 +34,7 @@ from .layout import (
     parse_step_dirname,
     step_dirname,
 )
-from .manifest import Manifest, parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .storage import Storage, open_storage
 from .transaction import Transaction
 
@@ -227,7 +227,7 @@ class CheckpointStore:
     def _read_manifest(self, step: int) -> Manifest | None:
         rel = f"{step_dirname(step)}/{MANIFEST_NAME}"
         try:
-            data = self.storage.read_bytes(rel, small=True)
+            data = self.storage.read_bytes(rel, small=True, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             return None
         return parse_manifest(data, url=self.storage.url(rel), expected_step=step)

@@ -33,7 +33,7 @@ from .errors import (
     backend_operation,
 )
 from .layout import MANIFEST_NAME, check_payload_name, step_dirname
-from .manifest import Manifest, PayloadEntry, Writer, parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, parse_manifest
 
 if TYPE_CHECKING:
     from .storage import Storage
@@ -377,7 +377,9 @@ class Transaction:
         """Decide a failed create by reading the manifest back and comparing attempt ids."""
         url = self.storage.url(manifest_rel)
         try:
-            found = parse_manifest(self.storage.read_bytes(manifest_rel), url=url, expected_step=self.step)
+            found = parse_manifest(
+                self.storage.read_bytes(manifest_rel, small=True, max_bytes=MAX_MANIFEST_BYTES), url=url, expected_step=self.step
+            )
         except FileNotFoundError:
             found = None
         except ManifestError as bad:
