@@ -189,3 +189,16 @@ def test_a_hostile_manifest_in_a_store_is_corrupt_never_complete(backend):
         with pytest.raises(ManifestError):
             store.manifest(7)
         assert store.steps() == [7]  # listed (its manifest object exists), never complete
+
+
+def test_a_legacy_step_refuses_names_that_leave_its_prefix(local_backend, tmp_path):
+    store = open_store(local_backend)
+    step_dir = tmp_path / "store" / "step-000004"
+    step_dir.mkdir(parents=True)
+    (step_dir / "COMPLETE").write_bytes(b"")
+    (step_dir / "training_state.pt").write_bytes(b"legacy")
+    (tmp_path / "store" / "secret.txt").write_bytes(b"outside the step")
+    assert store.read(4, "training_state.pt") == b"legacy"
+    for name in ("../secret.txt", "/etc/passwd", "file:///etc/passwd", "..\\secret.txt"):
+        with pytest.raises(ValueError):
+            store.read(4, name)
