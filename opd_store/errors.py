@@ -48,6 +48,29 @@ class AmbiguousCommitError(CommitError):
     failed too, so the outcome is unknown. Payloads are kept; ask ``is_complete`` later."""
 
 
+class StoragePermissionError(OpdStoreError, PermissionError):
+    """The backend refused a request for lack of permission (credentials, bucket policy). The
+    message names the backend operation that was refused (``CreateMultipartUpload``, ``UploadPart``,
+    ``PutObject`` on S3), the object URL and the step (issue 5, scenario 34)."""
+
+
+def backend_operation(exc: BaseException) -> str | None:
+    """The name of the backend API operation behind ``exc`` or one of its causes, if it has one.
+
+    botocore's ``ClientError`` carries ``operation_name``; s3fs re-raises it as a builtin
+    (``PermissionError``) with the ``ClientError`` as ``__cause__``.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        name = getattr(current, "operation_name", None)
+        if isinstance(name, str) and name:
+            return name
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class StoreUnreachableError(OpdStoreError, OSError):
     """The store cannot be used at all: no such bucket, no credentials, no connection."""
 
@@ -70,7 +93,9 @@ __all__ = [
     "ManifestError",
     "OpdStoreError",
     "ResumeMismatchError",
+    "StoragePermissionError",
     "StoreUnreachableError",
+    "backend_operation",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
 ]

@@ -22,9 +22,10 @@ STEP_PREFIX = "step-"
 
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _ATTEMPT_RE = re.compile(r"^attempt-(\d{8}T\d{6}Z)-([0-9a-f]{12})$")
-# Characters refused in payload names: path tricks, and glob / URL syntax that some fsspec
-# backends would interpret (field notes: "keys with glob characters misread as patterns").
-_FORBIDDEN_NAME_CHARS = set("\\*?[]{}#\x00\n\r")
+# Characters refused in payload names: path tricks (backslash), glob / URL syntax that some fsspec
+# backends would interpret (field notes: "keys with glob characters misread as patterns"), ":" (a
+# protocol such as "s3://" or "file:", a Windows drive) and every control character (issue 5).
+_FORBIDDEN_NAME_CHARS = set("\\*?[]{}#:") | {chr(code) for code in range(32)} | {"\x7f"}
 
 
 def step_dirname(step: int) -> str:
@@ -47,7 +48,7 @@ def parse_step_dirname(name: str) -> int | None:
     Only the canonical spelling counts (``step-000042``, ``step-1000000``), so two names can never
     denote one step (``step-0000042`` is ignored).
     """
-    match = _STEP_RE.match(name)
+    match = _STEP_RE.fullmatch(name)
     if match is None:
         return None
     step = int(match.group(1))
@@ -66,12 +67,12 @@ def new_attempt_id(now_secs: float | None = None) -> str:
 
 def is_attempt_id(name: str) -> bool:
     """True when ``name`` is an attempt id made by :func:`new_attempt_id`."""
-    return _ATTEMPT_RE.match(name) is not None
+    return isinstance(name, str) and _ATTEMPT_RE.fullmatch(name) is not None
 
 
 def attempt_created_secs(attempt_id: str) -> float | None:
     """Seconds since the epoch (UTC) encoded in an attempt id, or ``None`` if it is not one."""
-    match = _ATTEMPT_RE.match(attempt_id)
+    match = _ATTEMPT_RE.fullmatch(attempt_id)
     if match is None:
         return None
     import calendar
@@ -83,8 +84,11 @@ def check_payload_name(name: str) -> str:
     """Validate a payload's relative name and return it.
 
     A name is one or more ``/``-separated components, none empty, ``.`` or ``..``, no leading
-    ``/``, and no backslash, glob or control characters. This keeps a hostile manifest from
-    naming objects outside its attempt prefix.
+    ``/``, and no backslash, ``:``, glob (``* ? [ ] { }``), ``#`` or control characters (code
+    points 0-31 and 127). This keeps a hostile manifest from naming objects outside its attempt
+    prefix: no parent components, no absolute paths, no other protocol (``s3://``, ``file:``), no
+    Windows separators or drives, no empty segments (``a//b``), no names a backend would read as
+    a pattern (issue 5).
 
     Raises:
         ValueError: the name is not a safe relative name.
@@ -92,7 +96,7 @@ def check_payload_name(name: str) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"payload name must be a non-empty string, got {name!r}")
     if name.startswith("/") or any(ch in _FORBIDDEN_NAME_CHARS for ch in name):
-        raise ValueError(f"payload name {name!r} must be relative and free of \\ * ? [ ] {{ }} #")
+        raise ValueError(f"payload name {name!r} must be relative and free of \\ : * ? [ ] {{ }} # and control characters")
     parts = name.split("/")
     if any(part in ("", ".", "..") for part in parts):
         raise ValueError(f"payload name {name!r} has an empty, '.' or '..' component")

@@ -19,6 +19,10 @@ from .layout import check_payload_name, is_attempt_id
 
 MANIFEST_FORMAT = "opd_store.manifest"
 MANIFEST_FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 8 << 20
+"""Largest manifest accepted, written or read: 8 MiB. A manifest of 10,000 payloads is about
+2 MiB; the limit keeps a hostile or damaged object from costing unbounded memory and time
+(issue 5). Readers fetch at most this many bytes plus one."""
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 
 
@@ -28,8 +32,8 @@ class Writer(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str
-    pid: int
-    rank: int = 0
+    pid: int = Field(strict=True)
+    rank: int = Field(default=0, strict=True)
 
 
 class PayloadEntry(BaseModel):
@@ -46,7 +50,7 @@ class PayloadEntry(BaseModel):
 
     name: str
     path: str
-    size_bytes: int = Field(ge=0)
+    size_bytes: int = Field(ge=0, strict=True)
     crc32c: str
 
     @field_validator("name")
@@ -80,12 +84,12 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     format: str = MANIFEST_FORMAT
-    format_version: int = MANIFEST_FORMAT_VERSION
-    step: int = Field(ge=0)
+    format_version: int = Field(default=MANIFEST_FORMAT_VERSION, strict=True)
+    step: int = Field(ge=0, strict=True)
     attempt_id: str
     writer: Writer
     created_at: _dt.datetime
-    world_size: int = Field(default=1, ge=1)
+    world_size: int = Field(default=1, ge=1, strict=True)
     payloads: tuple[PayloadEntry, ...]
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -142,8 +146,19 @@ class Manifest(BaseModel):
         return sum(entry.size_bytes for entry in self.payloads)
 
     def to_json_bytes(self) -> bytes:
-        """Serialise to UTF-8 JSON (stable key order, one object)."""
-        return (self.model_dump_json(indent=1) + "\n").encode("utf-8")
+        """Serialise to UTF-8 JSON (stable key order, one object).
+
+        Raises:
+            ManifestError: the result is larger than :data:`MAX_MANIFEST_BYTES` (too much
+                metadata); nothing is written.
+        """
+        data = (self.model_dump_json(indent=1) + "\n").encode("utf-8")
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"manifest of step {self.step} would be {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte "
+                "limit; keep metadata small"
+            )
+        return data
 
 
 def parse_manifest(data: bytes, *, url: str, expected_step: int | None = None) -> Manifest:
@@ -154,17 +169,36 @@ def parse_manifest(data: bytes, *, url: str, expected_step: int | None = None) -
         url (str): where it was read from, for the error message.
         expected_step (int | None): the step of the prefix holding it; a mismatch is refused.
 
+    Every malformed input (not bytes, over :data:`MAX_MANIFEST_BYTES`, not UTF-8, not JSON, JSON
+    nested too deeply or holding integers too long to convert, not a version-1 manifest, paths
+    outside the attempt prefix) raises :class:`ManifestError`, never another exception (fuzzed in
+    ``tests/reliability/test_manifest_fuzz.py``).
+
     Raises:
-        ManifestError: not UTF-8 JSON, not a valid version-1 manifest, or for another step.
+        ManifestError: not UTF-8 JSON, not a valid version-1 manifest, too large, or for another
+            step.
     """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ManifestError(f"unreadable manifest at {url}: expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"unreadable manifest at {url}: larger than the {MAX_MANIFEST_BYTES}-byte limit"
+        )
     try:
-        raw = json.loads(data.decode("utf-8"))
+        raw = json.loads(bytes(data).decode("utf-8"))
         manifest = Manifest.model_validate(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValidationError) as exc:
-        raise ManifestError(f"unreadable manifest at {url}: {exc}") from exc
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers UnicodeDecodeError, json.JSONDecodeError, pydantic's ValidationError
+        # and int() refusing a 5,000-digit number; RecursionError a deeply nested document.
+        raise ManifestError(f"unreadable manifest at {url}: {type(exc).__name__}: {_first_lines(exc)}") from exc
     if expected_step is not None and manifest.step != expected_step:
         raise ManifestError(f"manifest at {url} records step {manifest.step}, but lies under step {expected_step}")
     return manifest
+
+
+def _first_lines(exc: BaseException, limit_chars: int = 2000) -> str:
+    text = str(exc)
+    return text if len(text) <= limit_chars else text[:limit_chars] + " ..."
 
 
 def manifest_json_schema() -> dict[str, Any]:
@@ -175,6 +209,7 @@ def manifest_json_schema() -> dict[str, Any]:
 __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
     "Manifest",
     "PayloadEntry",
     "Writer",

@@ -29,12 +29,13 @@ from .layout import (
     LEGACY_MARKER,
     MANIFEST_NAME,
     attempt_created_secs,
+    check_payload_name,
     is_attempt_id,
     new_attempt_id,
     parse_step_dirname,
     step_dirname,
 )
-from .manifest import Manifest, parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .storage import Storage, open_storage
 from .transaction import Transaction
 
@@ -227,7 +228,7 @@ class CheckpointStore:
     def _read_manifest(self, step: int) -> Manifest | None:
         rel = f"{step_dirname(step)}/{MANIFEST_NAME}"
         try:
-            data = self.storage.read_bytes(rel, small=True)
+            data = self.storage.read_bytes(rel, small=True, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             return None
         return parse_manifest(data, url=self.storage.url(rel), expected_step=step)
@@ -345,11 +346,14 @@ class CheckpointStore:
             IntegrityError: size or checksum differ (the message names URL, step, object, expected
                 and actual values).
             ManifestError: unreadable manifest.
+            ValueError: a legacy step was asked for a name that is not a safe relative name
+                (``../``, absolute, another protocol; see :func:`opd_store.layout.check_payload_name`).
         """
         with self.open(step, name, manifest=manifest) as reader:
             return reader.read()
 
     def _read_legacy(self, step: int, name: str) -> bytes:
+        check_payload_name(name)  # no manifest to look the name up in: never leave the step prefix
         prefix = step_dirname(step)
         if self.storage.size(f"{prefix}/{LEGACY_MARKER}") is None:
             raise CheckpointNotFoundError(f"no checkpoint at {self.step_url(step)} (no manifest, no {LEGACY_MARKER})")

@@ -27,10 +27,13 @@ from .errors import (
     CommitError,
     IncompleteCheckpointError,
     ManifestError,
+    OpdStoreError,
+    StoragePermissionError,
     UnsupportedBackendError,
+    backend_operation,
 )
 from .layout import MANIFEST_NAME, check_payload_name, step_dirname
-from .manifest import Manifest, PayloadEntry, Writer, parse_manifest
+from .manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, parse_manifest
 
 if TYPE_CHECKING:
     from .storage import Storage
@@ -57,12 +60,29 @@ class PayloadWriter:
         self._handle = handle
         self._crc = Crc32c()
         self._state = "open"
+        # The first backend error of a write(), raised by close(). torch.save cannot report an
+        # exception from write(): its zip writer then fails its own position check while writing
+        # the end records and raises "RuntimeError: unexpected pos", hiding the cause (found with
+        # a 403 on S3 multipart uploads, issue 5). So write() records the error and drops every
+        # later byte; close() discards the object and raises the error; nothing can publish.
+        self._write_error: Exception | None = None
 
     # file protocol ------------------------------------------------------------------------
     def write(self, data) -> int:
-        """Write a buffer (``bytes``, ``bytearray`` or ``memoryview``); return its byte count."""
+        """Write a buffer (``bytes``, ``bytearray`` or ``memoryview``); return its byte count.
+
+        A backend failure (after the backend's own retries) is not raised here but by
+        :meth:`close` (or the ``with`` block's exit): ``torch.save`` cannot pass an exception from
+        ``write`` through its zip writer (it would report ``RuntimeError: unexpected pos``
+        instead). Bytes written after a failure are dropped; the payload is never published.
+
+        Raises:
+            ValueError: the writer is closed, aborted or failed.
+        """
         if self._state != "open":
             raise ValueError(f"write to a {self._state} payload writer {self.name!r}")
+        if self._write_error is not None:
+            return memoryview(data).nbytes  # dropped: this payload already failed (see __init__)
         view = data if isinstance(data, memoryview) else memoryview(data)
         if not view.c_contiguous:
             view = memoryview(view.tobytes())
@@ -70,15 +90,29 @@ class PayloadWriter:
         count = self._crc.update(view)
         # fsspec's buffered files copy each whole write() into their part buffer before uploading:
         # one 1 GiB tensor would cost ~3 GiB of RSS. Zero-copy slices keep it to one part.
-        for offset in range(0, count, _WRITE_SLICE_BYTES):
-            self._handle.write(view[offset:offset + _WRITE_SLICE_BYTES])
+        try:
+            for offset in range(0, count, _WRITE_SLICE_BYTES):
+                self._handle.write(view[offset:offset + _WRITE_SLICE_BYTES])
+        except Exception as exc:  # noqa: BLE001 - raised by close(), see __init__
+            # A remote writer uploads as it goes (S3: CreateMultipartUpload, UploadPart).
+            self._write_error = exc
+            logger.debug("payload %s: write failed (%r); raised at close", self._rel, exc)
         return count
+
+    def _denied(self, exc: PermissionError) -> PermissionError:
+        if isinstance(exc, OpdStoreError):
+            return exc
+        operation = backend_operation(exc) or "the write"
+        return StoragePermissionError(
+            f"{self._txn.storage.url(self._rel)}: permission denied: the backend refused {operation} while "
+            f"writing payload {self.name!r} of step {self._txn.step} ({exc}); step {self._txn.step} is not committed"
+        )
 
     def tell(self) -> int:
         return self._crc.size_bytes
 
     def flush(self) -> None:
-        if self._state == "open":
+        if self._state == "open" and self._write_error is None:
             self._handle.flush()
 
     def writable(self) -> bool:
@@ -99,12 +133,26 @@ class PayloadWriter:
         return self._crc.size_bytes
 
     def close(self) -> None:
-        """Publish the object and record its entry (size_bytes, crc32c) in the transaction."""
+        """Publish the object and record its entry (size_bytes, crc32c) in the transaction.
+
+        Raises:
+            StoragePermissionError: the backend refused an upload request, now or during an
+                earlier :meth:`write` (S3: the credentials may not ``CreateMultipartUpload`` or
+                ``UploadPart``); names the operation (issue 5, scenario 34).
+            OSError: any other backend failure, now or during an earlier :meth:`write`; the object
+                is discarded (no open multipart upload is left).
+        """
         if self._state != "open":
             return
+        if self._write_error is not None:
+            failed = self._write_error
+            self.abort()
+            if isinstance(failed, PermissionError):
+                raise self._denied(failed) from failed
+            raise failed
         try:
             self._txn.storage.finish_write(self._handle, self._rel)
-        except BaseException:
+        except BaseException as exc:
             self._state = "failed"
             self._txn._writer_failed(self)
             # A failed publish must leave nothing that could publish later or keep costing (an
@@ -113,6 +161,8 @@ class PayloadWriter:
                 self._txn.storage.abort_write(self._handle, self._rel)
             except Exception:  # noqa: BLE001 - the close error is the one to report
                 logger.warning("could not discard the failed payload writer %s", self._rel, exc_info=True)
+            if isinstance(exc, PermissionError) and not isinstance(exc, OpdStoreError):
+                raise self._denied(exc) from exc
             raise
         self._state = "closed"
         self._txn._record(
@@ -241,8 +291,12 @@ class Transaction:
     def commit(self) -> str:
         """Create the manifest if absent; return the committed checkpoint URL.
 
+        Before the create, one listing of the attempt prefix checks that every payload is stored
+        with the size that was written (:meth:`_check_stored_sizes`).
+
         Raises:
-            IncompleteCheckpointError: a payload writer is still open or failed.
+            IncompleteCheckpointError: a payload writer is still open or failed, or a payload is
+                missing or of another size on the backend (this attempt's payloads are deleted).
             CommitConflictError: another attempt committed this step first (this attempt's
                 payloads are then deleted: no manifest names them).
             UnsupportedBackendError: no create-only write and no opt-in to check-then-put.
@@ -259,6 +313,7 @@ class Transaction:
         self._state = "committing"
         try:
             self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
+            self._check_stored_sizes()
             manifest = Manifest(
                 step=self.step,
                 attempt_id=self.attempt_id,
@@ -289,11 +344,42 @@ class Transaction:
         self.committed_url = self.url
         return self.url
 
+    def _check_stored_sizes(self) -> None:
+        """Refuse to name a payload whose stored size differs from the bytes written to it.
+
+        A backend (or a proxy, a FUSE mount, a buggy S3-compatible server) can report success for
+        a write yet store nothing or a short object (issue 5, scenario 37). Readers would find the
+        step incomplete forever, while the save had reported success. One listing of the attempt
+        prefix, just before the manifest is created, compares every entry's ``size_bytes`` with
+        what the backend holds. Cost: one LIST request per 1,000 payloads on S3/GCS (one in
+        practice), a directory walk locally; it also covers payloads other ranks wrote
+        (:meth:`Transaction.add_entry`).
+
+        Raises:
+            IncompleteCheckpointError: an object is absent or of another size; names each one's
+                URL with expected and stored sizes.
+        """
+        listed = self.storage.list_tree(f"{self._step_rel}/{self.attempt_id}")
+        wrong = []
+        for entry in self._entries.values():
+            stored = listed.get(entry.name)
+            if stored != entry.size_bytes:
+                where = self.storage.url(self._payload_rel(entry.name))
+                wrong.append(f"{where}: wrote {entry.size_bytes} bytes, backend holds "
+                             + ("no object" if stored is None else f"{stored} bytes"))
+        if wrong:
+            raise IncompleteCheckpointError(
+                f"{self.url}: step {self.step} not committed, the backend did not store what was written: "
+                + "; ".join(wrong)
+            )
+
     def _settle(self, manifest_rel: str, exc: BaseException, *, lost_race: bool) -> None:
         """Decide a failed create by reading the manifest back and comparing attempt ids."""
         url = self.storage.url(manifest_rel)
         try:
-            found = parse_manifest(self.storage.read_bytes(manifest_rel), url=url, expected_step=self.step)
+            found = parse_manifest(
+                self.storage.read_bytes(manifest_rel, small=True, max_bytes=MAX_MANIFEST_BYTES), url=url, expected_step=self.step
+            )
         except FileNotFoundError:
             found = None
         except ManifestError as bad:

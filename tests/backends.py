@@ -107,6 +107,52 @@ class MotoS3:
         self.boto3_client().create_bucket(Bucket=bucket)
         return Backend("s3", f"s3://{bucket}/runs/demo", self.storage_options())
 
+    def smoke_check(self) -> dict[str, Any]:
+        """Prove s3fs talks to this server over HTTP: list, write, read, multipart, delete
+        (issue 5, scenario 20). Run once when the session's server starts, before any S3 test.
+
+        Returns:
+            dict: what was observed (``listed``, ``read_back``, ``multipart_etag``, ``parts``,
+            ``after_delete``), for the test that asserts it.
+
+        Raises:
+            RuntimeError: any step did not behave as S3 does, naming the step.
+        """
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
+        client = self.boto3_client()
+        bucket = "opd-smoke"
+        seen: dict[str, Any] = {}
+
+        def require(ok: bool, step: str) -> None:
+            if not ok:
+                raise RuntimeError(f"moto smoke test failed at {step!r} against {self.endpoint_url}: {seen}")
+
+        client.create_bucket(Bucket=bucket)
+        fs.pipe_file(f"{bucket}/smoke/small.bin", b"opd-store smoke")
+        seen["listed"] = sorted(fs.ls(f"{bucket}/smoke", detail=False, refresh=True))
+        require(seen["listed"] == [f"{bucket}/smoke/small.bin"], "list")
+        seen["read_back"] = fs.cat_file(f"{bucket}/smoke/small.bin")
+        require(seen["read_back"] == b"opd-store smoke", "read")
+        part = 5 << 20  # S3's smallest multipart part
+        data = bytes(range(256)) * ((2 * part + 1024) // 256)
+        with fs.open(f"{bucket}/smoke/multipart.bin", "wb", block_size=part) as handle:
+            for offset in range(0, len(data), part):  # one block per write: one part each
+                handle.write(data[offset:offset + part])
+        head = client.head_object(Bucket=bucket, Key="smoke/multipart.bin")
+        seen["multipart_etag"] = head["ETag"]
+        seen["parts"] = int(head["ETag"].strip('"').rpartition("-")[2] or 0) if "-" in head["ETag"] else 0
+        require(seen["parts"] >= 2 and head["ContentLength"] == len(data), "multipart write")
+        require(fs.cat_file(f"{bucket}/smoke/multipart.bin") == data, "multipart read")
+        require(client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == [], "multipart completion")
+        fs.rm(f"{bucket}/smoke", recursive=True)
+        fs.invalidate_cache()
+        seen["after_delete"] = client.list_objects_v2(Bucket=bucket).get("KeyCount")
+        require(seen["after_delete"] == 0 and not fs.exists(f"{bucket}/smoke/small.bin"), "delete")
+        client.delete_bucket(Bucket=bucket)
+        return seen
+
     def stop(self) -> None:
         self._server.stop()
 

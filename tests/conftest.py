@@ -21,6 +21,9 @@ ALL_BACKENDS = ("local", "memory", "s3", "gcs")
 @pytest.fixture(scope="session")
 def moto_s3():
     server = MotoS3()
+    # Scenario 20 of issue 5: before any S3 test runs, prove s3fs works against this server over
+    # HTTP (list, write, read, multipart, delete); a failure stops every S3 test with its reason.
+    server.smoke_check()
     yield server
     server.stop()
 

@@ -195,8 +195,10 @@ class S3Storage(_BucketStorage):
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
 
-    def read_bytes(self, rel: str, *, small: bool = False) -> bytes:
+    def read_bytes(self, rel: str, *, small: bool = False, max_bytes: int | None = None) -> bytes:
         self.refresh()
+        if max_bytes is not None:  # one ranged GET (no HEAD: the range is absolute)
+            return self.fs.cat_file(self.path(rel), start=0, end=max_bytes + 1)
         if small:
             # s3fs's cat_file sends a HEAD first to plan a concurrent ranged download; a manifest
             # is one GET.

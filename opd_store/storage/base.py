@@ -122,18 +122,22 @@ class Storage:
             return None
         return int(info.get("size") or 0)
 
-    def read_bytes(self, rel: str, *, small: bool = False) -> bytes:
-        """The whole object ``rel``.
+    def read_bytes(self, rel: str, *, small: bool = False, max_bytes: int | None = None) -> bytes:
+        """The whole object ``rel``, or its first ``max_bytes + 1`` bytes.
 
         Args:
             rel (str): object path relative to the root.
             small (bool): the object is known to be small (a manifest): backends that would first
                 ask for its size to plan a parallel download skip that request.
+            max_bytes (int | None): fetch at most ``max_bytes + 1`` bytes (one ranged request), so
+                a caller with a size limit sees that the object is over it without fetching it all.
 
         Raises:
             FileNotFoundError: no such object.
         """
         self.refresh()
+        if max_bytes is not None:
+            return self.fs.cat_file(self.path(rel), start=0, end=max_bytes + 1)
         return self.fs.cat_file(self.path(rel))
 
     def check_reachable(self) -> None:

@@ -6,12 +6,9 @@ Helpers are handed out as fixtures (``opd``) because test modules here are not a
 from __future__ import annotations
 
 import hashlib
-import http.client
-import http.server
 import json
 import random
 import sys
-import threading
 import types
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from backends import Backend  # noqa: E402  (tests/ is on sys.path via tests/conftest.py)
+from s3proxy import FaultProxy  # noqa: E402
 
 OPD_BACKENDS = ("local", "memory", "s3")
 
@@ -293,96 +291,7 @@ def peft_factory() -> PeftFactory:
     return PeftFactory()
 
 
-# -- S3 fault proxy ------------------------------------------------------------------------------
-
-_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
-
-
-class FaultProxy:
-    """An HTTP proxy in front of moto that answers the first ``fail_puts`` PUT requests with
-    ``503 SlowDown`` (as S3 does under load), so botocore really retries, with its back-off drawn
-    from Python's ``random``. Everything else is forwarded unchanged."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream.removeprefix("http://")
-        self.fail_puts = 0
-        self.failed: list[str] = []
-        self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-            def _body(self) -> bytes:
-                if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                    chunks = []
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return b"".join(chunks)
-                        chunks.append(self.rfile.read(size))
-                        self.rfile.readline()
-                length = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(length) if length else b""
-
-            def _handle(self) -> None:
-                body = self._body()
-                if self.command == "PUT":
-                    with proxy.lock:
-                        fail = proxy.fail_puts > 0
-                        if fail:
-                            proxy.fail_puts -= 1
-                            proxy.failed.append(self.path)
-                    if fail:
-                        payload = (
-                            b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-                            b"<Message>Please reduce your request rate.</Message></Error>"
-                        )
-                        self.send_response(503)
-                        self.send_header("Content-Type", "application/xml")
-                        self.send_header("Content-Length", str(len(payload)))
-                        self.end_headers()
-                        self.wfile.write(payload)
-                        return
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-                headers.pop("Content-Length", None)
-                headers.pop("Expect", None)
-                if body or self.command in ("PUT", "POST"):
-                    headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
-                try:
-                    conn.request(self.command, self.path, body=body or None, headers=headers)
-                    response = conn.getresponse()
-                    data = response.read()
-                    self.send_response(response.status, response.reason)
-                    for key, value in response.getheaders():
-                        if key.lower() in _HOP_BY_HOP or (key.lower() == "content-length" and self.command != "HEAD"):
-                            continue
-                        self.send_header(key, value)
-                    if self.command != "HEAD":
-                        self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(data)
-                finally:
-                    conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.endpoint_url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+# -- S3 fault proxy (tests/s3proxy.py) ----------------------------------------------------------
 
 
 @pytest.fixture

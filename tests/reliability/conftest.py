@@ -1,0 +1,35 @@
+"""Fixtures of the reliability tests (issue 5): S3 behind the fault proxy of ``tests/s3proxy.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends import Backend  # tests/ is on sys.path via tests/conftest.py
+from s3proxy import S3FaultProxy
+
+# s3fs's default block is 50 MiB; 5 MiB (S3's smallest part) makes a multipart payload cheap.
+BLOCK_BYTES = 5 << 20
+
+
+@pytest.fixture
+def s3_proxy(moto_s3):
+    """A clean bucket on moto reached through :class:`S3FaultProxy`; yields (Backend, proxy).
+
+    The backend's storage options point s3fs at the proxy and set a 5 MiB upload block.
+    """
+    backend = moto_s3.new_backend()
+    proxy = S3FaultProxy(moto_s3.endpoint_url)
+    options = dict(backend.storage_options, endpoint_url=proxy.endpoint_url, default_block_size=BLOCK_BYTES)
+    try:
+        yield Backend("s3", backend.url, options), proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def raw(backend, request):
+    """An independent view of ``backend`` (see ``tests/core/helpers.py``)."""
+    from core.helpers import Raw
+
+    moto = request.getfixturevalue("moto_s3") if backend.name == "s3" else None
+    return Raw(backend, moto)
