@@ -69,6 +69,17 @@ def preload() -> None:
     import opd_store.torch_io  # noqa: F401
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent exits (no orphaned measurements)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_child(args, method: str, backend: str, size_mib: int, tag: int, root: str, options: dict,
               moto: MotoProcess | None) -> dict:
     """:func:`bench._method_child.measure_one` in a process forked from this one.
@@ -83,6 +94,7 @@ def run_child(args, method: str, backend: str, size_mib: int, tag: int, root: st
     pid = os.fork()
     if pid == 0:  # child
         os.close(read_fd)
+        _die_with_parent()
         code = 0
         try:
             row = measure_one(method, backend, size_mib, root, tag, options, moto.pid if moto else None)
