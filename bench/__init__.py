@@ -2,6 +2,7 @@
 
 Run from the repository root::
 
+    .venv/bin/python -m bench                 # issue 9: raw / torch.save / seed / DCP / opd_store
     .venv/bin/python -m bench.core --size-mib 256
     .venv/bin/python -m bench.core            # 1 GiB, the issue's size
 """

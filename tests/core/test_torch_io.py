@@ -1,0 +1,98 @@
+"""``opd_store.torch_io``: torch.save without torch's zip CRC-32, scoped to the calling thread."""
+
+from __future__ import annotations
+
+import io
+import threading
+import zipfile
+
+import pytest
+import torch
+
+from opd_store import CheckpointStore, IntegrityError
+from opd_store.layout import step_dirname
+from opd_store.torch_io import no_zip_crc32, torch_save, zip_crc32_switchable
+
+
+def _state() -> dict:
+    gen = torch.Generator().manual_seed(7)
+    return {"weight": torch.rand(4096, generator=gen), "bias": torch.arange(16, dtype=torch.float32)}
+
+
+def _record_crcs(data: bytes) -> dict[str, int]:
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return {info.filename.split("/", 1)[1]: info.CRC for info in archive.infolist()}
+
+
+def test_switchable_on_the_torch_ci_installs():
+    # CI installs torch 2.13, whose config overrides are thread-local.
+    assert torch.__version__.startswith("2.13")
+    assert zip_crc32_switchable() is True
+
+
+def test_torch_save_writes_no_zip_crc_and_round_trips_through_the_store(tmp_path):
+    store = CheckpointStore(tmp_path / "store")
+    state = _state()
+    with store.begin(3) as txn:
+        with txn.open("state.pt") as writer:
+            torch_save(state, writer)
+    data = store.read(3, "state.pt")
+    crcs = _record_crcs(data)
+    # Tensor records ("data/0", "data/1") carry CRC 0: torch skipped its CRC-32.
+    assert crcs["data/0"] == 0 and crcs["data/1"] == 0
+    with store.open(3, "state.pt") as handle:
+        loaded = torch.load(handle, weights_only=True)
+    assert torch.equal(loaded["weight"], state["weight"])
+    assert torch.equal(loaded["bias"], state["bias"])
+
+    plain = io.BytesIO()
+    torch.save(state, plain)  # outside the helper: torch's default, real CRC-32s
+    assert _record_crcs(plain.getvalue())["data/0"] != 0
+    assert zipfile.ZipFile(plain).testzip() is None
+
+
+def test_store_crc32c_catches_what_the_missing_zip_crc_would_have(tmp_path):
+    store = CheckpointStore(tmp_path / "store")
+    state = _state()
+    with store.begin(1) as txn:
+        with txn.open("state.pt") as writer:
+            torch_save(state, writer)
+    entry = store.manifest(1).entry("state.pt")
+    path = tmp_path / "store" / step_dirname(1) / entry.path
+    data = bytearray(path.read_bytes())
+    offset = data.index(state["weight"][100:104].numpy().tobytes())
+    data[offset] ^= 0x01  # one bit of one float in the weight record
+    path.write_bytes(bytes(data))
+    # torch.load alone accepts the damaged archive (no zip CRC to check) and returns a wrong value...
+    loaded = torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    assert not torch.equal(loaded["weight"], state["weight"])
+    # ...the store's CRC32C refuses it.
+    with pytest.raises(IntegrityError, match="crc32c"):
+        store.open(1, "state.pt")
+
+
+def test_no_zip_crc32_does_not_reach_other_threads():
+    inside = threading.Event()
+    release = threading.Event()
+    seen: dict[str, object] = {}
+
+    def holder() -> None:
+        with no_zip_crc32():
+            seen["holder"] = torch.serialization.get_crc32_options()
+            inside.set()
+            release.wait(timeout=60)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert inside.wait(timeout=60)
+        seen["other"] = torch.serialization.get_crc32_options()
+        buffer = io.BytesIO()
+        torch.save(_state(), buffer)  # this thread, while the holder is inside the block
+    finally:
+        release.set()
+        thread.join(timeout=60)
+    assert seen == {"holder": False, "other": True}
+    assert _record_crcs(buffer.getvalue())["data/0"] != 0
+    assert zipfile.ZipFile(buffer).testzip() is None
+    assert torch.serialization.get_crc32_options() is True
