@@ -162,3 +162,16 @@ def test_the_policy_denies_other_runs_and_the_rest_of_the_bucket(recorded):
     assert not is_allowed(POLICY, listing)
     head_bucket = Permission("HeadBucket", "s3:ListBucket", f"arn:aws:s3:::{BUCKET}")
     assert not is_allowed(POLICY, head_bucket)
+
+
+def test_one_save_of_the_main_job_is_14_requests(recorded):
+    """The request count of docs/operations.md ("Costs"): a save of the main job's 8 payloads."""
+    entries, _ = recorded
+    save: list[str] = []
+    for entry in entries:
+        operation = required_permissions(entry)[0].operation
+        if "step-000002" in entry["url"]:
+            save.append(operation)
+        if operation == "GetObject" and entry["url"].endswith("/step-000002/manifest.json"):
+            break  # the read-back that ends the commit
+    assert Counter(save) == {"HeadObject": 2, "ListObjectsV2": 2, "PutObject": 9, "GetObject": 1}
