@@ -204,7 +204,8 @@ def seeded_run(tmp_path_factory) -> Path:
     return store
 
 
-@pytest.mark.timeout(1200)
+# The first run-s3 block also pays for the seeded run (one training); a block may train twice.
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.kind == "run-s3"], ids=_ids)
 def test_run_s3_block(block, tmp_path, moto_s3, seeded_run):
     backend = moto_s3.new_backend("my-bucket")
