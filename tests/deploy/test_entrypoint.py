@@ -74,7 +74,7 @@ def test_entrypoint_runs_to_the_end_then_resumes_without_training(tmp_path):
 def test_sigterm_exits_143_and_the_next_start_resumes(tmp_path):
     store = tmp_path / "store"
     events = tmp_path / "events-1.jsonl"
-    first = _start(store, 6, events, tmp_path)
+    first = _start(store, 3, events, tmp_path)
     try:
         deadline = time.monotonic() + 900
         while not any(e["event"] == "saved" for e in _events(events)):
@@ -91,9 +91,9 @@ def test_sigterm_exits_143_and_the_next_start_resumes(tmp_path):
     latest = CheckpointStore(store).latest_step()
     assert latest >= 1
 
-    second = _start(store, 6, tmp_path / "events-2.jsonl", tmp_path)
+    second = _start(store, 3, tmp_path / "events-2.jsonl", tmp_path)
     out, err = second.communicate(timeout=900)
     assert second.returncode == 0, err[-3000:]
     resumed = [e for e in _events(tmp_path / "events-2.jsonl") if e["event"] == "resumed"]
     assert resumed == [{"event": "resumed", "url": str(store / f"step-{latest:06d}"), "step": latest}]
-    assert CheckpointStore(store).latest_step() == 6
+    assert CheckpointStore(store).latest_step() == 3
