@@ -194,6 +194,17 @@ class S3Storage(_BucketStorage):
     """Amazon S3 (or an S3-compatible server) through s3fs."""
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
+    # Only requests inside the store's prefix (issue 10: deploy/iam/s3-policy.json grants
+    # s3:ListBucket only for the run's prefix). HeadBucket needs s3:ListBucket without a prefix,
+    # and s3fs's ls() of an empty prefix lists the parent prefix to see whether the name is an
+    # object: both are denied by that policy. The root listing alone tells a missing bucket
+    # (NoSuchBucket) from an empty store (no keys).
+    probe_bucket = False
+
+    def _list_dir(self, base: str) -> list[dict]:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, self.fs._lsdir, base, refresh=True)
 
     def read_bytes(self, rel: str, *, small: bool = False, max_bytes: int | None = None) -> bytes:
         self.refresh()

@@ -76,7 +76,7 @@ class Storage:
         self.refresh()
         base = self.path(rel)
         try:
-            entries = self.fs.ls(base, detail=True, refresh=True)
+            entries = self._list_dir(base)
         except FileNotFoundError:
             return [], {}
         dirs: list[str] = []
@@ -90,6 +90,14 @@ class Storage:
             else:
                 files[name] = int(entry.get("size") or 0)
         return dirs, files
+
+    def _list_dir(self, base: str) -> list[dict]:
+        """One fresh delimiter listing of the filesystem path ``base`` (fsspec ``ls`` entries).
+
+        Raises:
+            FileNotFoundError: ``base`` (or its bucket) does not exist.
+        """
+        return self.fs.ls(base, detail=True, refresh=True)
 
     def list_tree(self, rel: str = "") -> dict[str, int]:
         """Every object below ``rel``, recursively: {path relative to ``rel``: size_bytes}.
@@ -150,16 +158,20 @@ class Storage:
 
         self.refresh()
         bucket = self.root.split("/", 1)[0] if self.bucketed else None
+        missing_bucket = f"{self.url_root}: bucket {bucket!r} does not exist"
         try:
-            if bucket is not None:
+            if bucket is not None and self.probe_bucket:
                 try:
                     self.fs.info(bucket)
                 except FileNotFoundError as exc:
-                    raise StoreUnreachableError(f"{self.url_root}: bucket {bucket!r} does not exist") from exc
+                    raise StoreUnreachableError(missing_bucket) from exc
             try:
-                self.fs.ls(self.root, detail=False, refresh=True)
-            except FileNotFoundError:
-                pass  # an empty store: the first save creates it
+                self._list_dir(self.root)
+            except FileNotFoundError as exc:
+                if bucket is not None and not self.probe_bucket:
+                    # The listing is the probe: it raises only when the bucket is missing.
+                    raise StoreUnreachableError(missing_bucket) from exc
+                # else: an empty store; the first save creates it
         except StoreUnreachableError:
             raise
         except Exception as exc:  # noqa: BLE001 - every backend failure is reported the same way
@@ -167,6 +179,8 @@ class Storage:
             raise StoreUnreachableError(f"{self.url_root}: cannot reach the store ({cause})") from exc
 
     bucketed = False
+    # Ask for the bucket itself before listing the root (False: the root listing tells).
+    probe_bucket = True
 
     def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
         """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.

@@ -1,0 +1,225 @@
+"""Every fenced code block in README.md and docs/*.md is run by a test.
+
+The convention (documented in docs/operations.md, "How the blocks on this page are tested"): a
+fenced block with a language must directly follow an HTML comment saying how it is run:
+
+- ``<!-- doc-block: run -->``: run as-is (bash with ``-euo pipefail``; python in a fresh
+  interpreter) in an empty temporary directory;
+- ``<!-- doc-block: run-s3 -->``: the same, with ``AWS_ENDPOINT_URL_S3`` pointing at a fresh moto
+  S3 server on loopback whose ``s3://my-bucket/runs/run-1`` holds steps 2 and 4 of
+  ``opd-store train --updates 4 --checkpoint-every 2``;
+- ``<!-- doc-block: run-by TARGET [TARGET ...] -->``: run by other tests; each ``TARGET`` is a
+  pytest id (``tests/x.py::test_name``, the test function must exist) or a repository file
+  (``.ci/run``); with only file targets, every command line of the block must appear in one.
+
+An unmarked block, or a marker this harness does not know, fails ``test_every_block_is_marked``,
+so new docs cannot ship untested code. Blocks without a language (diagrams, layouts) are not code.
+
+Issue 10.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MARKER = re.compile(r"^\s*<!--\s*doc-block:\s*(?P<kind>[a-z0-9-]+)(?:\s+(?P<arg>\S+(?:\s+\S+)*?))?\s*-->\s*$")
+FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[^\s`]*)")
+KINDS = {"run", "run-s3", "run-by"}
+BASH = {"bash", "sh", "shell", "console"}
+NOT_CODE = {"", "text", "mermaid"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One fenced block of a markdown file."""
+
+    path: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    kind: str | None  # the marker's kind, None when unmarked
+    arg: str | None
+
+    @property
+    def id(self) -> str:
+        name = self.path.relative_to(REPO) if self.path.is_relative_to(REPO) else self.path.name
+        return f"{name}:{self.line}"
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    """Every fenced block of ``path`` with the marker on the nearest non-blank line above it."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    index = 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if not opening:
+            index += 1
+            continue
+        fence, indent = opening["fence"], len(opening["indent"])
+        body: list[str] = []
+        end = index + 1
+        while end < len(lines) and not lines[end].strip().startswith(fence):
+            body.append(lines[end][indent:] if lines[end][:indent].strip() == "" else lines[end])
+            end += 1
+        above = index - 1
+        while above >= 0 and not lines[above].strip():
+            above -= 1
+        marker = MARKER.match(lines[above]) if above >= 0 else None
+        blocks.append(Block(path, index + 1, opening["lang"].lower(), textwrap.dedent("\n".join(body)) + "\n",
+                            marker["kind"] if marker else None, marker["arg"] if marker else None))
+        index = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [block for path in DOC_FILES for block in parse_blocks(path)]
+CODE_BLOCKS = [block for block in ALL_BLOCKS if block.lang not in NOT_CODE]
+
+
+def _ids(block: Block) -> str:
+    return block.id
+
+
+def test_the_parser_sees_the_blocks():
+    # A parser that found nothing would pass every test below vacuously.
+    assert len(CODE_BLOCKS) >= 10
+    assert any(block.path.name == "README.md" for block in CODE_BLOCKS)
+    assert {"run", "run-s3", "run-by"} <= {block.kind for block in CODE_BLOCKS}
+
+
+def test_parser_and_marker_rules(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("x\n\n<!-- doc-block: run -->\n```bash\necho hi\n```\n\n```python\nprint(1)\n```\n\n"
+                   "```\nplain diagram\n```\n\n1. item\n\n   <!-- doc-block: run-by .ci/run -->\n"
+                   "   ```bash\n   bash scripts/test.sh\n   ```\n")
+    blocks = parse_blocks(doc)
+    assert [(b.line, b.lang, b.kind, b.arg, b.code) for b in blocks] == [
+        (4, "bash", "run", None, "echo hi\n"),
+        (8, "python", None, None, "print(1)\n"),
+        (12, "", None, None, "plain diagram\n"),
+        (19, "bash", "run-by", ".ci/run", "bash scripts/test.sh\n"),
+    ]
+    assert [marker_problem(b) for b in blocks if b.lang not in NOT_CODE] == [
+        None, f"{blocks[1].id}: python block without a <!-- doc-block: ... --> marker", None]
+
+
+def marker_problem(block: Block) -> str | None:
+    """Why a code block's marker is not acceptable, or None."""
+    if block.kind is None:
+        return f"{block.id}: {block.lang} block without a <!-- doc-block: ... --> marker"
+    if block.kind not in KINDS:
+        return f"{block.id}: unknown marker kind {block.kind!r} (one of {sorted(KINDS)})"
+    if (block.kind == "run-by") != (block.arg is not None):
+        return f"{block.id}: only run-by takes an argument"
+    if block.kind in ("run", "run-s3") and block.lang not in BASH | {"python"}:
+        return f"{block.id}: cannot run a {block.lang} block"
+    return None
+
+
+def test_every_block_is_marked():
+    problems = [problem for block in CODE_BLOCKS if (problem := marker_problem(block))]
+    assert problems == []
+
+
+def _test_exists(target: str) -> bool:
+    file_part, _, name = target.partition("::")
+    path = REPO / file_part
+    if not path.is_file():
+        return False
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return name.split("[")[0] in names
+
+
+def _commands(code: str) -> list[str]:
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in code.replace("\\\n", " ").splitlines()]
+    return [re.sub(r"\s+", " ", line) for line in lines if line and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.kind == "run-by"], ids=_ids)
+def test_run_by_targets_exist(block):
+    """Each target exists; with only file targets, every command of the block is in one of them."""
+    tests = [target for target in block.arg.split() if "::" in target]
+    files = [target for target in block.arg.split() if "::" not in target]
+    for target in tests:
+        assert _test_exists(target), f"{block.id}: no test {target}"
+    texts = []
+    for target in files:
+        path = REPO / target
+        assert path.is_file(), f"{block.id}: no file {target}"
+        texts.append(re.sub(r"\s+", " ", path.read_text(encoding="utf-8")))
+    if not tests:
+        missing = [command for command in _commands(block.code) if not any(command in text for text in texts)]
+        assert missing == [], f"{block.id}: {files} do not run {missing}"
+
+
+def _environment(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["HOME"] = str(home)
+    env.pop("AWS_ENDPOINT_URL_S3", None)
+    return env
+
+
+def _run(block: Block, cwd: Path, env: dict[str, str]) -> None:
+    if block.lang == "python":
+        command = [sys.executable, "-c", block.code]
+    else:
+        command = ["bash", "-euo", "pipefail", "-c", block.code]
+    # Blocks refer to repository files (deploy/entrypoint.sh): give them the repository's files.
+    for name in ("deploy", "scripts"):
+        (cwd / name).symlink_to(REPO / name)
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (f"{block.id} exited {result.returncode}\n--- block\n{block.code}"
+                                    f"--- stdout\n{result.stdout[-4000:]}--- stderr\n{result.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.kind == "run"], ids=_ids)
+def test_run_block(block, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    _run(block, work, _environment(tmp_path))
+
+
+@pytest.fixture(scope="session")
+def seeded_run(tmp_path_factory) -> Path:
+    """A local store holding steps 2 and 4 of ``opd-store train --updates 4 --checkpoint-every 2``."""
+    store = tmp_path_factory.mktemp("docs-seed") / "run-1"
+    subprocess.run([sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
+                    "--checkpoint-every", "2", "--log", os.devnull, "--events", os.devnull],
+                   check=True, timeout=900, env=_environment(store.parent), stdout=subprocess.DEVNULL)
+    return store
+
+
+# The first run-s3 block also pays for the seeded run (one training); a block may train twice.
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.kind == "run-s3"], ids=_ids)
+def test_run_s3_block(block, tmp_path, moto_s3, seeded_run):
+    backend = moto_s3.new_backend("my-bucket")
+    fs = backend.raw_fs()
+    for source in sorted(p for p in seeded_run.rglob("*") if p.is_file()):
+        fs.pipe_file(f"my-bucket/runs/run-1/{source.relative_to(seeded_run).as_posix()}", source.read_bytes())
+    env = _environment(tmp_path)
+    env["AWS_ENDPOINT_URL_S3"] = moto_s3.endpoint_url
+    env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    work = tmp_path / "work"
+    work.mkdir()
+    _run(block, work, env)
+
+
+def test_shutil_which_bash():
+    # run blocks need bash; CI images have it, and a missing one must fail loudly, not skip.
+    assert shutil.which("bash")
