@@ -28,6 +28,7 @@ from opd_store.opd.rng import capture_rng_state, restore_rng_state
 
 HERE = Path(__file__).parent
 DEADLINE_SECS = 120
+CHILD_DEADLINE_SECS = 900  # a child imports torch, transformers and peft: minutes on a loaded 2-core host
 
 
 def _student(peft_factory, steps: int = 2):
@@ -226,10 +227,19 @@ def _child(backend_json: str, out_dir: Path, mode: str) -> subprocess.Popen:
     )
 
 
+def _communicate(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=CHILD_DEADLINE_SECS)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def _wait_for_line(proc: subprocess.Popen, expected: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + DEADLINE_SECS
+    deadline = time.monotonic() + CHILD_DEADLINE_SECS
     while True:
         left = deadline - time.monotonic()
         assert left > 0, f"child never said {expected!r}"
@@ -240,6 +250,7 @@ def _wait_for_line(proc: subprocess.Popen, expected: str) -> None:
                 return
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("backend_name", ["local", "s3"])
 def test_kill_during_the_background_upload_leaves_the_previous_step_and_resume_is_exact(
         request, tmp_path, opd, peft_factory, backend_name):
@@ -251,7 +262,7 @@ def test_kill_during_the_background_upload_leaves_the_previous_step_and_resume_i
         _wait_for_line(proc, "uploading")
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait(DEADLINE_SECS)
+        proc.communicate(timeout=CHILD_DEADLINE_SECS)
     store = CheckpointStore(backend.url, storage_options=backend.storage_options)
     assert store.status(4) == "uncommitted" and store.latest_step() == 2
     expected = torch.load(tmp_path / "expected.pt", weights_only=True)
@@ -259,20 +270,22 @@ def test_kill_during_the_background_upload_leaves_the_previous_step_and_resume_i
                          expected["scheduler"], expected["rng"])
 
 
+@pytest.mark.timeout(1200)
 def test_exit_waits_for_the_save_in_flight_to_commit(tmp_path, opd):
     store_dir = tmp_path / "store"
     proc = _child(f'{{"name": "local", "url": "{store_dir}", "storage_options": {{}}}}', tmp_path, "exit-commit")
-    out, err = proc.communicate(timeout=DEADLINE_SECS)
+    out, err = _communicate(proc)
     assert proc.returncode == 0, err
     assert out.splitlines() == ["returning"]
     assert f"opd_store: asynchronous save of step 2 committed: {store_dir}/step-000002" in err.splitlines()
     assert CheckpointStore(store_dir).status(2) == "complete"
 
 
+@pytest.mark.timeout(1200)
 def test_exit_abandons_a_stuck_save_uncommitted_after_the_deadline(tmp_path, opd):
     store_dir = tmp_path / "store"
     proc = _child(f'{{"name": "local", "url": "{store_dir}", "storage_options": {{}}}}', tmp_path, "exit-stuck")
-    out, err = proc.communicate(timeout=DEADLINE_SECS)
+    out, err = _communicate(proc)
     assert proc.returncode == 0, err
     assert "returning" in out.splitlines()
     assert "opd_store: waiting up to 1 s for the asynchronous save of step 2 to commit" in err.splitlines()

@@ -20,6 +20,8 @@ import torch
 
 from opd_store import CheckpointStore
 
+pytestmark = pytest.mark.timeout(2400)  # several job processes; each imports torch/transformers/peft
+
 UPDATES = 6
 DEADLINE_SECS = 600
 ROOT = Path(__file__).resolve().parents[2]
