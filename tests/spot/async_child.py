@@ -50,7 +50,7 @@ def kwargs_for(store, model, tokenizer, optimizer, scheduler, successful: int) -
         checkpoints_dir=store, model=model, processor=tokenizer, optimizer=optimizer, scheduler=scheduler,
         trainer_state=fixtures.trainer_state(successful), config=fixtures.TinyConfig(),
         provenance_fingerprints=dict(fixtures.PROVENANCE),
-        teacher_state={"update_count": successful, "ema": torch.arange(3.0) + successful},
+        teacher_state={"update_count": successful, "ema": torch.arange(3.0)},
     )
 
 
