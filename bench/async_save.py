@@ -15,8 +15,9 @@
    Backends: a local directory and moto S3 in its own process (``bench._moto_server``).
 2. job: updates per second of the main job (``opd_store.job.train.train``, in this process)
    with a checkpoint every ``--job-every`` successful updates, synchronous and ``async_save``,
-   against no checkpoints (``checkpoint_every`` past the end), on a local store. Each run
-   includes the same model build; the job's checkpoints are small (tens of KiB).
+   against no checkpoints (``checkpoint_every`` past the end), on a local store, after one
+   warm-up run. Each run includes the same model build; the job's checkpoints are small (tens of
+   KiB). ``--backends ""`` runs only this part.
 
 Prints markdown tables (and writes them to ``bench/results/async-save-<date>-<size>mib.md``).
 """
@@ -131,6 +132,9 @@ def bench_job(updates: int, every: int) -> list[tuple[str, float, float]]:
     from opd_store import CheckpointStore
     from opd_store.job.train import train
 
+    with tempfile.TemporaryDirectory(prefix="opd-bench-job-") as tmp:  # warm-up: first-use costs out of the rows
+        with open(Path(tmp) / "log.jsonl", "w") as log:
+            train(store=CheckpointStore(Path(tmp) / "store"), updates=1, checkpoint_every=2, log=log)
     rows = []
     for label, checkpoint_every, async_save in (("none", updates + 1, False), ("sync", every, False),
                                                 ("async", every, True)):
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     emit("| backend | state MiB | sync save s | async blocked s (first) | async blocked s (steady) | "
          "async save total s | blocked / sync (steady) | blocked / sync (first) |")
     emit("|---|---|---|---|---|---|---|---|")
-    for backend in args.backends.split(","):
+    for backend in [name for name in args.backends.split(",") if name]:
         tmp = tempfile.mkdtemp(prefix="opd-bench-async-")
         moto = None
         try:
