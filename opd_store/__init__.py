@@ -32,6 +32,9 @@ _LAZY = {
     "latest_complete_checkpoint": "opd_store.opd.checkpoint",
     "OPDConfig": "opd_store.opd.config",
     "migrate_legacy": "opd_store.opd.legacy",
+    "AsyncCheckpointer": "opd_store.opd.async_save",
+    "SaveHandle": "opd_store.opd.async_save",
+    "PreemptionWatcher": "opd_store.preemption",
 }
 
 
@@ -46,6 +49,9 @@ def __getattr__(name: str):
     return value
 
 __all__ = [
+    "AsyncCheckpointer",
+    "PreemptionWatcher",
+    "SaveHandle",
     "OPDConfig",
     "latest_complete_checkpoint",
     "load_adapter",

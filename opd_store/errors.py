@@ -83,7 +83,24 @@ class UnsafeCheckpointError(OpdStoreError, ValueError):
     """Checkpoint state that weights-only loading could not restore, refused at save or load."""
 
 
+class BackgroundSaveError(OpdStoreError, OSError):
+    """An asynchronous save failed in the background; reported at the next save or at close
+    (issue 8; the original exception is ``__cause__``). Nothing of that step was committed."""
+
+
+class SaveInFlightError(OpdStoreError, RuntimeError):
+    """A new asynchronous save was asked for while one is in flight, with ``when_busy="raise"``."""
+
+
+class SaveAbandonedError(OpdStoreError, OSError):
+    """An asynchronous save was abandoned uncommitted (its checkpointer closed or the interpreter
+    exited before it finished, past the stated deadline)."""
+
+
 __all__ = [
+    "BackgroundSaveError",
+    "SaveAbandonedError",
+    "SaveInFlightError",
     "AmbiguousCommitError",
     "CheckpointNotFoundError",
     "CommitConflictError",

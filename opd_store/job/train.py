@@ -22,7 +22,9 @@ import torch
 from .. import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.checkpoint import latest_complete_checkpoint, load_adapter, load_opd_checkpoint, save_opd_checkpoint
+from ..opd.async_save import AsyncCheckpointer, SaveHandle
 from ..opd.config import OPDConfig
+from ..preemption import PreemptionWatcher
 from ..store import CheckpointStore
 from .corpus import CORPUS, prompts_for
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
@@ -97,7 +99,9 @@ class TrainResult:
         resumed_from: checkpoint URL the run resumed from, or ``None``.
         resumed_step: its step, or ``None``.
         attempted_updates / successful_updates: final trainer counters.
-        saves: one dict per checkpoint saved (``step``, ``url``, ``seconds``, ``size_bytes``).
+        saves: one dict per checkpoint saved (``step``, ``url``, ``seconds``, ``size_bytes``; with
+            ``async_save`` also ``blocked_seconds``, the time training waited for the snapshot).
+        preempted: the ``preempted`` event when a preemption notice ended the run early, else ``None``.
     """
 
     resumed_from: str | None
@@ -105,6 +109,7 @@ class TrainResult:
     attempted_updates: int
     successful_updates: int
     saves: list[dict[str, Any]]
+    preempted: dict[str, Any] | None = None
 
 
 class TeacherState:
@@ -139,6 +144,8 @@ def train(
     events: TextIO | None = None,
     resume_mode: str = "exact",
     final_state_path: str | None = None,
+    preemption: PreemptionWatcher | None = None,
+    async_save: bool = False,
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
@@ -151,10 +158,19 @@ def train(
         log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
             ``step``, ``ok``, ``loss``, ``lr``); losses are written with full float precision.
         events (TextIO | None): receives one JSON line per event (``resumed``, ``update``,
-            ``save_begin``, ``saved``); the demo uses these to time its kills.
+            ``save_begin``, ``save_snapshot`` (async), ``saved``, ``save_failed``, ``preempted``);
+            the demo uses these to time its kills.
         resume_mode (str): the config's ``checkpoint.resume_mode``.
         final_state_path (str | None): where to ``torch.save`` the final adapter weights
             (``adapter``: name -> float32 tensor) and optimizer ``state_dict`` for comparison.
+        preemption (PreemptionWatcher | None): checked before every update; on a notice the run
+            saves the current state synchronously, waits for the commit, emits ``preempted``
+            (``source``, ``step``, ``url``, ``action``, ``deadline_secs_left``) and returns
+            (issue 8). The final state is not written then.
+        async_save (bool): periodic checkpoints through an
+            :class:`~opd_store.opd.async_save.AsyncCheckpointer` (training blocked only for the
+            snapshot; ``save_snapshot`` then ``saved`` events); the last one is waited for before
+            returning, and a background failure is raised.
 
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
@@ -207,61 +223,135 @@ def train(
         resumed_step = int(trainer["successful_updates"])
         _emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step})
 
+    save_kwargs = dict(
+        checkpoints_dir=store, model=student, processor=tokenizer, optimizer=optimizer, scheduler=scheduler,
+        config=config, provenance_fingerprints=provenance,
+    )
     saves: list[dict[str, Any]] = []
-    while trainer["successful_updates"] < updates:
-        prompts = prompts_for(trainer["query_update"], config.training.queries_per_update)
-        outcome = run_update(
-            student=student,
-            teacher=teacher,
-            tokenizer=tokenizer,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            prompts=prompts,
-            max_new_tokens=config.rollout.max_new_tokens,
-            temperature=config.rollout.temperature,
-            grad_clip=config.training.grad_clip or float("inf"),
-        )
-        trainer["attempted_updates"] += 1
-        trainer["query_update"] += 1
-        if outcome.ok:
-            trainer["successful_updates"] += 1
-            teacher_state.update_count = trainer["successful_updates"]
-        _emit(
-            log,
-            {
-                "attempted_update": trainer["attempted_updates"],
-                "step": trainer["successful_updates"],
-                "ok": outcome.ok,
-                "loss": outcome.loss,
-                "lr": outcome.lr,
-                "accepted": outcome.accepted,
-                "rejected": outcome.rejected,
-            },
-        )
-        _emit(events, {"event": "update", "attempted_update": trainer["attempted_updates"], "ok": outcome.ok})
-        if outcome.ok and trainer["successful_updates"] % checkpoint_every == 0:
-            step = trainer["successful_updates"]
-            _emit(events, {"event": "save_begin", "step": step})
-            started = time.perf_counter()
-            url = save_opd_checkpoint(
-                checkpoints_dir=store,
-                model=student,
-                processor=tokenizer,
+    checkpointer = AsyncCheckpointer() if async_save else None
+    pending: list[tuple[SaveHandle, float]] = []  # the async save in flight and when it began
+    preempted: dict[str, Any] | None = None
+    try:
+        while trainer["successful_updates"] < updates:
+            if preemption is not None and preemption.should_checkpoint_now():
+                preempted = _save_on_notice(store, preemption, checkpointer, pending, saves, events, trainer,
+                                            teacher_state, save_kwargs)
+                break
+            prompts = prompts_for(trainer["query_update"], config.training.queries_per_update)
+            outcome = run_update(
+                student=student,
+                teacher=teacher,
+                tokenizer=tokenizer,
                 optimizer=optimizer,
                 scheduler=scheduler,
-                trainer_state=dict(trainer),
-                config=config,
-                provenance_fingerprints=provenance,
-                teacher_state=teacher_state.state_dict(),
+                prompts=prompts,
+                max_new_tokens=config.rollout.max_new_tokens,
+                temperature=config.rollout.temperature,
+                grad_clip=config.training.grad_clip or float("inf"),
             )
-            seconds = time.perf_counter() - started
-            size_bytes = store.manifest(step).total_size_bytes
-            saves.append({"step": step, "url": url, "seconds": seconds, "size_bytes": size_bytes})
-            _emit(events, {"event": "saved", "step": step, "url": url, "seconds": seconds, "size_bytes": size_bytes})
-    if final_state_path is not None:
+            trainer["attempted_updates"] += 1
+            trainer["query_update"] += 1
+            if outcome.ok:
+                trainer["successful_updates"] += 1
+                teacher_state.update_count = trainer["successful_updates"]
+            _emit(
+                log,
+                {
+                    "attempted_update": trainer["attempted_updates"],
+                    "step": trainer["successful_updates"],
+                    "ok": outcome.ok,
+                    "loss": outcome.loss,
+                    "lr": outcome.lr,
+                    "accepted": outcome.accepted,
+                    "rejected": outcome.rejected,
+                },
+            )
+            _emit(events, {"event": "update", "attempted_update": trainer["attempted_updates"], "ok": outcome.ok})
+            _report_finished(store, pending, saves, events)
+            if outcome.ok and trainer["successful_updates"] % checkpoint_every == 0:
+                step = trainer["successful_updates"]
+                _emit(events, {"event": "save_begin", "step": step})
+                if checkpointer is None:
+                    _save_now(store, saves, events, trainer, teacher_state, save_kwargs)
+                else:
+                    started = time.perf_counter()
+                    handle = checkpointer.save(trainer_state=dict(trainer), teacher_state=teacher_state.state_dict(),
+                                               **save_kwargs)
+                    _emit(events, {"event": "save_snapshot", "step": step, "blocked_seconds": handle.blocked_secs})
+                    pending.append((handle, started))
+        if checkpointer is not None and preempted is None:
+            checkpointer.wait()
+            _report_finished(store, pending, saves, events)
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
+    if final_state_path is not None and preempted is None:
         adapter = {name: p.detach().clone() for name, p in student.named_parameters() if p.requires_grad}
         torch.save({"adapter": adapter, "optimizer": optimizer.state_dict(), "trainer": dict(trainer)}, final_state_path)
-    return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"], saves)
+    return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"], saves,
+                       preempted)
+
+
+def _save_now(store, saves, events, trainer, teacher_state, save_kwargs) -> dict[str, Any]:
+    """A synchronous save of the current state; records and emits ``saved``."""
+    step = trainer["successful_updates"]
+    started = time.perf_counter()
+    url = save_opd_checkpoint(trainer_state=dict(trainer), teacher_state=teacher_state.state_dict(), **save_kwargs)
+    record = _saved_record(store, step, url, time.perf_counter() - started)
+    saves.append(record)
+    _emit(events, {"event": "saved", **record})
+    return record
+
+
+def _saved_record(store: CheckpointStore, step: int, url: str, seconds: float) -> dict[str, Any]:
+    return {"step": step, "url": url, "seconds": seconds, "size_bytes": store.manifest(step).total_size_bytes}
+
+
+def _report_finished(store, pending, saves, events) -> None:
+    """Record the asynchronous save once it committed (raises its failure: never only logged)."""
+    while pending and pending[0][0].done():
+        handle, started = pending.pop(0)
+        url = handle.result()
+        record = _saved_record(store, handle.step, url, time.perf_counter() - started)
+        record["blocked_seconds"] = handle.blocked_secs
+        saves.append(record)
+        _emit(events, {"event": "saved", **record})
+
+
+def _save_on_notice(store, preemption, checkpointer, pending, saves, events, trainer, teacher_state,
+                    save_kwargs) -> dict[str, Any]:
+    """The preemption path: the update in progress has finished; wait for an asynchronous save in
+    flight, then save the current state synchronously (unless its step is already committed:
+    that checkpoint is this state's, or one the run replays exactly) and report it (issue 8)."""
+    notice = preemption.notice
+    started = time.perf_counter()
+    if checkpointer is not None:
+        try:
+            checkpointer.wait()
+            _report_finished(store, pending, saves, events)
+        except OSError as exc:  # the periodic save failed: the save below covers its step and more
+            pending.clear()
+            _emit(events, {"event": "save_failed", "error": f"{type(exc).__name__}: {exc}"})
+    step = trainer["successful_updates"]
+    if store.is_complete(step):
+        url, action = store.step_url(step), "already committed"
+    else:
+        _emit(events, {"event": "save_begin", "step": step})
+        url, action = _save_now(store, saves, events, trainer, teacher_state, save_kwargs)["url"], "committed"
+    secs_left = notice.secs_left()
+    record = {
+        "event": "preempted",
+        "source": notice.source,
+        "detail": notice.detail,
+        "step": step,
+        "url": url,
+        "action": action,
+        "attempted_updates": trainer["attempted_updates"],
+        "seconds": time.perf_counter() - started,
+        "deadline_secs_left": secs_left,
+    }
+    _emit(events, record)
+    return record
 
 
 def _resume_target(store: CheckpointStore, resume: str) -> str | None:

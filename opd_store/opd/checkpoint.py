@@ -33,6 +33,8 @@ A checkpoints directory is a local path, an fsspec URL or a :class:`CheckpointSt
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -188,12 +190,20 @@ def _class_name(obj: Any) -> str | None:
     return None if obj is None else type(obj).__name__
 
 
-def _stream_pretrained(txn, obj: Any, directory: Path, prefix: str) -> None:
+def _stream_pretrained(txn, obj: Any, directory: Path, prefix: str, state_dict: dict | None = None) -> None:
     """``obj.save_pretrained(directory)``, then every file into the transaction as ``prefix/...``."""
-    obj.save_pretrained(str(directory))
+    if state_dict is None:
+        obj.save_pretrained(str(directory))
+    else:
+        obj.save_pretrained(str(directory), state_dict=state_dict)
+    _stream_directory(txn, directory, prefix, f"{type(obj).__name__}.save_pretrained")
+
+
+def _stream_directory(txn, directory: Path, prefix: str, writer_name: str) -> None:
+    """Every file under ``directory`` into the transaction as ``prefix/...``."""
     files = sorted(path for path in directory.rglob("*") if path.is_file())
     if not files:
-        raise ValueError(f"{type(obj).__name__}.save_pretrained wrote no files")
+        raise ValueError(f"{writer_name} wrote no files")
     for path in files:
         name = f"{prefix}/{path.relative_to(directory).as_posix()}"
         with open(path, "rb") as source, txn.open(name) as writer:
@@ -283,62 +293,236 @@ def save_opd_checkpoint(
         opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
     """
     with preserve_global_rng():
-        own_rng = capture_rng_state() if rank_rng_states is None else None
-        step = _check_trainer_state(trainer_state, teacher_state)
-        world_size = _check_world_size(world_size)
-        rng_states = [own_rng] if rank_rng_states is None else list(rank_rng_states)
-        if len(rng_states) != world_size:
-            raise ValueError(
-                f"rank RNG states must match OPD world size: {len(rng_states)} state(s) for "
-                f"world_size {world_size}"
-            )
-        provenance = _check_provenance(provenance_fingerprints)
-        fingerprint = config.fingerprint()
-        if not isinstance(fingerprint, str):
-            raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
-        config_yaml = yaml.safe_dump(config.as_dict(), sort_keys=False).encode("utf-8")
-        schema = SCHEMA_V1 if world_size == 1 else SCHEMA_V2
-        training_state = {
-            "schema": schema,
-            "trainer": sanitize_state(trainer_state, path="trainer_state"),
-            "optimizer": sanitize_state(optimizer.state_dict(), path="optimizer.state_dict()"),
-            "scheduler": sanitize_state(scheduler.state_dict(), path="scheduler.state_dict()"),
-            "config_fingerprint": fingerprint,
-            "provenance_fingerprints": provenance,
-            "world_size": world_size,
-            "teacher": sanitize_state(teacher_state, path="teacher_state"),
-        }
-        rng_payloads = [
-            sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in enumerate(rng_states)
-        ]
-        metadata = {
-            "opd_schema": schema,
-            "attempted_updates": _json_value(training_state["trainer"]["attempted_updates"]),
-            "successful_updates": step,
-            "query_update": _json_value(training_state["trainer"]["query_update"]),
-            "config_fingerprint": fingerprint,
-            "provenance_fingerprints": provenance,
-            "world_size": world_size,
-            "processor_class": _class_name(processor),
-        }
-        if lineage is not None:
-            metadata.update(lineage.as_metadata())
-        store = as_store(checkpoints_dir, storage_options)
-        with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
-            with store.begin(step, world_size=world_size, metadata=metadata) as txn:
-                _stream_pretrained(txn, model, Path(tmp) / ADAPTER_DIR, ADAPTER_DIR)
-                if processor is not None:
-                    _stream_pretrained(txn, processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
-                for rank, state in enumerate(rng_payloads):
-                    _save_torch(txn, rng_payload_name(rank, world_size), state)
-                _save_torch(txn, TRAINING_STATE, training_state)
-                txn.write_bytes(CONFIG_YAML, config_yaml)
-        logger.info("committed OPD checkpoint %s (step %d, world size %d)", txn.committed_url, step, world_size)
-        if retention is not None:
-            from ..gc import retention_after_commit
+        snapshot = snapshot_opd_checkpoint(
+            checkpoints_dir=checkpoints_dir,
+            model=model,
+            processor=processor,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            trainer_state=trainer_state,
+            config=config,
+            provenance_fingerprints=provenance_fingerprints,
+            teacher_state=teacher_state,
+            world_size=world_size,
+            rank_rng_states=rank_rng_states,
+            storage_options=storage_options,
+            retention=retention,
+            lineage=lineage,
+        )
+        return write_opd_checkpoint(snapshot)
 
-            retention_after_commit(store, retention, step, lineage)
-        return txn.committed_url
+
+@dataclasses.dataclass
+class OpdSnapshot:
+    """Everything one OPD checkpoint writes, captured at one instant (the snapshot phase of a save).
+
+    Built by :func:`snapshot_opd_checkpoint`, written by :func:`write_opd_checkpoint`. With a
+    ``stage`` function (the asynchronous save, issue 8) every tensor in ``training_state``,
+    ``rng_payloads`` and ``adapter_state_dict`` is a private copy, so training may go on while it
+    is written; without one (the synchronous save) tensors are the live ones.
+
+    Attributes:
+        store (CheckpointStore): where the checkpoint goes.
+        step (int): ``successful_updates``.
+        world_size (int): ranks of the run.
+        metadata (dict): the manifest metadata (JSON).
+        training_state (dict): the ``training_state.pt`` payload.
+        rng_payloads (list[dict]): one RNG state per rank, index = rank.
+        config_yaml (bytes): the ``config.yaml`` payload.
+        model (Any): the student (its ``save_pretrained`` writes the adapter), or ``None`` when
+            ``adapter_dir`` already holds the adapter's files.
+        adapter_state_dict (dict[str, torch.Tensor] | None): passed as ``state_dict=`` to
+            ``model.save_pretrained`` (staged copies), or ``None`` to let it read the live model.
+        adapter_dir (str | None): a directory the adapter was already written to (a staged save of
+            a model whose ``save_pretrained`` takes no ``state_dict``); removed by the write.
+        processor (Any | None): tokenizer/processor with ``save_pretrained``.
+        retention (RetentionPolicy | None): applied after the commit (issue 6), or ``None``.
+        lineage (RunLineage | None): run id and resume parent (already in ``metadata``), used by
+            the retention pass.
+    """
+
+    store: CheckpointStore
+    step: int
+    world_size: int
+    metadata: dict[str, Any]
+    training_state: dict[str, Any]
+    rng_payloads: list[Any]
+    config_yaml: bytes
+    model: Any
+    adapter_state_dict: dict[str, Any] | None
+    adapter_dir: str | None
+    processor: Any
+    retention: RetentionPolicy | None = None
+    lineage: RunLineage | None = None
+
+
+def _accepts_state_dict(model: Any) -> bool:
+    """Whether ``model.save_pretrained`` honours ``state_dict=`` (PEFT and transformers models)."""
+    if isinstance(getattr(model, "peft_config", None), Mapping):
+        return True  # PeftModel.save_pretrained(**kwargs) hands kwargs["state_dict"] to get_peft_model_state_dict
+    try:
+        return "state_dict" in inspect.signature(model.save_pretrained).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _stage_adapter(model: Any, stage: Callable[[Any], Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """Capture the adapter now: staged copies of the trainable parameters and buffers (frozen
+    parameters are referenced: training does not change them), or the files ``save_pretrained``
+    writes into a new temporary directory when it takes no ``state_dict``."""
+    if _accepts_state_dict(model):
+        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        buffers = {name for name, _ in model.named_buffers()}
+        live = model.state_dict()
+        return {key: stage(value) if key in trainable or key in buffers else value for key, value in live.items()}, None
+    directory = tempfile.mkdtemp(prefix="opd-adapter-")
+    try:
+        model.save_pretrained(directory)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return None, directory
+
+
+def snapshot_opd_checkpoint(
+    *,
+    checkpoints_dir: str | os.PathLike | CheckpointStore,
+    model: Any,
+    processor: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    trainer_state: dict,
+    config: Any,
+    provenance_fingerprints: dict[str, str],
+    teacher_state: dict,
+    world_size: int = 1,
+    rank_rng_states: list[dict] | None = None,
+    storage_options: dict[str, Any] | None = None,
+    retention: RetentionPolicy | None = None,
+    lineage: RunLineage | None = None,
+    stage: Callable[[Any], Any] | None = None,
+) -> OpdSnapshot:
+    """The snapshot phase of :func:`save_opd_checkpoint`: check the seed's rules and capture state.
+
+    Arguments, rules and errors are those of :func:`save_opd_checkpoint` (nothing is written). The
+    caller wraps it in :func:`~opd_store.opd.rng.preserve_global_rng`; this process's RNG state is
+    captured first.
+
+    Args:
+        stage (Callable | None): applied to every tensor-bearing value after sanitising (the
+            trainer, optimizer, scheduler, teacher and RNG states, a ``Tensor -> Tensor`` copy
+            applied recursively by the caller's function) and to the adapter's trainable tensors;
+            ``None`` keeps the live tensors (synchronous save, no copy).
+
+    Returns:
+        OpdSnapshot: what :func:`write_opd_checkpoint` writes.
+    """
+    own_rng = capture_rng_state() if rank_rng_states is None else None
+    step = _check_trainer_state(trainer_state, teacher_state)
+    world_size = _check_world_size(world_size)
+    rng_states = [own_rng] if rank_rng_states is None else list(rank_rng_states)
+    if len(rng_states) != world_size:
+        raise ValueError(
+            f"rank RNG states must match OPD world size: {len(rng_states)} state(s) for "
+            f"world_size {world_size}"
+        )
+    provenance = _check_provenance(provenance_fingerprints)
+    fingerprint = config.fingerprint()
+    if not isinstance(fingerprint, str):
+        raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
+    config_yaml = yaml.safe_dump(config.as_dict(), sort_keys=False).encode("utf-8")
+    schema = SCHEMA_V1 if world_size == 1 else SCHEMA_V2
+    training_state = {
+        "schema": schema,
+        "trainer": sanitize_state(trainer_state, path="trainer_state"),
+        "optimizer": sanitize_state(optimizer.state_dict(), path="optimizer.state_dict()"),
+        "scheduler": sanitize_state(scheduler.state_dict(), path="scheduler.state_dict()"),
+        "config_fingerprint": fingerprint,
+        "provenance_fingerprints": provenance,
+        "world_size": world_size,
+        "teacher": sanitize_state(teacher_state, path="teacher_state"),
+    }
+    rng_payloads = [
+        sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in enumerate(rng_states)
+    ]
+    metadata = {
+        "opd_schema": schema,
+        "attempted_updates": _json_value(training_state["trainer"]["attempted_updates"]),
+        "successful_updates": step,
+        "query_update": _json_value(training_state["trainer"]["query_update"]),
+        "config_fingerprint": fingerprint,
+        "provenance_fingerprints": provenance,
+        "world_size": world_size,
+        "processor_class": _class_name(processor),
+    }
+    if lineage is not None:
+        metadata.update(lineage.as_metadata())
+    store = as_store(checkpoints_dir, storage_options)
+    adapter_state_dict, adapter_dir = None, None
+    if stage is not None:
+        training_state = stage(training_state)
+        rng_payloads = stage(rng_payloads)
+        adapter_state_dict, adapter_dir = _stage_adapter(model, stage)
+    return OpdSnapshot(
+        store=store,
+        step=step,
+        world_size=world_size,
+        metadata=metadata,
+        training_state=training_state,
+        rng_payloads=rng_payloads,
+        config_yaml=config_yaml,
+        model=None if adapter_dir is not None else model,
+        adapter_state_dict=adapter_state_dict,
+        adapter_dir=adapter_dir,
+        processor=processor,
+        retention=retention,
+        lineage=lineage,
+    )
+
+
+def write_opd_checkpoint(snapshot: OpdSnapshot, *, before_commit: Callable[[], None] | None = None) -> str:
+    """The write phase of :func:`save_opd_checkpoint`: stream every payload, then commit.
+
+    Args:
+        snapshot (OpdSnapshot): from :func:`snapshot_opd_checkpoint`.
+        before_commit (Callable[[], None] | None): called after the last payload, before the
+            manifest create; an exception it raises aborts the save uncommitted (the asynchronous
+            save's exit deadline, issue 8).
+
+    Returns:
+        str: the committed checkpoint's URL (see :func:`save_opd_checkpoint`).
+
+    Raises:
+        FileExistsError: the step is already committed (:class:`~opd_store.errors.CommitConflictError`).
+        opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
+        OSError: a payload could not be written; nothing is committed.
+    """
+    step, world_size = snapshot.step, snapshot.world_size
+    try:
+        with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
+            with snapshot.store.begin(step, world_size=world_size, metadata=snapshot.metadata) as txn:
+                if snapshot.adapter_dir is not None:
+                    _stream_directory(txn, Path(snapshot.adapter_dir), ADAPTER_DIR, "save_pretrained")
+                else:
+                    _stream_pretrained(txn, snapshot.model, Path(tmp) / ADAPTER_DIR, ADAPTER_DIR,
+                                       state_dict=snapshot.adapter_state_dict)
+                if snapshot.processor is not None:
+                    _stream_pretrained(txn, snapshot.processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
+                for rank, state in enumerate(snapshot.rng_payloads):
+                    _save_torch(txn, rng_payload_name(rank, world_size), state)
+                _save_torch(txn, TRAINING_STATE, snapshot.training_state)
+                txn.write_bytes(CONFIG_YAML, snapshot.config_yaml)
+                if before_commit is not None:
+                    before_commit()
+    finally:
+        if snapshot.adapter_dir is not None:
+            shutil.rmtree(snapshot.adapter_dir, ignore_errors=True)
+    logger.info("committed OPD checkpoint %s (step %d, world size %d)", txn.committed_url, step, world_size)
+    if snapshot.retention is not None:
+        from ..gc import retention_after_commit
+
+        retention_after_commit(snapshot.store, snapshot.retention, step, snapshot.lineage)
+    return txn.committed_url
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -665,10 +849,13 @@ __all__ = [
     "SCHEMAS",
     "SCHEMA_V1",
     "SCHEMA_V2",
+    "OpdSnapshot",
     "latest_complete_checkpoint",
     "load_adapter",
     "load_opd_checkpoint",
     "resolve_checkpoint",
     "rng_payload_name",
     "save_opd_checkpoint",
+    "snapshot_opd_checkpoint",
+    "write_opd_checkpoint",
 ]
