@@ -21,7 +21,8 @@ What it does (issue 5, "Soak"):
    * every per-update log record it wrote (loss, learning rate, verdicts; full float precision)
      equals the reference's record of the same attempted update;
    * every checkpoint it committed holds payloads byte-identical to the reference's checkpoint
-     of the same step (``config.yaml`` aside: it names the store prefix);
+     of the same step (``config.yaml`` aside: it names the store prefix; PEFT's
+     ``adapter_config.json`` lists ``target_modules`` in hash order, compared as a set);
    * when it ran to the end, its final adapter weights, optimizer state and counters equal the
      reference's (``torch.equal``).
 
@@ -142,13 +143,29 @@ class Soak:
             return None
 
 
+def _comparable(name: str, data: bytes) -> bytes | Any:
+    """The payload as compared: its bytes, except PEFT's ``adapter_config.json``.
+
+    PEFT keeps ``target_modules`` as a Python ``set`` and writes it in the set's iteration order,
+    which follows the process's string-hash seed (``PYTHONHASHSEED``): two processes write
+    ``["q_proj", "v_proj"]`` and ``["v_proj", "q_proj"]`` for the same adapter. That list is
+    compared as a set; every other byte of every payload is compared as is.
+    """
+    if name.endswith("adapter_config.json"):
+        parsed = json.loads(data)
+        if isinstance(parsed.get("target_modules"), list):
+            parsed["target_modules"] = sorted(parsed["target_modules"])
+        return parsed
+    return data
+
+
 def _checkpoint_problems(spot, reference, step: int) -> list[str]:
     names = sorted(n for n in spot.names(step) if n != CONFIG_YAML)
     ref_names = sorted(n for n in reference.names(step) if n != CONFIG_YAML)
     if names != ref_names:
         return [f"step {step}: payload names differ from the reference's"]
     return [f"step {step}: {name} differs from the reference's" for name in names
-            if spot.read(step, name) != reference.read(step, name)]
+            if _comparable(name, spot.read(step, name)) != _comparable(name, reference.read(step, name))]
 
 
 def run(args: argparse.Namespace, store_url: str, store_args: list[str], storage_env: dict[str, str],
