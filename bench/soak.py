@@ -10,9 +10,10 @@ What it does (issue 5, "Soak"):
 1. An uninterrupted reference run of ``opd-store train`` into ``<store>/reference``, timed.
 2. The spot run into ``<store>/spot-1``: every start is a new process whose working directory,
    ``HOME`` and ``TMPDIR`` are new and empty, so only the store carries state. Each start is
-   SIGKILLed at a moment drawn uniformly from [0, reference duration] after it was spawned (so
-   kills land while the interpreter starts, while a checkpoint loads, between updates and while
-   a save streams its payloads), until N kills happened. A start that finishes before its kill
+   SIGKILLed at a moment drawn uniformly from [0, the reference's training time] after its first
+   event (``resumed``, or its first ``update``; the interpreter start before it is the same for
+   every start), so kills land in updates, between them and while a save streams its payloads,
+   until N kills happened. A start that finishes before its kill
    moment ends the spot run; the next start begins a new one (``spot-2``, ...).
 3. Every resume (a start after a kill) is checked bit for bit:
 
@@ -40,6 +41,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,33 +92,61 @@ class Soak:
 
         return CheckpointStore(f"{self.store_url}/{name}", storage_options=self.storage_options)
 
-    def _cmd(self, prefix: str, log: Path, events: Path, final: Path) -> list[str]:
+    def _cmd(self, prefix: str, log: Path, final: Path) -> list[str]:
         return [sys.executable, "-m", "opd_store", "train", "--store", f"{self.store_url}/{prefix}",
                 "--updates", str(self.args.updates), "--checkpoint-every", str(self.args.checkpoint_every),
-                "--seed", str(self.args.train_seed), "--log", str(log), "--events", str(events),
+                "--seed", str(self.args.train_seed), "--log", str(log), "--events", "/dev/stdout",
                 "--final-state", str(final), *self.store_args]
 
     def start(self, prefix: str, kill_after_secs: float | None) -> dict[str, Any]:
-        """One start on a fresh machine; SIGKILL it ``kill_after_secs`` after spawning."""
+        """One start on a fresh machine; SIGKILL it ``kill_after_secs`` after it is ready.
+
+        "Ready" is the job's first event (``resumed`` after loading a checkpoint, or its first
+        ``update``): interpreter start-up takes most of a start's time on a small machine, and a
+        kill there tests nothing a kill at the first update does not.
+        """
         self.count += 1
         tag = f"{self.count:03d}"
-        log, events, final = (self.workdir / f"{tag}-log.jsonl", self.workdir / f"{tag}-events.jsonl",
-                              self.workdir / f"{tag}-final.pt")
+        log, final = self.workdir / f"{tag}-log.jsonl", self.workdir / f"{tag}-final.pt"
         env, cwd = _fresh_machine(self.workdir, self.storage_env)
-        started = time.monotonic()
-        process = subprocess.Popen(self._cmd(prefix, log, events, final), env=env, cwd=cwd,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        spawned = time.monotonic()
+        process = subprocess.Popen(self._cmd(prefix, log, final), env=env, cwd=cwd,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        evs: list[dict[str, Any]] = []
+        ready = threading.Event()
+        stderr_chunks: list[str] = []
+
+        def read_events() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(event, dict) and "event" in event:
+                    evs.append(event)
+                    ready.set()
+
+        readers = [threading.Thread(target=read_events, daemon=True),
+                   threading.Thread(target=lambda: stderr_chunks.append(process.stderr.read()), daemon=True)]
+        for reader in readers:
+            reader.start()
+        while not ready.wait(timeout=0.5) and process.poll() is None:
+            pass  # waiting for the job's first event (or its exit)
+        ready_at = time.monotonic()
         killed = False
         try:
             process.wait(timeout=kill_after_secs)
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGKILL)
+            process.wait()
             killed = True
-        _, stderr = process.communicate()
-        seconds = time.monotonic() - started
+        ended = time.monotonic()
+        for reader in readers:
+            reader.join(timeout=30)
+        stderr = "".join(stderr_chunks)
         if not killed and process.returncode != 0:
             raise RuntimeError(f"start {tag} failed (exit {process.returncode}):\n{stderr[-4000:]}")
-        evs = _records(events)
         begun = [e["step"] for e in evs if e.get("event") == "save_begin"]
         saved = [e["step"] for e in evs if e.get("event") == "saved"]
         resumed = next((e["step"] for e in evs if e.get("event") == "resumed"), None)
@@ -126,12 +156,11 @@ class Soak:
             phase = f"during the save of step {begun[-1]}"
         elif any(e.get("event") == "update" for e in evs):
             phase = "between updates"
-        elif resumed is not None:
-            phase = "after resuming, before an update"
         else:
-            phase = "while starting or loading"
+            phase = "after resuming, before an update"
         return {"tag": tag, "prefix": prefix, "killed": killed, "kill_after_secs": kill_after_secs,
-                "seconds": seconds, "phase": phase, "resumed": resumed, "saved": saved, "log": _records(log),
+                "seconds": ended - spawned, "ready_secs": ready_at - spawned, "train_secs": ended - ready_at,
+                "phase": phase, "resumed": resumed, "saved": saved, "log": _records(log),
                 "final": final if final.exists() else None}
 
     def latest(self, prefix: str) -> int | None:
@@ -176,11 +205,12 @@ def run(args: argparse.Namespace, store_url: str, store_args: list[str], storage
 
     soak = Soak(args, store_url, store_args, storage_env, storage_options, workdir)
     reference = soak.start("reference", None)
-    ref_secs = reference["seconds"]
+    ref_secs = reference["train_secs"]
     ref_log = {r["attempted_update"]: r for r in reference["log"]}
     ref_state = torch.load(reference["final"], weights_only=True)
     ref_store = soak.store("reference")
-    print(f"reference run: {args.updates} updates, {len(ref_log)} attempted, {ref_secs:.1f} s "
+    print(f"reference run: {args.updates} updates, {len(ref_log)} attempted, {reference['ready_secs']:.1f} s "
+          f"to its first update, then {ref_secs:.1f} s "
           f"(saves: {reference['saved']})", file=out, flush=True)
 
     rows: list[dict[str, Any]] = []
@@ -232,8 +262,10 @@ def run(args: argparse.Namespace, store_url: str, store_args: list[str], storage
         "",
         f"- store: `{store_url}`",
         f"- main job: `opd-store train --updates {args.updates} --checkpoint-every {args.checkpoint_every} "
-        f"--seed {args.train_seed}`; reference run {ref_secs:.1f} s, {len(ref_log)} attempted updates",
-        f"- kill moments: uniform in [0, {ref_secs:.1f} s] after each spawn (seed {args.seed})",
+        f"--seed {args.train_seed}`; reference run: {reference['ready_secs']:.1f} s to its first update "
+        f"(interpreter start, models), then {ref_secs:.1f} s for {len(ref_log)} attempted updates and its saves",
+        f"- kill moments: uniform in [0, {ref_secs:.1f} s] after each start's first event (its `resumed` or "
+        f"first `update`), seed {args.seed}",
         f"- spot runs: {run_index}; starts: {len(rows)}; kills: {kills}",
         "",
         f"**resumes bit-exact: {exact} of {resumes}**",
