@@ -154,6 +154,8 @@ class Soak:
             phase = "ran to the end"
         elif begun and (not saved or begun[-1] != saved[-1]):
             phase = f"during the save of step {begun[-1]}"
+        elif saved and saved[-1] >= self.args.updates:
+            phase = "after its last save (writing the final state or exiting)"
         elif any(e.get("event") == "update" for e in evs):
             phase = "between updates"
         else:
