@@ -7,4 +7,5 @@
 - :mod:`opd_store.opd.rng`: per-rank RNG capture/restore, ``preserve_global_rng``.
 - :mod:`opd_store.opd.safe_load`: weights-only loading with a narrow allow-list; save-time sanitiser.
 - :mod:`opd_store.opd.legacy`: migration of seed-layout checkpoints into any store.
+- :mod:`opd_store.opd.data`: ``LoaderPosition``, a shuffled DataLoader's position for mid-epoch resume.
 """

@@ -54,7 +54,7 @@ from ..store import COMPLETE, LEGACY, CheckpointStore, VerifyReport, as_store, s
 from ..torch_io import torch_save
 from .resume import validate_resume
 from .rng import capture_rng_state, preserve_global_rng, restore_rng_state
-from .safe_load import load_payload, sanitize_state
+from .safe_load import load_payload, plain_config_dict, sanitize_state
 
 logger = logging.getLogger("opd_store.opd.checkpoint")
 
@@ -246,7 +246,9 @@ def save_opd_checkpoint(
     * the step is ``successful_updates``; an existing committed step (or a seed-layout step
       directory) raises ``FileExistsError``;
     * trainer, teacher, optimizer, scheduler and RNG state are sanitised so weights-only loading
-      restores them (issue 3, item 6): numpy values converted, anything else refused.
+      restores them (issue 3, item 6): numpy values converted, anything else refused;
+    * ``config.as_dict()`` is plain YAML data (numpy scalars converted, anything else refused
+      naming its key; issue 5, scenario 36), checked before anything is written.
 
     Rank obligations: single-writer mode. Only rank 0 calls this, after a barrier that ends the
     update on every rank, passing every rank's :func:`~opd_store.opd.rng.capture_rng_state` in
@@ -285,8 +287,9 @@ def save_opd_checkpoint(
     Raises:
         ValueError: a seed rule above is broken (missing keys, rollouts or failure queue in the
             state, teacher update count, RNG state count, bad world size or provenance).
-        UnsafeCheckpointError: (a ``ValueError``) state that weights-only loading cannot restore;
-            the message names its key path.
+        UnsafeCheckpointError: (a ``ValueError``) state that weights-only loading cannot restore,
+            or a ``config.as_dict()`` value that is not plain YAML data (a path, an enum, ...);
+            the message names its key path and how to convert it (issue 5, scenario 36).
         FileExistsError: the step is already committed, or holds a seed-layout checkpoint
             (:class:`~opd_store.errors.CommitConflictError`), including when another writer
             commits it first.
@@ -430,7 +433,7 @@ def snapshot_opd_checkpoint(
     fingerprint = config.fingerprint()
     if not isinstance(fingerprint, str):
         raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
-    config_yaml = yaml.safe_dump(config.as_dict(), sort_keys=False).encode("utf-8")
+    config_yaml = yaml.safe_dump(plain_config_dict(config.as_dict()), sort_keys=False).encode("utf-8")
     schema = SCHEMA_V1 if world_size == 1 else SCHEMA_V2
     training_state = {
         "schema": schema,

@@ -35,6 +35,7 @@ training-state objects").
 from __future__ import annotations
 
 import collections
+import collections.abc
 import io
 import pickle
 import threading
@@ -176,12 +177,47 @@ def _path_key(key: Any) -> str:
     return f"[{key!r}]"
 
 
+def conversion_hint(value: Any) -> str:
+    """How to turn a config-like or framework object into checkpointable plain values.
+
+    Covers the kinds training state tends to hold (issue 5, scenario 36): dataclasses, pydantic
+    models, OmegaConf-style mappings and sequences, dict subclasses and ``defaultdict``, enums,
+    ``pathlib`` paths, namedtuples, ``torch.Generator`` and tensor subclasses. Empty for others.
+    """
+    import dataclasses
+    import enum
+    import pathlib
+
+    kind = type(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "convert it with dataclasses.asdict(value) (and rebuild the dataclass after loading)"
+    if callable(getattr(value, "model_dump", None)):
+        return "convert it with value.model_dump() (pydantic; rebuild with Model.model_validate after loading)"
+    if isinstance(value, enum.Enum):
+        return "store value.value (or value.name) and rebuild the enum after loading"
+    if isinstance(value, pathlib.PurePath):
+        return "store str(path) and rebuild the path after loading"
+    if isinstance(value, tuple) and hasattr(kind, "_fields"):
+        return "convert the namedtuple with value._asdict() or tuple(value)"
+    if isinstance(value, torch.Generator):
+        return "store generator.get_state() (a uint8 tensor) and set_state it after loading"
+    if isinstance(value, torch.Tensor):
+        return "store a plain tensor: value.as_subclass(torch.Tensor) or value.detach().clone()"
+    if isinstance(value, collections.abc.Mapping):
+        return ("convert it to a plain dict (OmegaConf: OmegaConf.to_container(cfg, resolve=True); "
+                "a dict subclass or defaultdict: dict(value))")
+    if isinstance(value, (collections.abc.Sequence, collections.abc.Set)) and not isinstance(value, (str, bytes)):
+        return "convert it to a plain list, tuple or set (OmegaConf ListConfig: OmegaConf.to_container)"
+    return ""
+
+
 def _refuse(path: str, value: Any, why: str = "") -> UnsafeCheckpointError:
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    hint = conversion_hint(value)
     return UnsafeCheckpointError(
         f"{path} holds a {kind}, which torch.load(weights_only=True) cannot restore"
-        f"{': ' + why if why else ''}; store plain Python values (None, bool, int, float, str, bytes, "
-        "lists, tuples, dicts) or tensors instead"
+        f"{': ' + why if why else ''}; {hint + '. Otherwise ' if hint else ''}store plain Python values "
+        "(None, bool, int, float, str, bytes, lists, tuples, dicts) or tensors instead"
     )
 
 
@@ -268,10 +304,55 @@ def _sanitize(value: Any, path: str, active: set[int]) -> Any:
     raise _refuse(path, value)
 
 
+_YAML_SCALARS = (type(None), bool, int, float, str)
+
+
+def plain_config_dict(value: Any, *, path: str = "config.as_dict()") -> Any:
+    """Return ``value`` as plain YAML data for ``config.yaml``, or refuse it naming the key.
+
+    ``config.yaml`` is written with ``yaml.safe_dump``, which raises an untyped
+    ``RepresenterError`` naming no key for anything but plain data (issue 5, scenario 36). Kept:
+    ``None``, ``bool``, ``int``, ``float``, ``str``; ``dict`` with ``str`` keys, ``list`` and
+    ``tuple`` (as lists) rebuilt with converted contents. Converted: numpy scalars to the equal
+    Python value.
+
+    Args:
+        value (Any): ``config.as_dict()``.
+        path (str): how the value is named in errors.
+
+    Returns:
+        Any: plain data that ``yaml.safe_dump`` writes and ``yaml.safe_load`` reads back equal.
+
+    Raises:
+        UnsafeCheckpointError: any other value (a path, an enum, a dataclass, ...) or a non-str
+            key; the message names its key path, type and how to convert it.
+    """
+    kind = type(value)
+    if kind in _YAML_SCALARS:
+        return value
+    if isinstance(value, np.generic):
+        converted = _numpy_scalar(value, path)
+        if type(converted) in _YAML_SCALARS:
+            return converted
+        raise _refuse(path, value, "config.yaml holds None, bool, int, float and str scalars only")
+    if kind is dict:
+        out = {}
+        for key, item in value.items():
+            if type(key) is not str:
+                raise _refuse(f"{path} key {key!r}", key, "config.yaml keys must be str")
+            out[key] = plain_config_dict(item, path=f"{path}{_path_key(key)}")
+        return out
+    if kind in (list, tuple):
+        return [plain_config_dict(item, path=f"{path}[{index}]") for index, item in enumerate(value)]
+    raise _refuse(path, value, "config.yaml holds plain YAML data only")
+
+
 __all__ = [
     "ALLOWED_GLOBALS",
     "ALLOWED_GLOBAL_NAMES",
     "find_unsafe_globals",
+    "conversion_hint",
     "load_payload",
+    "plain_config_dict",
     "sanitize_state",
 ]

@@ -321,10 +321,26 @@ def open_storage(
     if cls is LocalStorage:
         root = os.path.abspath(root)
         return LocalStorage(fs, root, root)
-    url_root = fs.unstrip_protocol(root)
+    url_root = _keep_scheme(text, fs, fs.unstrip_protocol(root))
     if cls is None:
         return CheckThenPutStorage(fs, root, url_root, allow_check_then_put=allow_check_then_put)
     return cls(fs, root, url_root)
+
+
+def _keep_scheme(text: str, fs, url_root: str) -> str:
+    """``url_root`` spelled with the scheme the caller wrote, when it is an alias of ``fs``.
+
+    fsspec's ``unstrip_protocol`` spells every URL with the filesystem's first protocol, so a store
+    opened as ``gcs://bucket/run`` (an alias of ``gs``) or ``s3a://bucket/run`` would hand back
+    ``gs://``/``s3://`` URLs. Every URL the API returns keeps the caller's protocol (issue 5,
+    scenario 32): tools that match on the prefix, or configs that compare URLs, see what they gave.
+    """
+    scheme, sep, _rest = text.partition("://")
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    current, sep2, tail = url_root.partition("://")
+    if sep and sep2 and scheme != current and scheme in protocols:
+        return f"{scheme}://{tail}"
+    return url_root
 
 
 __all__ = [

@@ -1,0 +1,164 @@
+"""Resuming a shuffled ``torch.utils.data.DataLoader`` mid-epoch (issue 5, scenario 22).
+
+What decides which batches a shuffled loader hands out in an epoch is the state of the loader's
+``generator`` when the epoch's iterator is created: ``iter(loader)`` draws the workers' base seed
+from it, and ``RandomSampler`` draws the epoch's permutation from it at the first batch. So the
+exact position of a run in its data order is three values:
+
+* the generator's state at the start of the current epoch (a ``torch.uint8`` tensor),
+* the epoch number,
+* how many batches of that epoch were already handed out.
+
+:class:`LoaderPosition` keeps them; its :meth:`~LoaderPosition.state_dict` is plain ints and one
+tensor, so it goes into ``trainer_state`` as is and loads under ``torch.load(weights_only=True)``.
+The recipe (docs/resume.md, "Data order")::
+
+    generator = torch.Generator().manual_seed(seed)
+    loader = DataLoader(dataset, batch_size=8, shuffle=True, generator=generator)
+    position = LoaderPosition(generator)
+    if resuming:
+        trainer_state = load_opd_checkpoint(...)
+        position.load_state_dict(trainer_state["data_position"])
+    for epoch in range(position.epoch, epochs):
+        for batch in position.iterate(loader, epoch):
+            ...  # train on the batch
+            if time_to_save:
+                trainer_state["data_position"] = position.state_dict()
+                save_opd_checkpoint(..., trainer_state=trainer_state)
+
+A loader without its own ``generator`` draws its permutation from the global torch RNG at the
+first batch of each epoch, a state no checkpoint taken mid-epoch holds: :meth:`LoaderPosition.iterate`
+refuses such a loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .rng import preserve_global_rng
+
+STATE_KEYS = ("epoch", "batches_done", "epoch_start_generator_state")
+
+
+class LoaderPosition:
+    """Where a run is in the data order of a shuffled ``DataLoader``, saveable in trainer state.
+
+    Args:
+        generator (torch.Generator): the generator passed to the ``DataLoader``
+            (``DataLoader(..., shuffle=True, generator=generator)``); a CPU generator.
+
+    Attributes:
+        epoch (int): the epoch in progress (0 before the first).
+        batches_done (int): batches of ``epoch`` handed out so far.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"LoaderPosition needs the loader's torch.Generator, got {type(generator).__name__}")
+        self.generator = generator
+        self.epoch = 0
+        self.batches_done = 0
+        self._epoch_start_state: torch.Tensor | None = None
+        self._resume_pending = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position as plain values for ``trainer_state``.
+
+        Returns:
+            dict: ``epoch`` (int), ``batches_done`` (int) and ``epoch_start_generator_state``
+            (``torch.uint8`` tensor, the generator's state before the epoch's iterator was made;
+            the current state when no epoch has started).
+        """
+        start = self._epoch_start_state if self._epoch_start_state is not None else self.generator.get_state()
+        return {
+            "epoch": int(self.epoch),
+            "batches_done": int(self.batches_done),
+            "epoch_start_generator_state": start.clone(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved position; the next :meth:`iterate` of ``state["epoch"]`` continues it.
+
+        Args:
+            state (Mapping): from :meth:`state_dict` (after a checkpoint round trip).
+
+        Raises:
+            ValueError: a key is missing, a counter is not a non-negative int, or the generator
+                state is not a ``torch.uint8`` tensor of this generator's state size.
+        """
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"loader position is missing {missing}")
+        epoch, done, start = state["epoch"], state["batches_done"], state["epoch_start_generator_state"]
+        for name, value in (("epoch", epoch), ("batches_done", done)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"loader position {name} must be a non-negative int, got {value!r}")
+        current = self.generator.get_state()
+        if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
+            raise ValueError(
+                "loader position epoch_start_generator_state must be a torch.uint8 tensor of shape "
+                f"{tuple(current.shape)} (this generator's state), got {start!r:.80}"
+            )
+        self.epoch, self.batches_done = epoch, done
+        self._epoch_start_state = start.clone()
+        self._resume_pending = True
+
+    def iterate(self, loader: Any, epoch: int) -> Iterator[Any]:
+        """Yield ``loader``'s batches of ``epoch``, continuing a loaded position.
+
+        A new epoch records the generator's state, then iterates the loader. The epoch of a loaded
+        position sets the generator back to that epoch's start, creates the iterator (the same
+        draws as the interrupted run), and skips the batches already handed out. Skipped batches
+        are fetched (the loader has no other way to advance) with every global RNG snapshotted and
+        restored, so dataset code that draws random numbers does not move the restored streams.
+        ``batches_done`` counts a batch as soon as it is handed out: save after training on it.
+
+        Args:
+            loader (torch.utils.data.DataLoader): built with ``generator=`` this position's
+                generator; ``persistent_workers`` off (persistent workers keep RNG state no
+                checkpoint holds).
+            epoch (int): the epoch to iterate, ``>= self.epoch``.
+
+        Yields:
+            Any: the loader's batches.
+
+        Raises:
+            ValueError: the loader has another (or no) generator, uses persistent workers, or
+                ``epoch`` is before the position's epoch.
+        """
+        if getattr(loader, "generator", None) is not self.generator:
+            raise ValueError(
+                "the DataLoader must be built with generator= this LoaderPosition's generator: a loader "
+                "without one shuffles from the global torch RNG, which a mid-epoch checkpoint cannot replay"
+            )
+        if getattr(loader, "persistent_workers", False):
+            raise ValueError("LoaderPosition does not support persistent_workers=True (worker RNG state is not saved)")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < self.epoch:
+            raise ValueError(f"epoch {epoch!r} is before the loader position's epoch {self.epoch}")
+        skip = 0
+        if self._resume_pending and epoch == self.epoch:
+            assert self._epoch_start_state is not None
+            self.generator.set_state(self._epoch_start_state)
+            skip = self.batches_done
+        else:
+            self.epoch = epoch
+            self._epoch_start_state = self.generator.get_state()
+            self.batches_done = 0
+        self._resume_pending = False
+        iterator = iter(loader)
+        if skip:
+            with preserve_global_rng():
+                for _ in range(skip):
+                    if next(iterator, _END) is _END:
+                        return
+        for batch in iterator:
+            self.batches_done += 1
+            yield batch
+
+
+_END = object()
+
+__all__ = ["LoaderPosition"]
