@@ -67,12 +67,12 @@ class _Config:
         return {"bench": True}
 
 
-def _training(size_mib: int):
-    """Student + AdamW (with state) + LambdaLR totalling about ``size_mib`` MiB of float32."""
+def _training(size_mib: int, device: str = "cpu"):
+    """Student + AdamW (with state) + LambdaLR totalling about ``size_mib`` MiB of float32 on ``device``."""
     import torch
 
     params_per_layer = size_mib * MIB // 4 // 3 // N_LAYERS
-    model = _student_class()(params_per_layer)
+    model = _student_class()(params_per_layer).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for param in model.parameters():
@@ -91,11 +91,11 @@ def _kwargs(store, model, optimizer, scheduler, step: int) -> dict:
     )
 
 
-def bench_blocked(store_factory, size_mib: int, repeats: int) -> dict:
+def bench_blocked(store_factory, size_mib: int, repeats: int, device: str = "cpu") -> dict:
     from opd_store.opd.async_save import AsyncCheckpointer
     from opd_store.opd.checkpoint import save_opd_checkpoint
 
-    model, optimizer, scheduler, nbytes = _training(size_mib)
+    model, optimizer, scheduler, nbytes = _training(size_mib, device)
     store = store_factory()
     sync_secs, async_blocked, async_total = [], [], []
     step = 0
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-updates", type=int, default=8)
     parser.add_argument("--job-every", type=int, default=2)
     parser.add_argument("--no-job", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where the state lives: cpu, or cuda (staged into pinned host memory)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO_ROOT))
     from opd_store import CheckpointStore
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         out.write(line + "\n")
 
-    emit(f"# Asynchronous save, {args.size_mib} MiB state, {args.repeats} repeats ({_dt.date.today()})")
+    emit(f"# Asynchronous save, {args.size_mib} MiB state on {args.device}, {args.repeats} repeats ({_dt.date.today()})")
     emit()
     emit("| backend | state MiB | sync save s | async blocked s (first) | async blocked s (steady) | "
          "async save total s | blocked / sync (steady) | blocked / sync (first) |")
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 factory = lambda: CheckpointStore("s3://bench/async", storage_options=moto.storage_options())  # noqa: E731
             else:
                 raise SystemExit(f"unknown backend {backend}")
-            row = bench_blocked(factory, args.size_mib, args.repeats)
+            row = bench_blocked(factory, args.size_mib, args.repeats, args.device)
         finally:
             if moto is not None:
                 moto.stop()
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         base = rows[0][2]
         for label, secs, rate in rows:
             emit(f"| {label} | {secs:.1f} | {rate:.3f} | {rate / base:.2f}x |")
-    results = REPO_ROOT / "bench" / "results" / f"async-save-{_dt.date.today()}-{args.size_mib}mib.md"
+    results = REPO_ROOT / "bench" / "results" / f"async-save-{_dt.date.today()}-{args.size_mib}mib{'' if args.device == 'cpu' else '-' + args.device}.md"
     results.write_text(out.getvalue(), encoding="utf-8")
     print(f"\nwritten to {results.relative_to(REPO_ROOT)}")
     return 0
