@@ -252,9 +252,7 @@ class TieredStore(CheckpointStore):
         except ManifestError:
             return self.local
         if bucket_manifest is None:
-            if local_status == LEGACY or self.bucket.storage.size(f"{step_dirname(step)}/{LEGACY_MARKER}") is None:
-                return self.local
-            return self.bucket
+            return self.local
         if local_manifest is not None and same_payloads(local_manifest, bucket_manifest):
             return self.local
         if self.bucket.is_complete(step):
@@ -377,8 +375,8 @@ class TieredStore(CheckpointStore):
     def upload_pending(self) -> list[int]:
         """Queue the upload of every complete local step newer than the bucket's newest complete
         step and absent from the bucket (a previous process committed it locally and died before
-        its upload finished). Older local-only steps are left alone: the bucket's retention may
-        have deleted them on purpose. Returns the steps queued."""
+        its upload finished, or its upload failed). Older local-only steps are left alone: the
+        bucket's retention may have deleted them on purpose. Returns the steps queued."""
         try:
             newest = self.bucket.latest_step()
         except CheckpointNotFoundError:
@@ -501,7 +499,9 @@ class TieredStore(CheckpointStore):
         Raises:
             UploadError: an earlier background upload (or retention run) failed; raised once,
                 before anything of this save is written.
-            CommitConflictError: ``step`` is committed (or legacy) in the local tier or the bucket.
+            CommitConflictError: ``step`` is committed (or legacy) in the local tier or the bucket
+                (a bucket that cannot be asked is logged and the save goes ahead; the upload
+                then raises any conflict).
             ValueError: the store was closed.
             UnsupportedBackendError: see :meth:`CheckpointStore.begin`.
         """
@@ -510,9 +510,16 @@ class TieredStore(CheckpointStore):
                 raise ValueError(f"{self!r} is closed")
         self._raise_unreported()
         prefix = step_dirname(step)
-        if self.bucket.storage.size(f"{prefix}/{MANIFEST_NAME}") is not None or (
-            self.bucket.storage.size(f"{prefix}/{LEGACY_MARKER}") is not None
-        ):
+        try:
+            in_bucket = self.bucket.storage.size(f"{prefix}/{MANIFEST_NAME}") is not None or (
+                self.bucket.storage.size(f"{prefix}/{LEGACY_MARKER}") is not None
+            )
+        except OSError as exc:
+            # The local tier exists so that saves do not depend on the bucket being reachable
+            # right now; a conflict is then found (and raised) by the upload instead.
+            logger.warning("could not check %s for step %d before saving: %r", self.bucket.url, step, exc)
+            in_bucket = False
+        if in_bucket:
             raise CommitConflictError(f"checkpoint already exists: {self.bucket.step_url(step)} (step {step} is in the bucket)")
         if self.max_pending_uploads is not None:
             with self._cond:
