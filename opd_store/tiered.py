@@ -241,8 +241,9 @@ class TieredStore(CheckpointStore):
         The local tier when its copy is complete (or legacy) and the bucket has no manifest for
         the step or one naming the same payload entries (:func:`same_payloads`); the bucket
         otherwise (including when the local copy differs from a complete bucket copy: the
-        bucket is the durable one, and a warning names both URLs). Costs a local check and one
-        small bucket read (the manifest), never a payload read.
+        bucket is the durable one, and a warning names both URLs); the local tier again when the
+        bucket's differing copy is not complete, or the bucket cannot be asked (logged). Costs a
+        local check and one small bucket read (the manifest), never a payload read.
         """
         local_status, local_manifest, _ = self.local._status(step)
         if local_status not in (COMPLETE, LEGACY):
@@ -250,6 +251,12 @@ class TieredStore(CheckpointStore):
         try:
             bucket_manifest = self.bucket._read_manifest(step)
         except ManifestError:
+            return self.local
+        except OSError as exc:
+            # The local copy is complete and every read of it is checked (size, CRC32C): a
+            # bucket that cannot be asked right now does not make it unreadable.
+            logger.warning("could not read the manifest of step %d in %s (%r); reading the local copy",
+                           step, self.bucket.url, exc)
             return self.local
         if bucket_manifest is None:
             return self.local
