@@ -313,3 +313,22 @@ def test_every_public_store_method_is_tiered():
     assert missing == []
     with pytest.raises(TypeError, match="two storages"):
         TieredStore("/tmp/a", "memory://b").storage
+
+
+def test_bucket_down_local_reads_and_saves_go_on_upload_failure_raised(bucket_backend, tmp_path):
+    down = {"on": False}
+    bucket, _faulty = wrapped(bucket_backend, read_fault=Fault(when=lambda op: down["on"], once=False))
+    store = TieredStore(tmp_path / "local", bucket)
+    save(store, 1)
+    store.flush()
+    down["on"] = True  # every list, size and read of the bucket now fails (InjectedFault)
+    assert store.tier_for(1) is store.local
+    assert store.read(1, "model.pt") == payloads_for("step1")["model.pt"]
+    save(store, 2)  # the bucket check before the save fails: logged, the local commit goes ahead
+    assert store.local.is_complete(2)
+    with pytest.raises(UploadError, match="upload of step 2"):
+        store.flush()
+    down["on"] = False
+    assert store.durable_steps() == [1] and store.upload_pending() == [2]
+    store.close()
+    assert store.durable_steps() == [1, 2]
