@@ -104,14 +104,42 @@ def same_payloads(a: Manifest, b: Manifest) -> bool:
     return a.step == b.step and key(a) == key(b)
 
 
+class _BucketCheck:
+    """Asks, in a thread of its own, whether the bucket holds a manifest (or a legacy marker) for
+    ``step``; :meth:`in_bucket` waits for the answer. A bucket that cannot be asked answers
+    ``False`` with a warning: the local tier exists so that saves do not depend on the bucket
+    being reachable right now, and the upload's create-only commit still refuses a conflict."""
+
+    def __init__(self, bucket: CheckpointStore, step: int) -> None:
+        self._bucket = bucket
+        self._step = step
+        self._answer = False
+        self._thread = threading.Thread(target=self._run, name=f"opd-store-check-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        prefix = step_dirname(self._step)
+        try:
+            self._answer = self._bucket.storage.size(f"{prefix}/{MANIFEST_NAME}") is not None or (
+                self._bucket.storage.size(f"{prefix}/{LEGACY_MARKER}") is not None
+            )
+        except Exception as exc:  # noqa: BLE001 - see the class docstring
+            logger.warning("could not check %s for step %d before saving: %r", self._bucket.url, self._step, exc)
+
+    def in_bucket(self) -> bool:
+        self._thread.join()
+        return self._answer
+
+
 class _TieredTransaction:
     """The local tier's :class:`~opd_store.transaction.Transaction`, whose commit also queues the
     step's upload. Every other attribute (``open``, ``write_bytes``, ``entries``, ``abort``,
     ``url``, ``attempt_id``, ...) is the local transaction's."""
 
-    def __init__(self, inner, tiered: "TieredStore") -> None:
+    def __init__(self, inner, tiered: "TieredStore", check: "_BucketCheck") -> None:
         self._inner = inner
         self._tiered = tiered
+        self._check = check
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -120,8 +148,16 @@ class _TieredTransaction:
         """Commit locally (the ordinary protocol), queue the upload, return the local URL.
 
         Raises:
+            CommitConflictError: the bucket already holds the step (nothing is committed; this
+                attempt's local payloads are deleted).
             The local transaction's commit errors (see :meth:`Transaction.commit`).
         """
+        if self._check.in_bucket():
+            self._inner.abort()
+            raise CommitConflictError(
+                f"checkpoint already exists: {self._tiered.bucket.step_url(self._inner.step)} "
+                f"(step {self._inner.step} is in the bucket)"
+            )
         url = self._inner.commit()
         self._tiered._enqueue(self._inner.step)
         return url
@@ -506,8 +542,9 @@ class TieredStore(CheckpointStore):
         Raises:
             UploadError: an earlier background upload (or retention run) failed; raised once,
                 before anything of this save is written.
-            CommitConflictError: ``step`` is committed (or legacy) in the local tier or the bucket
-                (a bucket that cannot be asked is logged and the save goes ahead; the upload
+            CommitConflictError: ``step`` is committed (or legacy) in the local tier (here) or in
+                the bucket (at the commit: the bucket is asked while the payloads stream; a
+                bucket that cannot be asked is logged and the save goes ahead, and the upload
                 then raises any conflict).
             ValueError: the store was closed.
             UnsupportedBackendError: see :meth:`CheckpointStore.begin`.
@@ -516,24 +553,16 @@ class TieredStore(CheckpointStore):
             if self._closed:
                 raise ValueError(f"{self!r} is closed")
         self._raise_unreported()
-        prefix = step_dirname(step)
-        try:
-            in_bucket = self.bucket.storage.size(f"{prefix}/{MANIFEST_NAME}") is not None or (
-                self.bucket.storage.size(f"{prefix}/{LEGACY_MARKER}") is not None
-            )
-        except OSError as exc:
-            # The local tier exists so that saves do not depend on the bucket being reachable
-            # right now; a conflict is then found (and raised) by the upload instead.
-            logger.warning("could not check %s for step %d before saving: %r", self.bucket.url, step, exc)
-            in_bucket = False
-        if in_bucket:
-            raise CommitConflictError(f"checkpoint already exists: {self.bucket.step_url(step)} (step {step} is in the bucket)")
         if self.max_pending_uploads is not None:
             with self._cond:
                 while len(self._queue) + (self._in_flight is not None) >= self.max_pending_uploads:
                     self._cond.wait()
         txn = self.local.begin(step, world_size=world_size, metadata=metadata, attempt_id=attempt_id, rank=rank)
-        return _TieredTransaction(txn, self)
+        # Whether the bucket already holds the step is asked while the payloads stream to local
+        # disk (2-4 requests that would otherwise add their latency to every save) and decided
+        # before the local commit.
+        check = _BucketCheck(self.bucket, step)
+        return _TieredTransaction(txn, self, check)
 
     def delete(self, step: int) -> None:
         """Delete ``step`` from the bucket, then from the local tier.

@@ -126,8 +126,13 @@ def test_mismatch_reads_bucket_copy_and_blocks_the_step(bucket_backend, tmp_path
         assert store.read(1, name) == data
     assert store.manifest(1).metadata == {"tag": "bucket-copy"}
     assert [info.metadata["tag"] for info in store.checkpoints()] == ["bucket-copy"]
-    with pytest.raises(CommitConflictError, match="step 1 is in the bucket"):
-        store.begin(1)
+    with pytest.raises(CommitConflictError, match="step 1 is committed"):
+        store.begin(1)  # the local tier holds it
+    save(remote, 3, "only-in-bucket")
+    with pytest.raises(CommitConflictError, match="step 3 is in the bucket"):
+        save(store, 3, "new")  # asked while the payloads streamed, refused before the local commit
+    assert store.local.storage.list_tree("step-000003") == {}  # the local attempt was deleted
+    assert store.pending_uploads() == [] and remote.manifest(3).metadata == {"tag": "only-in-bucket"}
     assert store.upload_pending() == []
     # A bucket copy that is not complete any more loses to the complete local one.
     entry = remote.manifest(1).payloads[0]
