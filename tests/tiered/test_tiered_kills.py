@@ -196,5 +196,10 @@ def test_job_killed_while_uploading_resumes_on_new_machine_bit_exact(bucket, hol
     for record in replayed:
         assert record == first[record["attempted_update"]]
     assert remote.steps() == [2, 4] and CheckpointStore(machine_b).steps() == [4]  # B resumed from the bucket
-    # Both machines computed the same step 4, bit for bit.
-    assert same_payloads(remote.manifest(4), CheckpointStore(machine_a).manifest(4))
+    # Both machines computed the same adapter at step 4, bit for bit. (The whole step is not
+    # compared: on machine A the background upload ran while it trained, and its rng.pt can
+    # differ in Python's `random` state; see docs/tiered.md, "Random streams during uploads".)
+    def adapter_entries(store: CheckpointStore) -> set:
+        return {(e.name, e.size_bytes, e.crc32c) for e in store.manifest(4).payloads if e.name.startswith("adapter/")}
+
+    assert adapter_entries(remote) == adapter_entries(CheckpointStore(machine_a)) != set()
