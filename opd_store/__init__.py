@@ -16,9 +16,11 @@ from .errors import (
     StoreUnreachableError,
     UnsafeCheckpointError,
     UnsupportedBackendError,
+    UploadError,
 )
 from .manifest import Manifest, PayloadEntry
 from .store import CheckpointInfo, CheckpointStore, Problem, VerifyReport
+from .tiered import TieredStore
 from .transaction import PayloadWriter, Transaction
 
 __version__ = "0.1.0"
@@ -74,9 +76,11 @@ __all__ = [
     "Problem",
     "ResumeMismatchError",
     "StoreUnreachableError",
+    "TieredStore",
     "Transaction",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
+    "UploadError",
     "VerifyReport",
     "__version__",
 ]

@@ -75,6 +75,12 @@ class StoreUnreachableError(OpdStoreError, OSError):
     """The store cannot be used at all: no such bucket, no credentials, no connection."""
 
 
+class UploadError(OpdStoreError, OSError):
+    """A tiered store's background upload of a locally committed step to the bucket failed
+    (issue 8, item 3). The step stays committed in the local tier and is not durable; the
+    backend's or the copy's error is the ``__cause__``."""
+
+
 class ResumeMismatchError(OpdStoreError, ValueError):
     """A checkpoint cannot be resumed under the current config, provenance or world size."""
 
@@ -115,4 +121,5 @@ __all__ = [
     "backend_operation",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
+    "UploadError",
 ]

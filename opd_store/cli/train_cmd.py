@@ -23,6 +23,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--store", required=True, help="store URL: local path, s3://, gs://, memory://, ...")
     parser.add_argument("--updates", type=int, required=True, help="successful updates to reach")
     parser.add_argument("--checkpoint-every", type=int, default=2, help="save every K successful updates (default 2)")
+    parser.add_argument(
+        "--local-tier",
+        default=None,
+        metavar="DIR",
+        help="commit each checkpoint to this local directory first and upload it to --store in the "
+        "background (docs/tiered.md); the job exits only after every upload landed",
+    )
     parser.add_argument("--resume", default="auto", help="auto (default), never, or a step number")
     parser.add_argument("--seed", type=int, default=0, help="seed of models, data order and every RNG (default 0)")
     parser.add_argument("--log", default=None, help="per-update JSON-lines log file (default: stdout)")
@@ -59,7 +66,13 @@ def run(args: argparse.Namespace) -> int:
         gce_endpoint=(endpoint or GCE_METADATA_ENDPOINT) if args.spot_notice == "gce" else None,
         poll_interval_secs=args.notice_poll_secs,
     )
+    if args.local_tier is not None:
+        from ..tiered import TieredStore
+
+        store = TieredStore(args.local_tier, store)
     with contextlib.ExitStack() as stack:
+        if args.local_tier is not None:
+            stack.enter_context(store)
         stack.enter_context(watcher)
         log = stack.enter_context(open(args.log, "a", encoding="utf-8")) if args.log else sys.stdout
         events = stack.enter_context(open(args.events, "a", encoding="utf-8")) if args.events else sys.stderr

@@ -26,6 +26,7 @@ from ..opd.async_save import AsyncCheckpointer, SaveHandle
 from ..opd.config import OPDConfig
 from ..preemption import PreemptionWatcher
 from ..store import CheckpointStore
+from ..tiered import TieredStore
 from .corpus import CORPUS, prompts_for
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
 from .update import run_update
@@ -150,7 +151,11 @@ def train(
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
     Args:
-        store (CheckpointStore): where checkpoints go; checked for reachability first.
+        store (CheckpointStore): where checkpoints go; checked for reachability first. A
+            :class:`~opd_store.tiered.TieredStore` (``--local-tier``) commits each save to local
+            disk and uploads it in the background; steps committed locally by an earlier process
+            and never uploaded are queued at the start, and every upload is waited for (and a
+            failure raised as :class:`~opd_store.errors.UploadError`) before this returns.
         updates (int): successful updates to reach (``successful_updates`` at the end).
         checkpoint_every (int): save after every ``checkpoint_every`` successful updates.
         resume (str): ``auto`` (latest complete checkpoint if any), ``never``, or a step number.
@@ -176,11 +181,14 @@ def train(
         StoreUnreachableError: the store cannot be used (before any training).
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
         ResumeMismatchError: the checkpoint was saved under another config, provenance or world size.
+        UploadError: a tiered store's background upload failed (at the next save or at the end).
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
     store.check_reachable()
     resumed_from = _resume_target(store, resume)  # bad --resume fails before models are built
+    if isinstance(store, TieredStore):
+        store.upload_pending()  # a local step an earlier process committed but never uploaded
     log = log or sys.stdout
     events = events or open("/dev/null", "w")  # noqa: SIM115
     torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
@@ -285,6 +293,13 @@ def train(
     finally:
         if checkpointer is not None:
             checkpointer.close()
+    if isinstance(store, TieredStore):
+        store.flush()  # the last checkpoint (the preemption save too) is durable in the bucket before the job reports success
+        try:
+            durable = store.latest_durable_step()
+        except CheckpointNotFoundError:
+            durable = None
+        _emit(events, {"event": "flushed", "durable_step": durable})
     if final_state_path is not None and preempted is None:
         adapter = {name: p.detach().clone() for name, p in student.named_parameters() if p.requires_grad}
         torch.save({"adapter": adapter, "optimizer": optimizer.state_dict(), "trainer": dict(trainer)}, final_state_path)

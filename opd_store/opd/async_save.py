@@ -12,7 +12,7 @@
    may change anything: parameters, optimizer state, RNG.
 2. **Write** (on a daemon thread): :func:`~opd_store.opd.checkpoint.write_opd_checkpoint` streams the
    payloads and creates the manifest, with background ``random`` draws routed away from the
-   caller's generator (:mod:`opd_store.opd.thread_random`).
+   caller's generator (:mod:`opd_store.thread_random`).
 
 Guarantees:
 
@@ -45,7 +45,7 @@ import torch
 from ..errors import BackgroundSaveError, SaveAbandonedError, SaveInFlightError
 from .checkpoint import snapshot_opd_checkpoint, write_opd_checkpoint
 from .rng import preserve_global_rng
-from .thread_random import route_background_random
+from ..thread_random import route_background_random
 
 logger = logging.getLogger("opd_store.opd.async_save")
 
