@@ -31,6 +31,8 @@ A checkpoints directory is a local path, an fsspec URL or a :class:`CheckpointSt
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -46,6 +48,7 @@ import yaml
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, UnsafeCheckpointError
 from ..layout import parse_step_dirname, step_dirname
 from ..store import COMPLETE, LEGACY, CheckpointStore, VerifyReport, as_store, split_checkpoint_url
+from .distributed import current_group, decide_on_rank0, load_collective, save_collective
 from .resume import validate_resume
 from .rng import capture_rng_state, preserve_global_rng, restore_rng_state
 from .safe_load import load_payload, sanitize_state
@@ -212,9 +215,10 @@ def save_opd_checkpoint(
     config: Any,
     provenance_fingerprints: dict[str, str],
     teacher_state: dict,
-    world_size: int = 1,
+    world_size: int | None = None,
     rank_rng_states: list[dict] | None = None,
     storage_options: dict[str, Any] | None = None,
+    rank: int | None = None,
 ) -> str:
     """Commit one OPD checkpoint after a complete update with a cleared failure queue.
 
@@ -232,9 +236,16 @@ def save_opd_checkpoint(
     * trainer, teacher, optimizer, scheduler and RNG state are sanitised so weights-only loading
       restores them (issue 3, item 6): numpy values converted, anything else refused.
 
-    Rank obligations: single-writer mode. Only rank 0 calls this, after a barrier that ends the
-    update on every rank, passing every rank's :func:`~opd_store.opd.rng.capture_rng_state` in
-    rank order (``rank_rng_states[r]`` is rank ``r``'s). Other ranks must not call it.
+    Rank obligations, two modes:
+
+    * Multi-rank mode (issue 7): a ``torch.distributed`` process group of more than one rank is
+      initialised and ``rank_rng_states`` is ``None``. Every rank calls this with the same
+      arguments except its own RNG state (captured here); rank 0 writes the shared payloads,
+      every rank its own ``rng-rank-XX.pt``, and rank 0 commits once every part is durable
+      (:mod:`opd_store.opd.distributed`). Every rank returns the same URL or raises the same error.
+    * Single-writer mode (seed): only rank 0 calls this, after a barrier that ends the update on
+      every rank, passing every rank's :func:`~opd_store.opd.rng.capture_rng_state` in rank order
+      (``rank_rng_states[r]`` is rank ``r``'s). Other ranks must not call it.
 
     Every global RNG (Python, numpy, torch, CUDA) is left exactly as it was found, even when the
     storage retries (botocore's back-off draws from ``random``; issue 3, item 1). The RNG state
@@ -252,9 +263,11 @@ def save_opd_checkpoint(
         config (Any): offers ``fingerprint() -> str`` and ``as_dict() -> dict``.
         provenance_fingerprints (dict[str, str]): provenance name to fingerprint.
         teacher_state (dict): the teacher's state (``update_count`` optional).
-        world_size (int): ranks of the run; schema v1 for 1, v2 above.
-        rank_rng_states (list[dict] | None): per-rank RNG states, index = rank.
+        world_size (int | None): ranks of the run; schema v1 for 1, v2 above. Default: the process
+            group's world size, or 1 without one; must equal the group's in multi-rank mode.
+        rank_rng_states (list[dict] | None): per-rank RNG states, index = rank (single-writer mode).
         storage_options (dict | None): fsspec options when ``checkpoints_dir`` is a URL.
+        rank (int | None): this process's rank; default the process group's (must equal it).
 
     Returns:
         str: the committed checkpoint's URL (its step prefix; a plain absolute path for a local
@@ -269,58 +282,110 @@ def save_opd_checkpoint(
             (:class:`~opd_store.errors.CommitConflictError`), including when another writer
             commits it first.
         opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
+        opd_store.errors.DistributedSaveError: (multi-rank mode, a ``CommitError``) any rank's
+            check or write failed, on every rank, naming each failing rank and its error;
+            :class:`~opd_store.errors.DistributedCommitConflictError` (also a ``FileExistsError``)
+            when the step is already committed. Nothing is committed.
+        RuntimeError: (multi-rank mode) a rank died or the process group timed out mid-save.
     """
+    group = None
+    if rank_rng_states is None:
+        group = current_group(rank=rank, world_size=world_size)
+    elif rank not in (None, 0):
+        raise ValueError(f"single-writer mode (rank_rng_states given) runs on rank 0 only, not rank {rank}")
+    plan_save = functools.partial(
+        _plan_save, checkpoints_dir=checkpoints_dir, model=model, processor=processor, optimizer=optimizer,
+        scheduler=scheduler, trainer_state=trainer_state, config=config,
+        provenance_fingerprints=provenance_fingerprints, teacher_state=teacher_state,
+        storage_options=storage_options,
+    )
     with preserve_global_rng():
         own_rng = capture_rng_state() if rank_rng_states is None else None
-        step = _check_trainer_state(trainer_state, teacher_state)
-        world_size = _check_world_size(world_size)
+        if group is not None:
+            # Multi-rank mode (issue 7): every rank checks and writes its part; rank 0 commits.
+            url = save_collective(group, lambda: plan_save({group.rank: own_rng}, group.world_size), _write_plan)
+            logger.info("committed OPD checkpoint %s (world size %d, rank %d)", url, group.world_size, group.rank)
+            return url
+        world_size = _check_world_size(1 if world_size is None else world_size)
         rng_states = [own_rng] if rank_rng_states is None else list(rank_rng_states)
         if len(rng_states) != world_size:
             raise ValueError(
                 f"rank RNG states must match OPD world size: {len(rng_states)} state(s) for "
                 f"world_size {world_size}"
             )
-        provenance = _check_provenance(provenance_fingerprints)
-        fingerprint = config.fingerprint()
-        if not isinstance(fingerprint, str):
-            raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
-        config_yaml = yaml.safe_dump(config.as_dict(), sort_keys=False).encode("utf-8")
-        schema = SCHEMA_V1 if world_size == 1 else SCHEMA_V2
-        training_state = {
-            "schema": schema,
-            "trainer": sanitize_state(trainer_state, path="trainer_state"),
-            "optimizer": sanitize_state(optimizer.state_dict(), path="optimizer.state_dict()"),
-            "scheduler": sanitize_state(scheduler.state_dict(), path="scheduler.state_dict()"),
-            "config_fingerprint": fingerprint,
-            "provenance_fingerprints": provenance,
-            "world_size": world_size,
-            "teacher": sanitize_state(teacher_state, path="teacher_state"),
-        }
-        rng_payloads = [
-            sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in enumerate(rng_states)
-        ]
-        metadata = {
-            "opd_schema": schema,
-            "attempted_updates": _json_value(training_state["trainer"]["attempted_updates"]),
-            "successful_updates": step,
-            "query_update": _json_value(training_state["trainer"]["query_update"]),
-            "config_fingerprint": fingerprint,
-            "provenance_fingerprints": provenance,
-            "world_size": world_size,
-            "processor_class": _class_name(processor),
-        }
-        store = as_store(checkpoints_dir, storage_options)
-        with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
-            with store.begin(step, world_size=world_size, metadata=metadata) as txn:
-                _stream_pretrained(txn, model, Path(tmp) / ADAPTER_DIR, ADAPTER_DIR)
-                if processor is not None:
-                    _stream_pretrained(txn, processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
-                for rank, state in enumerate(rng_payloads):
-                    _save_torch(txn, rng_payload_name(rank, world_size), state)
-                _save_torch(txn, TRAINING_STATE, training_state)
-                txn.write_bytes(CONFIG_YAML, config_yaml)
-        logger.info("committed OPD checkpoint %s (step %d, world size %d)", txn.committed_url, step, world_size)
+        plan = plan_save(dict(enumerate(rng_states)), world_size)
+        with plan.store.begin(plan.step, world_size=world_size, metadata=plan.metadata) as txn:
+            _write_plan(txn, plan, True)
+        logger.info("committed OPD checkpoint %s (step %d, world size %d)", txn.committed_url, plan.step, world_size)
         return txn.committed_url
+
+
+@dataclasses.dataclass
+class _SavePlan:
+    """Everything one process writes for a save, checked and sanitised before any write."""
+
+    store: CheckpointStore
+    step: int
+    world_size: int
+    metadata: dict
+    model: Any
+    processor: Any
+    training_state: dict
+    rng_payloads: dict[int, dict]  # rank -> sanitised RNG state (this rank only in multi-rank mode)
+    config_yaml: bytes
+
+
+def _plan_save(
+    rng_states: dict[int, dict], world_size: int, *, checkpoints_dir, model, processor, optimizer, scheduler,
+    trainer_state, config, provenance_fingerprints, teacher_state, storage_options,
+) -> _SavePlan:
+    step = _check_trainer_state(trainer_state, teacher_state)
+    world_size = _check_world_size(world_size)
+    provenance = _check_provenance(provenance_fingerprints)
+    fingerprint = config.fingerprint()
+    if not isinstance(fingerprint, str):
+        raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
+    config_yaml = yaml.safe_dump(config.as_dict(), sort_keys=False).encode("utf-8")
+    schema = SCHEMA_V1 if world_size == 1 else SCHEMA_V2
+    training_state = {
+        "schema": schema,
+        "trainer": sanitize_state(trainer_state, path="trainer_state"),
+        "optimizer": sanitize_state(optimizer.state_dict(), path="optimizer.state_dict()"),
+        "scheduler": sanitize_state(scheduler.state_dict(), path="scheduler.state_dict()"),
+        "config_fingerprint": fingerprint,
+        "provenance_fingerprints": provenance,
+        "world_size": world_size,
+        "teacher": sanitize_state(teacher_state, path="teacher_state"),
+    }
+    rng_payloads = {
+        rank: sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in rng_states.items()
+    }
+    metadata = {
+        "opd_schema": schema,
+        "attempted_updates": _json_value(training_state["trainer"]["attempted_updates"]),
+        "successful_updates": step,
+        "query_update": _json_value(training_state["trainer"]["query_update"]),
+        "config_fingerprint": fingerprint,
+        "provenance_fingerprints": provenance,
+        "world_size": world_size,
+        "processor_class": _class_name(processor),
+    }
+    store = as_store(checkpoints_dir, storage_options)
+    return _SavePlan(store, step, world_size, metadata, model, processor, training_state, rng_payloads, config_yaml)
+
+
+def _write_plan(txn, plan: _SavePlan, shared: bool) -> None:
+    """Write ``plan`` into ``txn``: the shared payloads when ``shared``, and the plan's RNG parts."""
+    with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
+        if shared:
+            _stream_pretrained(txn, plan.model, Path(tmp) / ADAPTER_DIR, ADAPTER_DIR)
+            if plan.processor is not None:
+                _stream_pretrained(txn, plan.processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
+    for rank, state in plan.rng_payloads.items():
+        _save_torch(txn, rng_payload_name(rank, plan.world_size), state)
+    if shared:
+        _save_torch(txn, TRAINING_STATE, plan.training_state)
+        txn.write_bytes(CONFIG_YAML, plan.config_yaml)
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -349,8 +414,8 @@ def load_opd_checkpoint(
     config: Any,
     provenance_fingerprints: dict[str, str],
     teacher_state_loader: Callable[[dict], None],
-    rank: int = 0,
-    world_size: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
 ) -> dict:
@@ -375,7 +440,10 @@ def load_opd_checkpoint(
     (``step`` counters stay on the CPU unless the optimizer is ``capturable``/``fused``).
 
     Rank obligations: every rank calls this with its own ``rank`` and the same ``world_size``;
-    each gets its own RNG state (``rng-rank-XX.pt``) back.
+    each gets its own RNG state (``rng-rank-XX.pt``) back. With a ``torch.distributed`` process
+    group of more than one rank initialised, both default to the group's and the load is a
+    collective (issue 7): when any rank fails, every rank raises (see Raises); a world-size change
+    raises the same ``ResumeMismatchError`` on every rank, naming both sizes.
 
     Args:
         checkpoint (str | os.PathLike | tuple[CheckpointStore, int]): the step prefix's path or
@@ -386,8 +454,10 @@ def load_opd_checkpoint(
             ``checkpoint.resume_mode`` and execution-only markings).
         provenance_fingerprints (dict[str, str]): this run's provenance.
         teacher_state_loader (Callable[[dict], None]): receives the saved teacher state.
-        rank (int): this process's rank, ``0 <= rank < world_size``.
-        world_size (int): this run's world size; must equal the saved one.
+        rank (int | None): this process's rank, ``0 <= rank < world_size``; default the process
+            group's, or 0 without one.
+        world_size (int | None): this run's world size; must equal the saved one; default the
+            process group's, or 1 without one.
         storage_options (dict | None): fsspec options for a URL.
         allow_pickle (bool): opt-in to load old pickle-only payloads with plain pickle; honoured
             only for local directories (issue 3, item 6).
@@ -406,7 +476,31 @@ def load_opd_checkpoint(
             ``allow_pickle`` is off, or ``allow_pickle`` was asked for a non-local store.
         opd_store.errors.IntegrityError: a payload's bytes differ from its manifest entry.
         FileNotFoundError: a payload (such as this rank's RNG file) is missing.
+        opd_store.errors.DistributedLoadError: (process group only, an ``OSError``) some ranks
+            failed and others did not, or they failed differently; raised on every rank, naming
+            each failing rank and its error.
     """
+    load = functools.partial(
+        _load_one, checkpoint, optimizer=optimizer, scheduler=scheduler, config=config,
+        provenance_fingerprints=provenance_fingerprints, teacher_state_loader=teacher_state_loader,
+        storage_options=storage_options, allow_pickle=allow_pickle,
+    )
+    group = current_group(rank=rank, world_size=world_size) if _process_group_size() > 1 else None
+    if group is not None:
+        return load_collective(group, lambda: load(rank=group.rank, world_size=group.world_size))
+    return load(rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size)
+
+
+def _process_group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _load_one(
+    checkpoint: CheckpointRef, *, optimizer, scheduler, config, provenance_fingerprints, teacher_state_loader,
+    rank: int, world_size: int, storage_options, allow_pickle: bool,
+) -> dict:
     store, step = resolve_checkpoint(checkpoint, storage_options)
     _check_rank(rank, world_size)
     url = _require_complete(store, step).url
@@ -628,6 +722,10 @@ def latest_complete_checkpoint(
         checkpoints_dir (str | os.PathLike | CheckpointStore): local path, fsspec URL or store.
         storage_options (dict | None): fsspec options for a URL.
 
+    Rank obligations: with a ``torch.distributed`` process group of more than one rank
+    initialised, every rank calls this (a collective): rank 0 decides and broadcasts, so every rank
+    resumes from the same step even while another writer commits a newer one (issue 7).
+
     Returns:
         str: the checkpoint's URL (a plain absolute path for a local store).
 
@@ -636,11 +734,16 @@ def latest_complete_checkpoint(
             (:class:`~opd_store.errors.CheckpointNotFoundError`; seed message).
     """
     store = as_store(checkpoints_dir, storage_options)
-    try:
-        step = store.latest_step(include_legacy=True)
-    except CheckpointNotFoundError as exc:
-        raise CheckpointNotFoundError(f"in-place OPD resume has no complete checkpoint: {exc}") from exc
-    return store.step_url(step)
+
+    def decide() -> str:
+        try:
+            step = store.latest_step(include_legacy=True)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"in-place OPD resume has no complete checkpoint: {exc}") from exc
+        return store.step_url(step)
+
+    group = current_group()
+    return decide() if group is None else decide_on_rank0(group, decide)
 
 
 __all__ = [
