@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -23,6 +24,7 @@ from .. import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.checkpoint import latest_complete_checkpoint, load_adapter, load_opd_checkpoint, save_opd_checkpoint
 from ..opd.config import OPDConfig
+from ..opd.distributed import current_group, decide_on_rank0
 from ..store import CheckpointStore
 from .corpus import CORPUS, prompts_for
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
@@ -156,6 +158,12 @@ def train(
         final_state_path (str | None): where to ``torch.save`` the final adapter weights
             (``adapter``: name -> float32 tensor) and optimizer ``state_dict`` for comparison.
 
+    Rank obligations (issue 7): with a ``torch.distributed`` process group initialised, every rank
+    calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
+    update cursor ``query_update * N + r``'s prompts, and the ranks average their gradients; only
+    rank 0 writes ``log``, ``events`` and ``final_state_path``. Checkpoints are multi-rank saves
+    (each rank its own RNG part); the resume target is decided on rank 0.
+
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
@@ -164,9 +172,16 @@ def train(
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
     store.check_reachable()
-    resumed_from = _resume_target(store, resume)  # bad --resume fails before models are built
+    group = current_group()
+    rank, world_size = (group.rank, group.world_size) if group else (0, 1)
+    # bad --resume fails before models are built; one decision for every rank
+    resumed_from = (_resume_target(store, resume) if group is None
+                    else decide_on_rank0(group, lambda: _resume_target(store, resume)))
+    if rank != 0:
+        log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
+        final_state_path = None
     log = log or sys.stdout
-    events = events or open("/dev/null", "w")  # noqa: SIM115
+    events = events or open(os.devnull, "w")  # noqa: SIM115
     torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
     config = job_config(updates=updates, checkpoint_every=checkpoint_every, store_url=store.url, seed=seed,
                         resume_mode=resume_mode)
@@ -187,9 +202,9 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_decay(config.training.warmup_updates, config.training.total_updates)
     )
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
     trainer: dict[str, Any] = {"attempted_updates": 0, "successful_updates": 0, "query_update": 0}
 
     resumed_step = None
@@ -209,7 +224,7 @@ def train(
 
     saves: list[dict[str, Any]] = []
     while trainer["successful_updates"] < updates:
-        prompts = prompts_for(trainer["query_update"], config.training.queries_per_update)
+        prompts = prompts_for(trainer["query_update"] * world_size + rank, config.training.queries_per_update)
         outcome = run_update(
             student=student,
             teacher=teacher,
@@ -220,6 +235,7 @@ def train(
             max_new_tokens=config.rollout.max_new_tokens,
             temperature=config.rollout.temperature,
             grad_clip=config.training.grad_clip or float("inf"),
+            world_size=world_size,
         )
         trainer["attempted_updates"] += 1
         trainer["query_update"] += 1
