@@ -174,9 +174,7 @@ def train(
     store.check_reachable()
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
-    # bad --resume fails before models are built; one decision for every rank
-    resumed_from = (_resume_target(store, resume) if group is None
-                    else decide_on_rank0(group, lambda: _resume_target(store, resume)))
+    resumed_from = _resume_target(store, resume, group)  # bad --resume fails before models are built
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
         final_state_path = None
@@ -280,18 +278,25 @@ def train(
     return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"], saves)
 
 
-def _resume_target(store: CheckpointStore, resume: str) -> str | None:
+def _resume_target(store: CheckpointStore, resume: str, group=None) -> str | None:
+    """The checkpoint to resume; with a process group, one decision (rank 0's) for every rank."""
     if resume == "never":
         return None
     if resume == "auto":
         try:
-            return latest_complete_checkpoint(store)
+            return latest_complete_checkpoint(store)  # decided on rank 0 under a process group
         except FileNotFoundError:
             return None
     try:
         step = int(resume)
     except ValueError as exc:
         raise ValueError(f"--resume must be auto, never or a step number, got {resume!r}") from exc
+    if group is not None:
+        return decide_on_rank0(group, lambda: _complete_step_url(store, step))
+    return _complete_step_url(store, step)
+
+
+def _complete_step_url(store: CheckpointStore, step: int) -> str:
     if not store.is_complete(step):
         complete = [info.step for info in store.checkpoints() if info.status == "complete"]
         raise CheckpointNotFoundError(

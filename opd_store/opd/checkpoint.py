@@ -536,7 +536,13 @@ def _load_one(
     )
 
     rng_name = RNG_SINGLE if schema == SCHEMA_V1 else rng_payload_name(rank, saved_world_size)
-    rng_state = load_payload(store.read(step, rng_name), source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
+    try:
+        rng_bytes = store.read(step, rng_name)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{url}: step {step} has no RNG state of rank {rank} ({rng_name}); it cannot resume that rank"
+        ) from exc
+    rng_state = load_payload(rng_bytes, source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
 
     state = payload["trainer"]
     teacher = payload["teacher"]

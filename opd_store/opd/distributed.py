@@ -262,7 +262,8 @@ def decide_on_rank0(group: RankGroup, decide: Callable[[], T]) -> T:
     Used so that every rank resumes from the same checkpoint even while another writer is
     committing (issue 7): each rank listing the store itself could see different latest steps.
 
-    Rank obligations: every rank calls this (a collective).
+    Rank obligations: every rank calls this (a collective); ``decide`` must not run collectives
+    itself (it runs on rank 0 only), e.g. not :func:`latest_complete_checkpoint`, which is one.
 
     Raises:
         Exception: the error ``decide`` raised on rank 0, re-raised on every rank (same type and
