@@ -70,6 +70,38 @@ def backend_operation(exc: BaseException) -> str | None:
         current = current.__cause__ or current.__context__
     return None
 
+class RankFailedError(OpdStoreError, OSError):
+    """A collective operation of a multi-rank job failed on one or more ranks (issue 7).
+
+    Raised with the same message on every rank, so no rank carries on alone. On a failing rank the
+    local exception is the ``__cause__``.
+
+    Attributes:
+        failures (dict[int, str]): rank to ``"<ErrorType>: <message>"`` of each rank that failed.
+    """
+
+    failures: dict[int, str]
+
+    @classmethod
+    def from_failures(cls, message: str, failures: dict[int, str]) -> "RankFailedError":
+        error = cls(message)  # one argument: OSError would read two as (errno, strerror)
+        error.failures = dict(failures)
+        return error
+
+
+class DistributedSaveError(RankFailedError, CommitError):
+    """A multi-rank save was not committed because a rank failed before the commit (or the
+    committing rank's manifest create failed). Nothing was committed; previous steps are intact."""
+
+
+class DistributedCommitConflictError(DistributedSaveError, CommitConflictError):
+    """A multi-rank save refused because its step is already committed (also a ``FileExistsError``)."""
+
+
+class DistributedLoadError(RankFailedError):
+    """A multi-rank load failed on some ranks; every rank raises it. A rank whose own load
+    succeeded may already have restored its state: the job must not continue on it."""
+
 
 class StoreUnreachableError(OpdStoreError, OSError):
     """The store cannot be used at all: no such bucket, no credentials, no connection."""
@@ -111,10 +143,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "CommitConflictError",
     "CommitError",
+    "DistributedCommitConflictError",
+    "DistributedLoadError",
+    "DistributedSaveError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "ManifestError",
     "OpdStoreError",
+    "RankFailedError",
     "ResumeMismatchError",
     "StoragePermissionError",
     "StoreUnreachableError",

@@ -37,7 +37,7 @@ from .layout import (
 )
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .storage import Storage, open_storage
-from .transaction import Transaction
+from .transaction import PartTransaction, Transaction
 
 logger = logging.getLogger("opd_store.store")
 
@@ -471,6 +471,31 @@ class CheckpointStore:
             metadata=metadata,
             rank=rank,
         )
+
+    def begin_part(self, step: int, *, attempt_id: str, rank: int, world_size: int) -> PartTransaction:
+        """Start one rank's part of a multi-rank save under the committing rank's attempt (issue 7).
+
+        The part writes payloads under ``step-NNNNNN/<attempt_id>/`` and never a manifest; its
+        :meth:`~opd_store.transaction.PartTransaction.seal` returns the entries the committing rank
+        passes to :meth:`~opd_store.transaction.Transaction.add_entry` before it commits.
+
+        Args:
+            step (int): the step being saved (the committing rank's).
+            attempt_id (str): the attempt chosen by the committing rank's :meth:`begin`.
+            rank (int): this part's rank, ``0 < rank < world_size`` by convention.
+            world_size (int): ranks writing the checkpoint.
+
+        Raises:
+            CommitConflictError: ``step`` is already committed (nothing is written).
+            ValueError: ``attempt_id`` is malformed, or ``rank`` is outside ``[0, world_size)``.
+        """
+        if attempt_id is None or not is_attempt_id(attempt_id):
+            raise ValueError(f"attempt_id {attempt_id!r} is not of the form attempt-YYYYMMDDTHHMMSSZ-<12 hex>")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside [0, {world_size})")
+        if self.storage.size(f"{step_dirname(step)}/{MANIFEST_NAME}") is not None:
+            raise CommitConflictError(f"checkpoint already exists: {self.step_url(step)} (step {step} is committed)")
+        return PartTransaction(self.storage, step, attempt_id, world_size=world_size, rank=rank)
 
     def delete(self, step: int) -> None:
         """Delete ``step``: its manifest (or legacy marker) first, so it stops being complete at

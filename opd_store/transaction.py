@@ -444,4 +444,70 @@ class Transaction:
             self.abort()
 
 
-__all__ = ["PayloadWriter", "Transaction"]
+class PartTransaction(Transaction):
+    """One rank's part of a multi-rank save: payloads under a shared attempt, never a manifest.
+
+    Created by :meth:`CheckpointStore.begin_part` on every rank but the committing one (issue 7).
+    The payloads stream exactly as in a :class:`Transaction`; :meth:`seal` (a clean ``with`` exit)
+    makes them durable and returns their entries, which the rank sends to the committing rank; that
+    rank records them with :meth:`Transaction.add_entry` and creates the manifest. An exception
+    (or :meth:`abort`) deletes only this part's own payloads, never the other ranks'.
+
+    Rank obligations: the committing rank chose ``attempt_id`` (``store.begin``) and shares it;
+    payload names must not collide across ranks (``rng-rank-XX.pt`` does not).
+    """
+
+    def commit(self) -> str:  # noqa: D102 - refused: a part never commits
+        raise TypeError(
+            f"a part transaction of {self.url} ({self.attempt_id}, rank {self.rank}) cannot commit; "
+            "seal() it and send the entries to the committing rank"
+        )
+
+    def seal(self) -> tuple[PayloadEntry, ...]:
+        """Make this part's payloads durable (local stores fsync) and return their entries.
+
+        Raises:
+            IncompleteCheckpointError: a payload writer is still open or failed (the part's
+                payloads are deleted).
+            OSError: the durability sync failed (the part's payloads are deleted).
+        """
+        self._require_open()
+        if self._open or self._failed:
+            names = sorted(self._open) + sorted(self._failed)
+            self.abort()
+            raise IncompleteCheckpointError(
+                f"{self.url}: rank {self.rank} payloads {names} were never closed cleanly; its part is discarded"
+            )
+        try:
+            self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "sealed"
+        return self.entries
+
+    def abort(self) -> None:
+        """Discard open writers and delete this part's own payloads. Safe to call twice."""
+        if self._state in ("aborted",):
+            return
+        for writer in list(self._open.values()):
+            writer.abort()
+        self._state = "aborted"
+        self._discard_payloads()
+
+    def _discard_payloads(self) -> None:
+        for entry in self._entries.values():
+            try:
+                self.storage.delete(f"{self._step_rel}/{entry.path}")
+            except Exception:  # noqa: BLE001 - leftovers are harmless; gc removes them
+                logger.warning("could not delete payload %s of rank %d at %s", entry.path, self.rank, self.url,
+                               exc_info=True)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.seal()
+        else:
+            self.abort()
+
+
+__all__ = ["PartTransaction", "PayloadWriter", "Transaction"]

@@ -45,22 +45,40 @@ def add_parser(subparsers) -> None:
     spot.add_argument("--metadata-endpoint", default=None,
                       help="metadata server base URL (default: the platform's; tests use a fake one on loopback)")
     spot.add_argument("--notice-poll-secs", type=float, default=5.0, help="seconds between notice polls (default 5)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="ranks to spawn (gloo process group on 127.0.0.1; each rank saves its part; default 1)")
+    parser.add_argument("--dist-timeout-secs", type=float, default=600.0,
+                        help="process-group timeout: a rank waiting longer on a collective fails (default 600)")
     add_store_options(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.resume not in ("auto", "never") and not args.resume.isdigit():
+        raise CliError(f"--resume must be auto, never or a step number, got {args.resume!r}")
+    if args.nproc < 1:
+        raise CliError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and (args.async_save or args.local_tier is not None or args.spot_notice != "none"
+                           or args.preemption_signal):
+        # Asynchronous saves and the local tier are single-writer; a preemption notice would have to
+        # be agreed on by every rank before the same update (not built yet: docs/spot.md).
+        raise CliError("--nproc > 1 cannot be combined with --async-save, --local-tier, --spot-notice or "
+                       "--preemption-signal (single-process features)")
+    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    if args.nproc == 1:
+        return _train(args, options)
+    return _spawn(args, options)
+
+
+def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
     from ..job.train import train
     from ..store import CheckpointStore
 
-    if args.resume not in ("auto", "never") and not args.resume.isdigit():
-        raise CliError(f"--resume must be auto, never or a step number, got {args.resume!r}")
-    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
     store = CheckpointStore(args.store, storage_options=options)
     if args.notice_poll_secs <= 0:
         raise CliError(f"--notice-poll-secs must be > 0, got {args.notice_poll_secs}")
     endpoint = args.metadata_endpoint
-    watcher = PreemptionWatcher(
+    watcher = None if args.nproc > 1 else PreemptionWatcher(
         signals=args.preemption_signal or ("SIGTERM",),
         aws_endpoint=(endpoint or AWS_METADATA_ENDPOINT) if args.spot_notice == "aws" else None,
         gce_endpoint=(endpoint or GCE_METADATA_ENDPOINT) if args.spot_notice == "gce" else None,
@@ -73,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         if args.local_tier is not None:
             stack.enter_context(store)
-        stack.enter_context(watcher)
-        log = stack.enter_context(open(args.log, "a", encoding="utf-8")) if args.log else sys.stdout
-        events = stack.enter_context(open(args.events, "a", encoding="utf-8")) if args.events else sys.stderr
+        if watcher is not None:
+            stack.enter_context(watcher)
+        log = stack.enter_context(open(args.log, "a", encoding="utf-8")) if args.log and rank == 0 else sys.stdout
+        events = (stack.enter_context(open(args.events, "a", encoding="utf-8")) if args.events and rank == 0
+                  else sys.stderr)
         result = train(
             store=store,
             updates=args.updates,
@@ -88,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             preemption=watcher,
             async_save=args.async_save,
         )
+    if rank != 0:
+        return 0
     summary = {
         "store": store.url,
         "resumed_from": result.resumed_from,
@@ -102,3 +124,50 @@ def run(args: argparse.Namespace) -> int:
         summary["preempted"] = {key: notice[key] for key in ("source", "step", "url", "action")}
     print(json.dumps(summary), file=sys.stderr if not args.log else sys.stdout)
     return 0
+
+
+def _spawn(args: argparse.Namespace, options: dict) -> int:
+    """Run ``args.nproc`` ranks with ``torch.multiprocessing`` (spawn) in one gloo process group.
+
+    Returns the first failing rank's exit code (``128 + signal`` for a rank killed by a signal);
+    the other ranks are then terminated (torch's process context does that).
+    """
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.start_processes(_rank_main, args=(args, options, port), nprocs=args.nproc, join=False,
+                                 start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as exc:
+        code = exc.exit_code
+        return 128 - code if code < 0 else code
+    except mp.ProcessRaisedException as exc:
+        print(f"opd-store train: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _rank_main(rank: int, args: argparse.Namespace, options: dict, port: int) -> None:
+    """One spawned rank: join the process group, train, leave; exit with the CLI's exit code."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from .common import exit_code_for
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc,
+                            timeout=datetime.timedelta(seconds=args.dist_timeout_secs))
+    try:
+        code = _train(args, options, rank)
+    except (CliError, OSError, ValueError) as exc:
+        message = str(exc).strip() or type(exc).__name__
+        print(f"opd-store train: error: rank {rank}: {message}", file=sys.stderr)
+        sys.exit(exit_code_for(exc))
+    dist.destroy_process_group()
+    sys.exit(code)

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -25,6 +26,7 @@ from ..opd.checkpoint import latest_complete_checkpoint, load_adapter, load_opd_
 from ..opd.async_save import AsyncCheckpointer, SaveHandle
 from ..opd.config import OPDConfig
 from ..preemption import PreemptionWatcher
+from ..opd.distributed import current_group, decide_on_rank0
 from ..store import CheckpointStore
 from ..tiered import TieredStore
 from .corpus import CORPUS, prompts_for
@@ -177,6 +179,12 @@ def train(
             snapshot; ``save_snapshot`` then ``saved`` events); the last one is waited for before
             returning, and a background failure is raised.
 
+    Rank obligations (issue 7): with a ``torch.distributed`` process group initialised, every rank
+    calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
+    update cursor ``query_update * N + r``'s prompts, and the ranks average their gradients; only
+    rank 0 writes ``log``, ``events`` and ``final_state_path``. Checkpoints are multi-rank saves
+    (each rank its own RNG part); the resume target is decided on rank 0.
+
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
@@ -186,11 +194,16 @@ def train(
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
     store.check_reachable()
-    resumed_from = _resume_target(store, resume)  # bad --resume fails before models are built
+    group = current_group()
+    rank, world_size = (group.rank, group.world_size) if group else (0, 1)
+    resumed_from = _resume_target(store, resume, group)  # bad --resume fails before models are built
+    if rank != 0:
+        log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
+        final_state_path = None
     if isinstance(store, TieredStore):
         store.upload_pending()  # a local step an earlier process committed but never uploaded
     log = log or sys.stdout
-    events = events or open("/dev/null", "w")  # noqa: SIM115
+    events = events or open(os.devnull, "w")  # noqa: SIM115
     torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
     config = job_config(updates=updates, checkpoint_every=checkpoint_every, store_url=store.url, seed=seed,
                         resume_mode=resume_mode)
@@ -211,9 +224,9 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_decay(config.training.warmup_updates, config.training.total_updates)
     )
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
     trainer: dict[str, Any] = {"attempted_updates": 0, "successful_updates": 0, "query_update": 0}
 
     resumed_step = None
@@ -245,7 +258,7 @@ def train(
                 preempted = _save_on_notice(store, preemption, checkpointer, pending, saves, events, trainer,
                                             teacher_state, save_kwargs)
                 break
-            prompts = prompts_for(trainer["query_update"], config.training.queries_per_update)
+            prompts = prompts_for(trainer["query_update"] * world_size + rank, config.training.queries_per_update)
             outcome = run_update(
                 student=student,
                 teacher=teacher,
@@ -256,6 +269,7 @@ def train(
                 max_new_tokens=config.rollout.max_new_tokens,
                 temperature=config.rollout.temperature,
                 grad_clip=config.training.grad_clip or float("inf"),
+                world_size=world_size,
             )
             trainer["attempted_updates"] += 1
             trainer["query_update"] += 1
@@ -369,18 +383,25 @@ def _save_on_notice(store, preemption, checkpointer, pending, saves, events, tra
     return record
 
 
-def _resume_target(store: CheckpointStore, resume: str) -> str | None:
+def _resume_target(store: CheckpointStore, resume: str, group=None) -> str | None:
+    """The checkpoint to resume; with a process group, one decision (rank 0's) for every rank."""
     if resume == "never":
         return None
     if resume == "auto":
         try:
-            return latest_complete_checkpoint(store)
+            return latest_complete_checkpoint(store)  # decided on rank 0 under a process group
         except FileNotFoundError:
             return None
     try:
         step = int(resume)
     except ValueError as exc:
         raise ValueError(f"--resume must be auto, never or a step number, got {resume!r}") from exc
+    if group is not None:
+        return decide_on_rank0(group, lambda: _complete_step_url(store, step))
+    return _complete_step_url(store, step)
+
+
+def _complete_step_url(store: CheckpointStore, step: int) -> str:
     if not store.is_complete(step):
         complete = [info.step for info in store.checkpoints() if info.status == "complete"]
         raise CheckpointNotFoundError(

@@ -105,21 +105,54 @@ def distillation_loss(student, teacher, rollouts: list[Rollout]) -> torch.Tensor
 
 
 def run_update(*, student, teacher, tokenizer, optimizer, scheduler, prompts: list[str], max_new_tokens: int,
-               temperature: float, grad_clip: float) -> UpdateOutcome:
-    """Attempt one update. The update-local failure queue (refused rollouts) lives and dies here."""
+               temperature: float, grad_clip: float, world_size: int = 1) -> UpdateOutcome:
+    """Attempt one update. The update-local failure queue (refused rollouts) lives and dies here.
+
+    With ``world_size > 1`` (an initialised ``torch.distributed`` group, issue 7) every rank samples
+    its own ``prompts``; the update succeeds when any rank accepted a rollout, and the adapter's
+    gradients (float32, the parameters' shapes) and the loss are averaged over the ranks that
+    accepted one, so every replica takes the same optimizer step. Rank obligations: every rank
+    calls this once per attempted update (it runs collectives).
+    """
     rollouts = sample_rollouts(student, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature)
     failure_queue = [r for r in rollouts if not accept_rollout(r, tokenizer)]
     accepted = [r for r in rollouts if all(r is not f for f in failure_queue)]
     lr = float(optimizer.param_groups[0]["lr"])
-    if not accepted:
-        return UpdateOutcome(ok=False, loss=None, lr=lr, accepted=0, rejected=len(failure_queue))
+    counts = _sum_over_ranks(torch.tensor([len(accepted), len(failure_queue)], dtype=torch.int64), world_size)
+    accepted_total, rejected_total = int(counts[0]), int(counts[1])
+    if not accepted_total:
+        return UpdateOutcome(ok=False, loss=None, lr=lr, accepted=0, rejected=rejected_total)
+    trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
-    loss = distillation_loss(student, teacher, accepted)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], grad_clip)
+    if accepted:
+        loss = distillation_loss(student, teacher, accepted)
+        loss.backward()
+        loss_value = loss.detach()
+    else:
+        loss_value = torch.zeros((), dtype=torch.float32)
+    if world_size > 1:
+        # Average over the ranks that contributed a loss (a rank with none adds zeros).
+        contributing = _sum_over_ranks(torch.tensor([1.0 if accepted else 0.0]), world_size)
+        for param in trainable:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            param.grad.copy_(_sum_over_ranks(param.grad, world_size) / contributing)
+        loss_value = _sum_over_ranks(loss_value.reshape(1), world_size)[0] / contributing[0]
+    torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
     optimizer.step()
     scheduler.step()
-    return UpdateOutcome(ok=True, loss=float(loss.detach()), lr=lr, accepted=len(accepted), rejected=len(failure_queue))
+    return UpdateOutcome(ok=True, loss=float(loss_value), lr=lr, accepted=accepted_total, rejected=rejected_total)
+
+
+def _sum_over_ranks(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``tensor`` summed over every rank (a collective when ``world_size > 1``); a new tensor."""
+    if world_size == 1:
+        return tensor
+    import torch.distributed as dist
+
+    total = tensor.clone()
+    dist.all_reduce(total)
+    return total
 
 
 __all__ = ["Rollout", "UpdateOutcome", "accept_rollout", "distillation_loss", "run_update", "sample_rollouts"]

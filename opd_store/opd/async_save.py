@@ -43,9 +43,10 @@ from typing import Any
 import torch
 
 from ..errors import BackgroundSaveError, SaveAbandonedError, SaveInFlightError
-from .checkpoint import snapshot_opd_checkpoint, write_opd_checkpoint
-from .rng import preserve_global_rng
 from ..thread_random import route_background_random
+from .checkpoint import snapshot_opd_checkpoint, write_opd_checkpoint
+from .distributed import current_group
+from .rng import preserve_global_rng
 
 logger = logging.getLogger("opd_store.opd.async_save")
 
@@ -261,13 +262,21 @@ class AsyncCheckpointer:
             SaveInFlightError: a save is in flight and ``when_busy="raise"``.
             BackgroundSaveError: (an ``OSError``) the previous save failed and nobody saw it yet
                 (its exception is the ``__cause__``); this save is not started.
-            ValueError: a rule of ``save_opd_checkpoint`` is broken (checked now, nothing written);
+            ValueError: a rule of ``save_opd_checkpoint`` is broken (checked now, nothing written),
+                or a process group of several ranks is initialised and no ``rank_rng_states`` are
+                given (asynchronous saves are single-writer);
                 ``UnsafeCheckpointError`` for state weights-only loading cannot restore.
             RuntimeError: the checkpointer is closed.
         """
         with self._lock:
             if self._closed:
                 raise RuntimeError("AsyncCheckpointer is closed")
+            if save_kwargs.get("rank_rng_states") is None and current_group() is not None:
+                raise ValueError(
+                    "AsyncCheckpointer saves from one writer: with a torch.distributed process group of "
+                    "several ranks use save_opd_checkpoint on every rank (issue 7), or pass rank_rng_states "
+                    "on rank 0 (single-writer mode)"
+                )
             self._wait_for_pending(for_what="a new save")
             started = time.perf_counter()
             self._staging.begin()

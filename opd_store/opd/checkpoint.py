@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import functools
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ from ..layout import parse_step_dirname, step_dirname
 from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, LEGACY, CheckpointStore, VerifyReport, as_store, split_checkpoint_url
 from ..torch_io import torch_save
+from .distributed import current_group, decide_on_rank0, load_collective, save_collective
 from .resume import validate_resume
 from .rng import capture_rng_state, preserve_global_rng, restore_rng_state
 from .safe_load import load_payload, plain_config_dict, sanitize_state
@@ -226,11 +228,12 @@ def save_opd_checkpoint(
     config: Any,
     provenance_fingerprints: dict[str, str],
     teacher_state: dict,
-    world_size: int = 1,
+    world_size: int | None = None,
     rank_rng_states: list[dict] | None = None,
     storage_options: dict[str, Any] | None = None,
     retention: RetentionPolicy | None = None,
     lineage: RunLineage | None = None,
+    rank: int | None = None,
 ) -> str:
     """Commit one OPD checkpoint after a complete update with a cleared failure queue.
 
@@ -250,9 +253,16 @@ def save_opd_checkpoint(
     * ``config.as_dict()`` is plain YAML data (numpy scalars converted, anything else refused
       naming its key; issue 5, scenario 36), checked before anything is written.
 
-    Rank obligations: single-writer mode. Only rank 0 calls this, after a barrier that ends the
-    update on every rank, passing every rank's :func:`~opd_store.opd.rng.capture_rng_state` in
-    rank order (``rank_rng_states[r]`` is rank ``r``'s). Other ranks must not call it.
+    Rank obligations, two modes:
+
+    * Multi-rank mode (issue 7): a ``torch.distributed`` process group of more than one rank is
+      initialised and ``rank_rng_states`` is ``None``. Every rank calls this with the same
+      arguments except its own RNG state (captured here); rank 0 writes the shared payloads,
+      every rank its own ``rng-rank-XX.pt``, and rank 0 commits once every part is durable
+      (:mod:`opd_store.opd.distributed`). Every rank returns the same URL or raises the same error.
+    * Single-writer mode (seed): only rank 0 calls this, after a barrier that ends the update on
+      every rank, passing every rank's :func:`~opd_store.opd.rng.capture_rng_state` in rank order
+      (``rank_rng_states[r]`` is rank ``r``'s). Other ranks must not call it.
 
     Every global RNG (Python, numpy, torch, CUDA) is left exactly as it was found, even when the
     storage retries (botocore's back-off draws from ``random``; issue 3, item 1). The RNG state
@@ -270,8 +280,9 @@ def save_opd_checkpoint(
         config (Any): offers ``fingerprint() -> str`` and ``as_dict() -> dict``.
         provenance_fingerprints (dict[str, str]): provenance name to fingerprint.
         teacher_state (dict): the teacher's state (``update_count`` optional).
-        world_size (int): ranks of the run; schema v1 for 1, v2 above.
-        rank_rng_states (list[dict] | None): per-rank RNG states, index = rank.
+        world_size (int | None): ranks of the run; schema v1 for 1, v2 above. Default: the process
+            group's world size, or 1 without one; must equal the group's in multi-rank mode.
+        rank_rng_states (list[dict] | None): per-rank RNG states, index = rank (single-writer mode).
         storage_options (dict | None): fsspec options when ``checkpoints_dir`` is a URL.
         retention (RetentionPolicy | None): applied only after this commit succeeded (issue 6;
             ``config.checkpoint.retention_policy()`` gives the config's); never deletes this step,
@@ -279,6 +290,7 @@ def save_opd_checkpoint(
             second checkpoint. A failing retention pass is logged, not raised. ``None``: keep all.
         lineage (RunLineage | None): run id and resume parent, recorded in the manifest metadata
             (``run_id``, ``parent_step``).
+        rank (int | None): this process's rank; default the process group's (must equal it).
 
     Returns:
         str: the committed checkpoint's URL (its step prefix; a plain absolute path for a local
@@ -294,25 +306,45 @@ def save_opd_checkpoint(
             (:class:`~opd_store.errors.CommitConflictError`), including when another writer
             commits it first.
         opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
+        opd_store.errors.DistributedSaveError: (multi-rank mode, a ``CommitError``) any rank's
+            check or write failed, on every rank, naming each failing rank and its error;
+            :class:`~opd_store.errors.DistributedCommitConflictError` (also a ``FileExistsError``)
+            when the step is already committed. Nothing is committed.
+        RuntimeError: (multi-rank mode) a rank died or the process group timed out mid-save.
     """
+    group = None
+    if rank_rng_states is None:
+        group = current_group(rank=rank, world_size=world_size)
+    elif rank not in (None, 0):
+        raise ValueError(f"single-writer mode (rank_rng_states given) runs on rank 0 only, not rank {rank}")
+    snapshot_kwargs = dict(
+        checkpoints_dir=checkpoints_dir, model=model, processor=processor, optimizer=optimizer,
+        scheduler=scheduler, trainer_state=trainer_state, config=config,
+        provenance_fingerprints=provenance_fingerprints, teacher_state=teacher_state,
+        storage_options=storage_options, retention=retention, lineage=lineage,
+    )
     with preserve_global_rng():
-        snapshot = snapshot_opd_checkpoint(
-            checkpoints_dir=checkpoints_dir,
-            model=model,
-            processor=processor,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            trainer_state=trainer_state,
-            config=config,
-            provenance_fingerprints=provenance_fingerprints,
-            teacher_state=teacher_state,
-            world_size=world_size,
-            rank_rng_states=rank_rng_states,
-            storage_options=storage_options,
-            retention=retention,
-            lineage=lineage,
-        )
-        return write_opd_checkpoint(snapshot)
+        if group is None:
+            snapshot = snapshot_opd_checkpoint(
+                **snapshot_kwargs, world_size=1 if world_size is None else world_size, rank_rng_states=rank_rng_states
+            )
+            return write_opd_checkpoint(snapshot)
+        # Multi-rank mode (issue 7): every rank checks and writes its part; rank 0 commits.
+        own_rng = capture_rng_state()
+        snapshots: list[OpdSnapshot] = []
+
+        def snapshot_this_rank() -> OpdSnapshot:
+            snapshots.append(
+                snapshot_opd_checkpoint(**snapshot_kwargs, world_size=group.world_size,
+                                        rank_rng_parts={group.rank: own_rng})
+            )
+            return snapshots[-1]
+
+        url = save_collective(group, snapshot_this_rank, _write_payloads)
+        logger.info("committed OPD checkpoint %s (world size %d, rank %d)", url, group.world_size, group.rank)
+        if group.rank == 0:
+            _apply_retention(snapshots[-1])
+        return url
 
 
 @dataclasses.dataclass
@@ -330,7 +362,8 @@ class OpdSnapshot:
         world_size (int): ranks of the run.
         metadata (dict): the manifest metadata (JSON).
         training_state (dict): the ``training_state.pt`` payload.
-        rng_payloads (list[dict]): one RNG state per rank, index = rank.
+        rng_payloads (dict[int, dict]): rank to its RNG state: every rank's in single-writer mode,
+            this rank's only in multi-rank mode (issue 7).
         config_yaml (bytes): the ``config.yaml`` payload.
         model (Any): the student (its ``save_pretrained`` writes the adapter), or ``None`` when
             ``adapter_dir`` already holds the adapter's files.
@@ -349,7 +382,7 @@ class OpdSnapshot:
     world_size: int
     metadata: dict[str, Any]
     training_state: dict[str, Any]
-    rng_payloads: list[Any]
+    rng_payloads: dict[int, Any]
     config_yaml: bytes
     model: Any
     adapter_state_dict: dict[str, Any] | None
@@ -404,6 +437,7 @@ def snapshot_opd_checkpoint(
     retention: RetentionPolicy | None = None,
     lineage: RunLineage | None = None,
     stage: Callable[[Any], Any] | None = None,
+    rank_rng_parts: dict[int, dict] | None = None,
 ) -> OpdSnapshot:
     """The snapshot phase of :func:`save_opd_checkpoint`: check the seed's rules and capture state.
 
@@ -416,19 +450,29 @@ def snapshot_opd_checkpoint(
             trainer, optimizer, scheduler, teacher and RNG states, a ``Tensor -> Tensor`` copy
             applied recursively by the caller's function) and to the adapter's trainable tensors;
             ``None`` keeps the live tensors (synchronous save, no copy).
+        rank_rng_parts (dict[int, dict] | None): multi-rank mode (issue 7): this rank's RNG state
+            keyed by its rank, captured by the caller; ``rank_rng_states`` is then ignored and
+            ``world_size`` is the process group's.
 
     Returns:
-        OpdSnapshot: what :func:`write_opd_checkpoint` writes.
+        OpdSnapshot: what :func:`write_opd_checkpoint` (one writer) or the multi-rank collective
+        writes.
     """
-    own_rng = capture_rng_state() if rank_rng_states is None else None
-    step = _check_trainer_state(trainer_state, teacher_state)
-    world_size = _check_world_size(world_size)
-    rng_states = [own_rng] if rank_rng_states is None else list(rank_rng_states)
-    if len(rng_states) != world_size:
-        raise ValueError(
-            f"rank RNG states must match OPD world size: {len(rng_states)} state(s) for "
-            f"world_size {world_size}"
-        )
+    if rank_rng_parts is None:
+        own_rng = capture_rng_state() if rank_rng_states is None else None
+        step = _check_trainer_state(trainer_state, teacher_state)
+        world_size = _check_world_size(world_size)
+        rng_states = [own_rng] if rank_rng_states is None else list(rank_rng_states)
+        if len(rng_states) != world_size:
+            raise ValueError(
+                f"rank RNG states must match OPD world size: {len(rng_states)} state(s) for "
+                f"world_size {world_size}"
+            )
+        rng_parts = dict(enumerate(rng_states))
+    else:
+        step = _check_trainer_state(trainer_state, teacher_state)
+        world_size = _check_world_size(world_size)
+        rng_parts = dict(rank_rng_parts)
     provenance = _check_provenance(provenance_fingerprints)
     fingerprint = config.fingerprint()
     if not isinstance(fingerprint, str):
@@ -445,9 +489,9 @@ def snapshot_opd_checkpoint(
         "world_size": world_size,
         "teacher": sanitize_state(teacher_state, path="teacher_state"),
     }
-    rng_payloads = [
-        sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in enumerate(rng_states)
-    ]
+    rng_payloads = {
+        rank: sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in rng_parts.items()
+    }
     metadata = {
         "opd_schema": schema,
         "attempted_updates": _json_value(training_state["trainer"]["attempted_updates"]),
@@ -502,8 +546,25 @@ def write_opd_checkpoint(snapshot: OpdSnapshot, *, before_commit: Callable[[], N
     """
     step, world_size = snapshot.step, snapshot.world_size
     try:
+        with snapshot.store.begin(step, world_size=world_size, metadata=snapshot.metadata) as txn:
+            _write_payloads(txn, snapshot, True)
+            if before_commit is not None:
+                before_commit()
+    finally:
+        if snapshot.adapter_dir is not None:  # also when begin() refused the step
+            shutil.rmtree(snapshot.adapter_dir, ignore_errors=True)
+    logger.info("committed OPD checkpoint %s (step %d, world size %d)", txn.committed_url, step, world_size)
+    _apply_retention(snapshot)
+    return txn.committed_url
+
+
+def _write_payloads(txn, snapshot: OpdSnapshot, shared: bool) -> None:
+    """Stream ``snapshot`` into ``txn`` (a transaction, or a multi-rank part): the shared payloads
+    (adapter, processor, training state, config) when ``shared``, and the snapshot's RNG parts.
+    Removes a staged adapter directory whatever happens."""
+    try:
         with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
-            with snapshot.store.begin(step, world_size=world_size, metadata=snapshot.metadata) as txn:
+            if shared:
                 if snapshot.adapter_dir is not None:
                     _stream_directory(txn, Path(snapshot.adapter_dir), ADAPTER_DIR, "save_pretrained")
                 else:
@@ -511,21 +572,22 @@ def write_opd_checkpoint(snapshot: OpdSnapshot, *, before_commit: Callable[[], N
                                        state_dict=snapshot.adapter_state_dict)
                 if snapshot.processor is not None:
                     _stream_pretrained(txn, snapshot.processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
-                for rank, state in enumerate(snapshot.rng_payloads):
-                    _save_torch(txn, rng_payload_name(rank, world_size), state)
+            for rank, state in snapshot.rng_payloads.items():
+                _save_torch(txn, rng_payload_name(rank, snapshot.world_size), state)
+            if shared:
                 _save_torch(txn, TRAINING_STATE, snapshot.training_state)
                 txn.write_bytes(CONFIG_YAML, snapshot.config_yaml)
-                if before_commit is not None:
-                    before_commit()
     finally:
         if snapshot.adapter_dir is not None:
             shutil.rmtree(snapshot.adapter_dir, ignore_errors=True)
-    logger.info("committed OPD checkpoint %s (step %d, world size %d)", txn.committed_url, step, world_size)
+
+
+def _apply_retention(snapshot: OpdSnapshot) -> None:
+    """The retention pass after a commit (issue 6): only when the save asked for one."""
     if snapshot.retention is not None:
         from ..gc import retention_after_commit
 
-        retention_after_commit(snapshot.store, snapshot.retention, step, snapshot.lineage)
-    return txn.committed_url
+        retention_after_commit(snapshot.store, snapshot.retention, snapshot.step, snapshot.lineage)
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -554,8 +616,8 @@ def load_opd_checkpoint(
     config: Any,
     provenance_fingerprints: dict[str, str],
     teacher_state_loader: Callable[[dict], None],
-    rank: int = 0,
-    world_size: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
     storage_options: dict[str, Any] | None = None,
     allow_pickle: bool = False,
 ) -> dict:
@@ -580,7 +642,10 @@ def load_opd_checkpoint(
     (``step`` counters stay on the CPU unless the optimizer is ``capturable``/``fused``).
 
     Rank obligations: every rank calls this with its own ``rank`` and the same ``world_size``;
-    each gets its own RNG state (``rng-rank-XX.pt``) back.
+    each gets its own RNG state (``rng-rank-XX.pt``) back. With a ``torch.distributed`` process
+    group of more than one rank initialised, both default to the group's and the load is a
+    collective (issue 7): when any rank fails, every rank raises (see Raises); a world-size change
+    raises the same ``ResumeMismatchError`` on every rank, naming both sizes.
 
     Args:
         checkpoint (str | os.PathLike | tuple[CheckpointStore, int]): the step prefix's path or
@@ -591,8 +656,10 @@ def load_opd_checkpoint(
             ``checkpoint.resume_mode`` and execution-only markings).
         provenance_fingerprints (dict[str, str]): this run's provenance.
         teacher_state_loader (Callable[[dict], None]): receives the saved teacher state.
-        rank (int): this process's rank, ``0 <= rank < world_size``.
-        world_size (int): this run's world size; must equal the saved one.
+        rank (int | None): this process's rank, ``0 <= rank < world_size``; default the process
+            group's, or 0 without one.
+        world_size (int | None): this run's world size; must equal the saved one; default the
+            process group's, or 1 without one.
         storage_options (dict | None): fsspec options for a URL.
         allow_pickle (bool): opt-in to load old pickle-only payloads with plain pickle; honoured
             only for local directories (issue 3, item 6).
@@ -611,7 +678,31 @@ def load_opd_checkpoint(
             ``allow_pickle`` is off, or ``allow_pickle`` was asked for a non-local store.
         opd_store.errors.IntegrityError: a payload's bytes differ from its manifest entry.
         FileNotFoundError: a payload (such as this rank's RNG file) is missing.
+        opd_store.errors.DistributedLoadError: (process group only, an ``OSError``) some ranks
+            failed and others did not, or they failed differently; raised on every rank, naming
+            each failing rank and its error.
     """
+    load = functools.partial(
+        _load_one, checkpoint, optimizer=optimizer, scheduler=scheduler, config=config,
+        provenance_fingerprints=provenance_fingerprints, teacher_state_loader=teacher_state_loader,
+        storage_options=storage_options, allow_pickle=allow_pickle,
+    )
+    group = current_group(rank=rank, world_size=world_size) if _process_group_size() > 1 else None
+    if group is not None:
+        return load_collective(group, lambda: load(rank=group.rank, world_size=group.world_size))
+    return load(rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size)
+
+
+def _process_group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _load_one(
+    checkpoint: CheckpointRef, *, optimizer, scheduler, config, provenance_fingerprints, teacher_state_loader,
+    rank: int, world_size: int, storage_options, allow_pickle: bool,
+) -> dict:
     store, step = resolve_checkpoint(checkpoint, storage_options)
     _check_rank(rank, world_size)
     url = _require_complete(store, step).url
@@ -647,7 +738,13 @@ def load_opd_checkpoint(
     )
 
     rng_name = RNG_SINGLE if schema == SCHEMA_V1 else rng_payload_name(rank, saved_world_size)
-    rng_state = load_payload(store.read(step, rng_name), source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
+    try:
+        rng_bytes = store.read(step, rng_name)
+    except CheckpointNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{url}: step {step} has no RNG state of rank {rank} ({rng_name}); it cannot resume that rank"
+        ) from exc
+    rng_state = load_payload(rng_bytes, source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
 
     state = payload["trainer"]
     teacher = payload["teacher"]
@@ -833,6 +930,10 @@ def latest_complete_checkpoint(
         checkpoints_dir (str | os.PathLike | CheckpointStore): local path, fsspec URL or store.
         storage_options (dict | None): fsspec options for a URL.
 
+    Rank obligations: with a ``torch.distributed`` process group of more than one rank
+    initialised, every rank calls this (a collective): rank 0 decides and broadcasts, so every rank
+    resumes from the same step even while another writer commits a newer one (issue 7).
+
     Returns:
         str: the checkpoint's URL (a plain absolute path for a local store).
 
@@ -841,11 +942,16 @@ def latest_complete_checkpoint(
             (:class:`~opd_store.errors.CheckpointNotFoundError`; seed message).
     """
     store = as_store(checkpoints_dir, storage_options)
-    try:
-        step = store.latest_step(include_legacy=True)
-    except CheckpointNotFoundError as exc:
-        raise CheckpointNotFoundError(f"in-place OPD resume has no complete checkpoint: {exc}") from exc
-    return store.step_url(step)
+
+    def decide() -> str:
+        try:
+            step = store.latest_step(include_legacy=True)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"in-place OPD resume has no complete checkpoint: {exc}") from exc
+        return store.step_url(step)
+
+    group = current_group()
+    return decide() if group is None else decide_on_rank0(group, decide)
 
 
 __all__ = [

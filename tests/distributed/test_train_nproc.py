@@ -1,0 +1,93 @@
+"""``opd-store train --nproc 2``: a rank killed mid-save, the job restarted, bit-exact (issue 7).
+
+The job runs as a real CLI process that spawns two gloo ranks. The kill lands while rank 1 is in
+the middle of its RNG part of step 4 (tests/distributed/inject/sitecustomize.py blocks it there
+and names its pid), so nothing can have committed step 4. The restarted job resumes from step 2
+and must end bit-identical to an uninterrupted 2-rank run: adapter, optimizer, counters, losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd_store import CheckpointStore
+
+ROOT = Path(__file__).resolve().parents[2]
+INJECT = Path(__file__).with_name("inject")
+DEADLINE_SECS = 1200
+pytestmark = pytest.mark.timeout(3 * DEADLINE_SECS)
+
+
+def _cmd(store: Path, tag: str, tmp_path: Path) -> list[str]:
+    return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
+            "--checkpoint-every", "2", "--nproc", "2", "--log", str(tmp_path / f"{tag}.log"),
+            "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt")]
+
+
+def _env(**extra) -> dict:
+    path = os.pathsep.join([str(INJECT), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
+    reference = subprocess.run(_cmd(tmp_path / "ref", "ref", tmp_path), env=_env(), capture_output=True, text=True,
+                               timeout=DEADLINE_SECS)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    ref_store = CheckpointStore(tmp_path / "ref")
+    assert ref_store.steps() == [2, 4]
+    manifest = ref_store.manifest(4)
+    assert manifest.world_size == 2
+    assert {"rng-rank-00.pt", "rng-rank-01.pt"} <= {entry.name for entry in manifest.payloads}
+
+    marker = tmp_path / "blocked"
+    killed = subprocess.Popen(_cmd(tmp_path / "run", "run1", tmp_path),
+                              env=_env(OPD_TEST_BLOCK_SAVE=f"1:4:{marker}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + DEADLINE_SECS
+    while not marker.exists() or not marker.read_text():
+        if killed.poll() is not None or time.monotonic() > deadline:
+            killed.kill()
+            pytest.fail(f"rank 1 never blocked mid-save; output:\n{killed.communicate()[0][-4000:]}")
+        time.sleep(0.05)
+    store = CheckpointStore(tmp_path / "run")
+    assert store.steps() == [2]
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    output = killed.communicate(timeout=DEADLINE_SECS)[0]
+    assert killed.returncode != 0, output[-4000:]
+    assert store.steps() == [2] and store.latest_step() == 2  # step 4 never committed
+
+    resumed = subprocess.run(_cmd(tmp_path / "run", "run2", tmp_path), env=_env(), capture_output=True, text=True,
+                             timeout=DEADLINE_SECS)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    events = _records(tmp_path / "run2.events")
+    assert events[0] == {"event": "resumed", "url": f"{tmp_path / 'run'}/step-000002", "step": 2}
+    assert store.steps() == [2, 4]
+
+    expected = torch.load(tmp_path / "ref.pt", weights_only=True)
+    actual = torch.load(tmp_path / "run2.pt", weights_only=True)
+    assert actual["trainer"] == expected["trainer"]
+    assert actual["adapter"].keys() == expected["adapter"].keys()
+    for name, tensor in expected["adapter"].items():
+        assert torch.equal(actual["adapter"][name], tensor), name
+    assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    for index, state in expected["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(actual["optimizer"]["state"][index][key], value), (index, key)
+
+    by_update = {record["attempted_update"]: record for record in _records(tmp_path / "ref.log")}
+    for record in _records(tmp_path / "run1.log") + _records(tmp_path / "run2.log"):
+        assert record == by_update[record["attempted_update"]]
+    assert _records(tmp_path / "run2.log")[-1] == by_update[max(by_update)]
