@@ -1,34 +1,11 @@
-"""Fixtures of the CLI tests: a clean local or S3 (moto server) store location.
-
-S3 stores share one aiobotocore session (as in tests/opd): each store still builds its own s3fs
-instance and talks HTTP to moto, but botocore's service model is parsed once.
-"""
+"""Fixtures of the CLI tests: a clean local or S3 (moto server) store location and its CLI options."""
 
 from __future__ import annotations
 
 import pytest
 
-from backends import Backend
 from cli_helpers import cli_store_args
-
-
-@pytest.fixture(scope="session")
-def aio_session():
-    import aiobotocore.session
-
-    return aiobotocore.session.AioSession()
-
-
-def with_session(backend: Backend, session) -> Backend:
-    if backend.name != "s3":
-        return backend
-    return Backend("s3", backend.url, dict(backend.storage_options, session=session))
-
-
-@pytest.fixture(params=("local", "s3"))
-def backend(request, tmp_path, aio_session) -> Backend:
-    """A clean store location on local disk and on S3 (moto server)."""
-    return with_session(request.getfixturevalue(f"{request.param}_backend"), aio_session)
+from store_fixtures import aio_session, backend  # noqa: F401 - fixtures
 
 
 @pytest.fixture
