@@ -525,6 +525,17 @@ class TieredStore(CheckpointStore):
             raise UploadError(f"{len(failures)} background failure(s) of {self!r}: {detail}") from failures[0][1]
 
     # -- writes --------------------------------------------------------------------------------
+    def begin_part(self, step: int, **kwargs: Any):
+        """Not available: a tiered store has one writer (multi-rank parts, issue 7, need one store).
+
+        Raises:
+            TypeError: always; save multi-rank checkpoints to a plain :class:`CheckpointStore`.
+        """
+        raise TypeError(
+            f"TieredStore({self.local.url}, {self.bucket.url}) takes single-writer saves only: multi-rank "
+            f"parts (step {step}) need a plain CheckpointStore"
+        )
+
     def begin(
         self,
         step: int,
