@@ -12,3 +12,28 @@ def test_committed_schema_matches_models():
         "regenerate with: python -c \"import json; from opd_store.manifest import manifest_json_schema; "
         "open('docs/manifest-schema.json','w').write(json.dumps(manifest_json_schema(), indent=2, sort_keys=True)+'\\n')\""
     )
+
+
+# The canonical JSON schema of each manifest format version, by SHA-256 (issue 10). A change to the
+# pydantic models changes the schema: it must come with a new MANIFEST_FORMAT_VERSION and a new
+# entry here (the entries of earlier versions stay, so readers of old manifests are not forgotten),
+# plus the regenerated docs/manifest-schema.json.
+SCHEMA_SHA256_BY_FORMAT_VERSION = {
+    1: "d546170bb0b1652e49ac54ca85da91556cce1be29308a06bd02d1f3035509920",
+}
+
+
+def test_a_model_change_needs_a_format_version_bump():
+    import hashlib
+
+    from opd_store.manifest import MANIFEST_FORMAT_VERSION
+
+    canonical = json.dumps(manifest_json_schema(), sort_keys=True, separators=(",", ":")).encode("utf-8")
+    digest = hashlib.sha256(canonical).hexdigest()
+    assert MANIFEST_FORMAT_VERSION in SCHEMA_SHA256_BY_FORMAT_VERSION, (
+        f"format version {MANIFEST_FORMAT_VERSION} has no recorded schema: add {digest!r}"
+    )
+    assert digest == SCHEMA_SHA256_BY_FORMAT_VERSION[MANIFEST_FORMAT_VERSION], (
+        f"the manifest models changed (schema sha256 {digest}) but MANIFEST_FORMAT_VERSION is still "
+        f"{MANIFEST_FORMAT_VERSION}: bump it, record the new digest here, regenerate docs/manifest-schema.json"
+    )
