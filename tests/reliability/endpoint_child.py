@@ -1,5 +1,5 @@
 """Child process of test_endpoint.py: a store at a custom ``endpoint_url`` with explicit keys,
-run with no AWS variables and empty AWS config files, so any request that ignored the store's
+run with no AWS variables (save, list, exists, load, delete and `opd-store gc`) and empty AWS config files, so any request that ignored the store's
 options would find no credentials (or go to AWS, unreachable here) instead of passing silently.
 
 Usage: python endpoint_child.py '<json: url, endpoint_url, key, secret>'  -> prints a JSON report.
@@ -32,6 +32,15 @@ def main() -> None:
     report["read"] = store.read(2, "model.bin").decode()
     store.delete(1)
     report["after_delete"] = store.steps()
+    with store.begin(3) as txn:
+        txn.write_bytes("model.bin", b"step three")
+    from opd_store.cli import main as cli_main
+
+    report["gc_exit"] = cli_main([
+        "gc", args["url"], "--keep-last", "1", "--yes", "--s3-endpoint-url", args["endpoint_url"],
+        "--storage-option", f"key={args['key']}", "--storage-option", f"secret={args['secret']}",
+    ])
+    report["after_gc"] = store.steps()
     print(json.dumps(report))
 
 

@@ -1,5 +1,5 @@
 """Scenario 33 of issue 5: a custom ``endpoint_url`` with explicit keys and no default AWS
-credentials anywhere. Save, list, exists, load and delete all reach that endpoint (counted at a
+credentials anywhere. Save, list, exists, load, delete and gc all reach that endpoint (counted at a
 proxy in front of moto); nothing falls back to the default credential chain or to AWS.
 """
 
@@ -38,6 +38,8 @@ def test_every_verb_uses_the_custom_endpoint_without_default_credentials(s3_prox
         "latest": 2,
         "read": "step two",
         "after_delete": [2],
+        "gc_exit": 0,
+        "after_gc": [3],
     }
     ops = proxy.ops()
     for op in ("PutObject", "ListObjectsV2", "HeadObject", "GetObject", "DeleteObjects"):
@@ -49,5 +51,5 @@ def test_every_verb_uses_the_custom_endpoint_without_default_credentials(s3_prox
     bucket, _, prefix = backend.url[len("s3://"):].partition("/")
     client = boto3_client(moto_s3)
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"])
-    assert keys[-1] == f"{prefix}/step-000002/manifest.json"
-    assert not [k for k in keys if "/step-000001/" in k]
+    assert keys[-1] == f"{prefix}/step-000003/manifest.json"
+    assert not [k for k in keys if "/step-000001/" in k or "/step-000002/" in k]
