@@ -53,7 +53,7 @@ from ..layout import parse_step_dirname, step_dirname
 from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, LEGACY, CheckpointStore, VerifyReport, as_store, split_checkpoint_url
 from ..torch_io import torch_save
-from .distributed import current_group, decide_on_rank0, load_collective, save_collective
+from .distributed import check_group_args, current_group, decide_on_rank0, load_collective, save_collective
 from .resume import validate_resume
 from .rng import capture_rng_state, preserve_global_rng, restore_rng_state
 from .safe_load import load_payload, plain_config_dict, sanitize_state
@@ -314,7 +314,9 @@ def save_opd_checkpoint(
     """
     group = None
     if rank_rng_states is None:
-        group = current_group(rank=rank, world_size=world_size)
+        group = current_group()  # the arguments are checked inside the first collective (no rank waits alone)
+        if group is None:
+            current_group(rank=rank, world_size=world_size)
     elif rank not in (None, 0):
         raise ValueError(f"single-writer mode (rank_rng_states given) runs on rank 0 only, not rank {rank}")
     snapshot_kwargs = dict(
@@ -334,6 +336,7 @@ def save_opd_checkpoint(
         snapshots: list[OpdSnapshot] = []
 
         def snapshot_this_rank() -> OpdSnapshot:
+            check_group_args(group, rank=rank, world_size=world_size)
             snapshots.append(
                 snapshot_opd_checkpoint(**snapshot_kwargs, world_size=group.world_size,
                                         rank_rng_parts={group.rank: own_rng})
@@ -687,9 +690,14 @@ def load_opd_checkpoint(
         provenance_fingerprints=provenance_fingerprints, teacher_state_loader=teacher_state_loader,
         storage_options=storage_options, allow_pickle=allow_pickle,
     )
-    group = current_group(rank=rank, world_size=world_size) if _process_group_size() > 1 else None
+    group = current_group() if _process_group_size() > 1 else None
     if group is not None:
-        return load_collective(group, lambda: load(rank=group.rank, world_size=group.world_size))
+
+        def load_this_rank() -> dict:
+            check_group_args(group, rank=rank, world_size=world_size)  # inside the collective: no rank waits alone
+            return load(rank=group.rank, world_size=group.world_size)
+
+        return load_collective(group, load_this_rank)
     return load(rank=0 if rank is None else rank, world_size=1 if world_size is None else world_size)
 
 

@@ -89,12 +89,26 @@ def current_group(*, rank: int | None = None, world_size: int | None = None) -> 
         if rank not in (None, 0):
             raise ValueError(f"rank {rank} was given but no torch.distributed process group is initialised")
         return None
-    group_rank, group_size = dist.get_rank(), dist.get_world_size()
-    if rank is not None and rank != group_rank:
-        raise ValueError(f"rank {rank} differs from the process group's rank {group_rank}")
-    if world_size is not None and world_size != group_size:
-        raise ValueError(f"world_size {world_size} differs from the process group's world size {group_size}")
-    return None if group_size == 1 else RankGroup(group_rank, group_size)
+    group = RankGroup(dist.get_rank(), dist.get_world_size())
+    check_group_args(group, rank=rank, world_size=world_size)
+    return None if group.world_size == 1 else group
+
+
+def check_group_args(group: RankGroup, *, rank: int | None, world_size: int | None) -> None:
+    """Check a caller's ``rank``/``world_size`` arguments against the process group.
+
+    Multi-rank saves and loads call this inside their first collective, so a rank with a wrong
+    argument fails every rank at once instead of leaving the others waiting on the collective until
+    the process group's timeout (issue 7: "none hangs when one rank fails").
+
+    Raises:
+        ValueError: ``rank`` or ``world_size`` differ from the group's (a misconfigured rank would
+            otherwise write another rank's part).
+    """
+    if rank is not None and rank != group.rank:
+        raise ValueError(f"rank {rank} differs from the process group's rank {group.rank}")
+    if world_size is not None and world_size != group.world_size:
+        raise ValueError(f"world_size {world_size} differs from the process group's world size {group.world_size}")
 
 
 def _describe(error: BaseException | None) -> tuple[str, str, bool] | None:

@@ -98,14 +98,14 @@ class Job:
         self.optimizer.step()
         self.scheduler.step()
 
-    def save(self, store, step: int) -> str:
+    def save(self, store, step: int, rank_arg: int | None = None) -> str:
         from opd_store.opd.checkpoint import save_opd_checkpoint
 
         trainer = {"attempted_updates": step, "successful_updates": step, "query_update": step}
         return save_opd_checkpoint(
             checkpoints_dir=store, model=self.student, processor=None, optimizer=self.optimizer,
             scheduler=self.scheduler, trainer_state=trainer, config=self.config,
-            provenance_fingerprints=self.provenance, teacher_state={"update_count": step},
+            provenance_fingerprints=self.provenance, teacher_state={"update_count": step}, rank=rank_arg,
         )
 
     def load(self, url: str, store) -> dict:
@@ -169,7 +169,7 @@ def main() -> int:
                 if index == len(steps) - 1 and "_arm" in spec:
                     spec["_arm"]["on"] = True
                 try:
-                    url = job.save(store, step)
+                    url = job.save(store, step, spec.get("rank_args", {}).get(str(rank)))
                 except Exception as exc:  # noqa: BLE001 - reported to the test
                     result["saves"].append({"step": step, "error": _error(exc)})
                     break

@@ -119,6 +119,22 @@ def test_a_failing_rank_fails_the_save_everywhere(mr_backend, fail_rank, tmp_pat
     assert objects_under(mr_backend, "step-000004") == []  # every rank's part was discarded
 
 
+def test_a_wrong_rank_argument_on_one_rank_fails_every_rank_without_a_hang(local_backend, tmp_path):
+    """Rank 1 passes ``rank=0``: the check runs inside the first collective, so both ranks get the
+    same error at once instead of rank 0 waiting on the collective until the group's timeout."""
+    reports = run_ranks(local_backend, 2, "save_fail", tmp_path / "run", steps=[2], rank_args={"1": 0})
+    store = CheckpointStore(local_backend.url)
+    cause = "ValueError: rank 0 differs from the process group's rank 1"
+    for report in reports:
+        assert "fatal" not in report, report.get("traceback")
+        error = report["saves"][0]["error"]
+        assert error["type"] == "DistributedSaveError"
+        assert error["message"] == f"{store.step_url(2)}: step 2 was not committed: rank 1 failed: {cause}"
+        assert error["failures"] == {"1": cause}
+    assert store.steps() == []
+    assert objects_under(local_backend, "step-000002") == []
+
+
 def test_a_committed_step_is_refused_on_every_rank(local_backend, tmp_path):
     run_ranks(local_backend, 2, "save_load", tmp_path / "first", steps=[2])
     reports = run_ranks(local_backend, 2, "save_fail", tmp_path / "again", steps=[2])
