@@ -203,6 +203,22 @@ def test_world_size_mismatch_is_refused_naming_both_sizes(opd_backend, store, op
         load_opd_checkpoint((store, 2), **opd.load_kwargs(rank=1, world_size=1))
 
 
+@pytest.mark.parametrize("load_world_size", [2, 8])
+def test_saved_with_four_ranks_loaded_with_two_or_eight_is_refused(opd_backend, store, opd, load_world_size):
+    """Issue 5, scenario 27: the documented policy (docs/resume.md: a world-size change is refused
+    under every resume mode) applies with a message naming both sizes; nothing is restored."""
+    from opd_store.opd.rng import capture_rng_state
+
+    save_opd_checkpoint(**opd.save_kwargs(store, world_size=4, rank_rng_states=[capture_rng_state()] * 4))
+    loaded = []
+    kwargs = opd.load_kwargs(world_size=load_world_size, loaded=loaded)
+    optimizer_before = kwargs["optimizer"].state_dict()
+    with pytest.raises(ResumeMismatchError) as info:
+        load_opd_checkpoint((store, 2), **kwargs)
+    assert "world_size 4" in str(info.value) and f"world_size {load_world_size}" in str(info.value)
+    assert loaded == [] and kwargs["optimizer"].state_dict() == optimizer_before
+
+
 def test_restored_teacher_update_count_is_checked(opd_backend, store, opd):
     """The seed's post-check: a checkpoint whose teacher count differs is refused (and nothing is
     restored first)."""
