@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from .layout import MANIFEST_NAME, is_attempt_id, parse_step_dirname, step_dirname
 from .pins import pinned_steps
 from .retention import RetentionPlan, RetentionPolicy, RunLineage, StepRecord, plan_retention
-from .store import COMPLETE, CORRUPT, LEGACY, CheckpointInfo, CheckpointStore
+from .store import COMPLETE, CORRUPT, LEGACY, CheckpointInfo, CheckpointStore, objects_by_step
 
 logger = logging.getLogger("opd_store.gc")
 
@@ -240,13 +240,7 @@ def find_orphans(
     manifest read per committed step). Legacy steps and steps with an unreadable manifest are
     skipped (see module docs)."""
     now = time.time() if now_secs is None else now_secs
-    tree = store.storage.list_tree("")
-    by_step: dict[int, dict[str, int]] = {}
-    for path, size in tree.items():
-        head, _, tail = path.partition("/")
-        step = parse_step_dirname(head)
-        if step is not None and tail:
-            by_step.setdefault(step, {})[tail] = size
+    by_step = objects_by_step(store.storage.list_tree(""))
     orphans = []
     for step, objects in sorted(by_step.items()):
         attempts: dict[str, int] = {}

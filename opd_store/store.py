@@ -201,13 +201,7 @@ class CheckpointStore:
         One recursive listing plus one manifest read per committed step. Uncommitted prefixes
         (a save in progress, or a killed one) appear with status ``uncommitted``.
         """
-        tree = self.storage.list_tree("")
-        by_step: dict[int, dict[str, int]] = {}
-        for path, size in tree.items():
-            head, _, tail = path.partition("/")
-            step = parse_step_dirname(head)
-            if step is not None and tail:
-                by_step.setdefault(step, {})[tail] = size
+        by_step = objects_by_step(self.storage.list_tree(""))
         return [self._info(step, objects) for step, objects in sorted(by_step.items())]
 
     def _info(self, step: int, objects: dict[str, int]) -> CheckpointInfo:
@@ -511,6 +505,19 @@ class CheckpointStore:
         return None if created is None else now_secs - created
 
 
+def objects_by_step(tree: dict[str, int]) -> dict[int, dict[str, int]]:
+    """Group a recursive listing of the store root (relative path -> size in bytes) by step:
+    ``{step: {path under step-NNNNNN/: size_bytes}}``; objects outside step prefixes are left out.
+    """
+    by_step: dict[int, dict[str, int]] = {}
+    for path, size in tree.items():
+        head, _, tail = path.partition("/")
+        step = parse_step_dirname(head)
+        if step is not None and tail:
+            by_step.setdefault(step, {})[tail] = size
+    return by_step
+
+
 def as_store(
     target: "CheckpointStore | str | os.PathLike", storage_options: dict[str, Any] | None = None
 ) -> CheckpointStore:
@@ -551,5 +558,6 @@ __all__ = [
     "Problem",
     "VerifyReport",
     "as_store",
+    "objects_by_step",
     "split_checkpoint_url",
 ]
