@@ -38,15 +38,36 @@ from .base import Storage
 _MEMORY_LOCK = threading.Lock()
 
 
+# Largest single write(2) a local payload makes. On Linux 6.x page caches with large folios, one
+# write of 2 MiB or more into a new file cost 15-20x the CPU of the same bytes in 512 KiB writes
+# (1 GiB: 20 s against 1.1-1.3 s on this project's 6.18 hosts; bench/results/core-*-write-size.md),
+# and torch.save hands over whole tensor storages (8 MiB each in the issue-2 state).
+_LOCAL_WRITE_BYTES = 512 << 10
+
+
 class _FsyncingFile:
-    """A local binary file that fsyncs its data before it is published by ``close()``."""
+    """A local binary file that fsyncs its data before it is published by ``close()``.
+
+    ``write`` hands the kernel at most :data:`_LOCAL_WRITE_BYTES` per call (zero-copy slices).
+    """
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()/abort
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()/abort
         self.name = path
 
     def write(self, data) -> int:
-        return self._file.write(data)
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        total = view.nbytes
+        offset = 0
+        while offset < total:
+            # A raw file may write less than asked (a signal, a full disk reports via OSError).
+            written = self._file.write(view[offset:offset + _LOCAL_WRITE_BYTES])
+            if not written:
+                raise OSError(f"{self.name}: write made no progress at byte {offset} of {total}")
+            offset += written
+        return total
 
     def flush(self) -> None:
         self._file.flush()
