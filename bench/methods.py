@@ -29,8 +29,14 @@ Every method saves and loads the same training state (:func:`make_training_state
                    checked) + ``torch.load``.
 ``opd_store-zipcrc``  the same with torch's own zip CRC-32 left on (a plain ``torch.save`` into
                    the writer): the side-by-side measurement behind ``torch_io``'s choice.
-``opd_store-async``  RESERVED for the asynchronous save (blocking time of the caller), which another
-                   engineer is building; :func:`async_save_available` says whether it exists.
+``opd_store-mmap``  the same save; load maps the verified local file
+                   (``opd_store.torch_io.torch_load(reader, mmap=True)``): tensors share the page
+                   cache instead of being copied (local only).
+``opd_store-async``  the asynchronous save's blocking time (its *save* column): the state is
+                   staged into reusable host buffers (``StagingBuffers``, as ``AsyncCheckpointer``
+                   does; allocated by an untimed first staging, as after a job's first save),
+                   then the opd_store save runs in a thread; ``save_total`` times until its commit.
+                   Its load is opd_store's.
 =================  ==============================================================================
 """
 
@@ -48,8 +54,8 @@ PAYLOAD = "state.pt"
 SLICE_BYTES = 8 * MIB
 LOCAL_WRITE_BYTES = 512 * 1024
 
-METHODS = ("raw", "torch.save", "seed", "dcp", "opd_store", "opd_store-zipcrc")
-LOCAL_ONLY = {"seed"}
+METHODS = ("raw", "torch.save", "seed", "dcp", "opd_store", "opd_store-mmap", "opd_store-async", "opd_store-zipcrc")
+LOCAL_ONLY = {"seed", "opd_store-mmap"}
 
 
 # -- the state -----------------------------------------------------------------------------------
@@ -106,17 +112,6 @@ def same_state(a: dict, b: dict) -> bool:
 
 def _views(tensors) -> list[memoryview]:
     return [memoryview(t.numpy()).cast("B") for t in tensors]
-
-
-def async_save_available() -> bool:
-    """Whether opd_store has an asynchronous save yet (another engineer is building it).
-
-    When it lands, add an ``opd_store-async`` method below whose ``save`` returns once the caller
-    may touch the state again (the blocking time) and whose ``finish`` waits for the commit.
-    """
-    import opd_store
-
-    return hasattr(opd_store, "AsyncSaver") or hasattr(opd_store, "save_async")
 
 
 # -- methods -------------------------------------------------------------------------------------
@@ -331,11 +326,13 @@ class Store(Method):
                 else:
                     torch_save(state, writer)
 
+    mmap = False
+
     def load(self, state_template, tag):
-        import torch
+        from opd_store.torch_io import torch_load
 
         with self.store.open(tag, PAYLOAD) as handle:
-            return torch.load(handle)
+            return torch_load(handle, mmap=self.mmap)
 
     def cleanup(self, tag):
         self.store.delete(tag)
@@ -344,6 +341,56 @@ class Store(Method):
 class StoreZipCrc(Store):
     name = "opd_store-zipcrc"
     zip_crc32 = True
+
+
+class StoreMmap(Store):
+    """The same save; the load maps the verified local file (``torch_load(reader, mmap=True)``)."""
+
+    name = "opd_store-mmap"
+    mmap = True
+
+
+class StoreAsync(Store):
+    """The asynchronous save's blocking time: ``save`` returns once the state is staged.
+
+    Staging is :class:`opd_store.opd.async_save.StagingBuffers` (what ``AsyncCheckpointer`` does
+    while training waits); the write and commit then run in a thread, and :meth:`finish` waits for
+    them (timed apart as ``save_total``). :meth:`prepare` stages once before the clock: a training
+    job's earlier saves have already allocated the buffers (steady state, as
+    ``bench/async_save.py`` reports apart from the first save).
+    """
+
+    name = "opd_store-async"
+
+    def prepare(self, state):
+        from opd_store.opd.async_save import StagingBuffers
+
+        self.buffers = StagingBuffers()
+        self.buffers.begin()
+        self.buffers.stage(state)
+        self.buffers.finish()
+
+    def save(self, state, tag):
+        import threading
+
+        self.buffers.begin()
+        snapshot = self.buffers.stage(state)
+        self.buffers.finish()
+        self._error = None
+
+        def write():
+            try:
+                Store.save(self, snapshot, tag)
+            except BaseException as exc:  # noqa: BLE001 - raised by finish()
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name="bench-async-save")
+        self._thread.start()
+
+    def finish(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _remove(fs, path: str) -> None:
@@ -363,6 +410,8 @@ BY_NAME: dict[str, type[Method]] = {
     "dcp": Dcp,
     "opd_store": Store,
     "opd_store-zipcrc": StoreZipCrc,
+    "opd_store-mmap": StoreMmap,
+    "opd_store-async": StoreAsync,
 }
 
 

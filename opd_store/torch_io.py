@@ -79,3 +79,57 @@ def torch_save(obj: Any, writer: BinaryIO) -> None:
 
 
 __all__ = ["no_zip_crc32", "torch_save", "zip_crc32_switchable"]
+
+
+def torch_load(reader: BinaryIO, *, mmap: bool = False, map_location: Any = "cpu") -> Any:
+    """``torch.load(weights_only=True)`` of a payload reader that the store has verified.
+
+    ``reader`` comes from :meth:`~opd_store.store.CheckpointStore.open`, which checked the
+    payload's size and CRC32C against the manifest before returning it.
+
+    With ``mmap=True`` and a local payload (a real file), the verified file is memory-mapped
+    (``torch.load(mmap=True)``) instead of copied: tensor storages share the page cache that the
+    checksum pass just filled, so a load costs about the checksum (bench: 1 GiB in ~0.5 s against
+    ~3.5 s for a copying load). The mapping is private (``MAP_PRIVATE``): writing to a loaded
+    tensor copies that page and never reaches the file. It stays valid after ``delete``/``gc``
+    unlink the file; opd_store never rewrites a payload in place (each attempt has its own prefix),
+    but a file truncated by another program under a live mapping raises ``SIGBUS`` on access, so
+    keep ``mmap=False`` for stores other programs write into. On Linux the map is taken through
+    ``/proc/self/fd/N``, i.e. of the very inode that was checksummed. Remote payloads are already
+    in memory (one GET), so ``mmap`` changes nothing for them.
+
+    Args:
+        reader (BinaryIO): a reader returned by ``CheckpointStore.open``; closed by the caller.
+        mmap (bool): map a local payload instead of copying it.
+        map_location (Any): as ``torch.load`` (default ``"cpu"``).
+
+    Returns:
+        Any: the loaded object (tensors of the dtypes/shapes that were saved).
+
+    Raises:
+        pickle.UnpicklingError: the payload needs globals outside torch's weights-only allow-list.
+        RuntimeError: not a ``torch.save`` archive.
+    """
+    import torch
+
+    path = _local_file_path(reader) if mmap else None
+    if path is None:
+        return torch.load(reader, map_location=map_location, weights_only=True)
+    return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+
+
+def _local_file_path(reader: BinaryIO) -> str | None:
+    import io
+    import os
+
+    if isinstance(reader, io.BytesIO):
+        return None
+    try:
+        fd = reader.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+    proc_path = f"/proc/self/fd/{fd}"
+    if os.path.exists(proc_path):
+        return proc_path
+    name = getattr(reader, "name", None)
+    return name if isinstance(name, str) and os.path.isfile(name) else None

@@ -716,9 +716,10 @@ def _load_one(
     url = _require_complete(store, step).url
     _check_pickle_opt_in(store, allow_pickle, url)
 
-    payload = load_payload(
-        store.read(step, TRAINING_STATE), source=f"{url}/{TRAINING_STATE}", allow_pickle=allow_pickle
-    )
+    # store.open: a local payload is read once by torch.load from the verified file (no bytes copy
+    # of the whole payload beside the loaded tensors); a remote one is one GET held in memory.
+    with store.open(step, TRAINING_STATE) as handle:
+        payload = load_payload(handle, source=f"{url}/{TRAINING_STATE}", allow_pickle=allow_pickle)
     schema = payload.get("schema") if isinstance(payload, dict) else None
     if schema not in SCHEMAS:
         raise ValueError(f"unsupported OPD checkpoint schema {schema!r} at {url} (expected one of {list(SCHEMAS)})")
