@@ -40,8 +40,8 @@ _MEMORY_LOCK = threading.Lock()
 
 # Largest single write(2) a local payload makes. On Linux 6.x page caches with large folios, one
 # write of 2 MiB or more into a new file cost 15-20x the CPU of the same bytes in 512 KiB writes
-# (1 GiB: 20 s against 1.1-1.3 s on this project's 6.18 hosts; bench/results/core-*-write-size.md),
-# and torch.save hands over whole tensor storages (8 MiB each in the issue-2 state).
+# (1 GiB: ~20 s against ~1.2 s on this project's 6.18 hosts; `python -m bench.write_size`,
+# bench/results/write-size-2026-11-29.md), and torch.save hands over whole tensor storages.
 _LOCAL_WRITE_BYTES = 512 << 10
 
 

@@ -96,3 +96,63 @@ def test_no_zip_crc32_does_not_reach_other_threads():
     assert _record_crcs(buffer.getvalue())["data/0"] != 0
     assert zipfile.ZipFile(buffer).testzip() is None
     assert torch.serialization.get_crc32_options() is True
+
+
+def _mapped_from(tensor: torch.Tensor, path) -> bool:
+    """Whether the tensor's data lies in a mapping of ``path`` (from /proc/self/maps)."""
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+def test_torch_load_maps_a_verified_local_payload_privately(tmp_path):
+    from opd_store.torch_io import torch_load
+
+    store = CheckpointStore(tmp_path / "store")
+    state = _state()
+    with store.begin(5) as txn:
+        with txn.open("state.pt") as writer:
+            torch_save(state, writer)
+    entry = store.manifest(5).entry("state.pt")
+    path = tmp_path / "store" / step_dirname(5) / entry.path
+    on_disk = path.read_bytes()
+    with store.open(5, "state.pt") as handle:
+        mapped = torch_load(handle, mmap=True)
+        copied = torch_load(handle, mmap=False) if handle.seek(0) == 0 else None
+    assert torch.equal(mapped["weight"], state["weight"]) and torch.equal(copied["weight"], state["weight"])
+    # The mapped storage is file-backed: its bytes are the file's bytes, at the file's offset.
+    weight_bytes = state["weight"].numpy().tobytes()
+    assert _mapped_from(mapped["weight"], path) and not _mapped_from(copied["weight"], path)
+    # Private mapping: writing the loaded tensor changes neither the file nor a new load.
+    mapped["weight"][:8] = -1.0
+    assert path.read_bytes() == on_disk and on_disk.count(weight_bytes) == 1
+    with store.open(5, "state.pt") as handle:
+        again = torch_load(handle, mmap=True)
+    assert torch.equal(again["weight"], state["weight"])
+    # Deleting the step (unlink) leaves a live mapping readable.
+    store.delete(5)
+    assert not path.exists()
+    assert torch.equal(again["bias"], state["bias"])
+
+
+def test_torch_load_mmap_of_a_remote_payload_loads_from_memory():
+    import fsspec
+
+    from opd_store.torch_io import torch_load
+
+    fsspec.filesystem("memory").store.clear()
+    store = CheckpointStore("memory://torch-io/run")
+    state = _state()
+    with store.begin(2) as txn:
+        with txn.open("state.pt") as writer:
+            torch_save(state, writer)
+    with store.open(2, "state.pt") as handle:
+        loaded = torch_load(handle, mmap=True)
+    assert torch.equal(loaded["weight"], state["weight"])
+    assert not any(line.rstrip().endswith("state.pt") for line in open("/proc/self/maps"))
+    fsspec.filesystem("memory").store.clear()
