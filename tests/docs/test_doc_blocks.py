@@ -4,7 +4,9 @@ The convention (documented in docs/operations.md, "How the blocks on this page a
 fenced block with a language must directly follow an HTML comment saying how it is run:
 
 - ``<!-- doc-block: run -->``: run as-is (bash with ``-euo pipefail``; python in a fresh
-  interpreter) in an empty temporary directory;
+  interpreter) in an empty temporary directory; a ``console`` block is a transcript (see
+  :func:`run_transcript`): its ``$ `` lines run in one bash session and the lines after each one
+  must match that command's stdout, ``...`` matching any text;
 - ``<!-- doc-block: run-s3 -->``: the same, with ``AWS_ENDPOINT_URL_S3`` pointing at a fresh moto
   S3 server on loopback whose ``s3://my-bucket/runs/run-1`` holds steps 2 and 4 of
   ``opd-store train --updates 4 --checkpoint-every 2``;
@@ -37,7 +39,8 @@ DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MARKER = re.compile(r"^\s*<!--\s*doc-block:\s*(?P<kind>[a-z0-9-]+)(?:\s+(?P<arg>\S+(?:\s+\S+)*?))?\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>```+|~~~+)\s*(?P<lang>[^\s`]*)")
 KINDS = {"run", "run-s3", "run-by"}
-BASH = {"bash", "sh", "shell", "console"}
+BASH = {"bash", "sh", "shell"}
+TRANSCRIPT = {"console"}
 NOT_CODE = {"", "text", "mermaid"}
 
 
@@ -123,7 +126,7 @@ def marker_problem(block: Block) -> str | None:
         return f"{block.id}: unknown marker kind {block.kind!r} (one of {sorted(KINDS)})"
     if (block.kind == "run-by") != (block.arg is not None):
         return f"{block.id}: only run-by takes an argument"
-    if block.kind in ("run", "run-s3") and block.lang not in BASH | {"python"}:
+    if block.kind in ("run", "run-s3") and block.lang not in BASH | TRANSCRIPT | {"python"}:
         return f"{block.id}: cannot run a {block.lang} block"
     return None
 
@@ -144,6 +147,8 @@ def _test_exists(target: str) -> bool:
 
 
 def _commands(code: str) -> list[str]:
+    if code.lstrip().startswith("$ "):  # a console transcript: only its commands
+        code = "\n".join(command for command, _output in parse_transcript(code))
     lines = [re.sub(r"\s+#.*$", "", line).strip() for line in code.replace("\\\n", " ").splitlines()]
     return [re.sub(r"\s+", " ", line) for line in lines if line and not line.startswith("#")]
 
@@ -165,6 +170,29 @@ def test_run_by_targets_exist(block):
         assert missing == [], f"{block.id}: {files} do not run {missing}"
 
 
+def test_transcript_rules(tmp_path):
+    """Console transcripts: parsing, matching, exit statuses; each rule can fail a block."""
+    code = "$ x=4; echo \"step $x\"\nstep 4\n$ printf 'a\\nb\\nc\\n'; \\\n  false\n...\nc\n$ echo $?\n1\n"
+    assert parse_transcript(code) == [('x=4; echo "step $x"', ["step 4"]),
+                                      ("printf 'a\\nb\\nc\\n'; \\\n  false", ["...", "c"]), ("echo $?", ["1"])]
+    assert output_matches(["step ... at ...Z", "..."], ["step 4 at 2026-01-01T00:00:00Z", "x", "y"])
+    assert not output_matches(["step ... at ...Z"], ["step 4 at 2026-01-01T00:00:00Z", "x"])
+    assert not output_matches(["step 4"], ["step 40"])
+    assert output_matches(["...", "c"], ["c"]) and not output_matches([], ["a"])
+
+    def run(code: str, name: str) -> None:
+        (tmp_path / name).mkdir()
+        work = tmp_path / name / "work"
+        work.mkdir()
+        run_transcript(Block(tmp_path / "doc.md", 1, "console", code, "run", None), work, _environment(tmp_path))
+
+    run(code, "ok")  # the shell state carries over; the failing `false` is shown by `echo $?`
+    for name, bad in [("mismatch", "$ echo 5\n4\n"), ("unshown-status", "$ false\n$ echo after\nafter\n"),
+                      ("extra-output", "$ echo 4; echo 5\n4\n"), ("wrong-status", "$ false\n$ echo $?\n0\n")]:
+        with pytest.raises(AssertionError):
+            run(bad, name)
+
+
 def _environment(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -174,14 +202,90 @@ def _environment(home: Path) -> dict[str, str]:
     return env
 
 
+def parse_transcript(code: str) -> list[tuple[str, list[str]]]:
+    """The ``(command, expected stdout lines)`` pairs of a console transcript.
+
+    A line starting with ``$ `` is a command (a trailing ``\\`` continues it on the next line);
+    the lines up to the next command are its expected stdout (trailing blank lines dropped).
+    """
+    steps: list[tuple[str, list[str]]] = []
+    lines = code.splitlines()
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if not line.startswith("$ "):
+            raise ValueError(f"a transcript starts with a '$ ' command line, not {line!r}")
+        command = line[2:]
+        while command.endswith("\\") and index + 1 < len(lines):
+            index += 1
+            command += "\n" + lines[index]
+        index += 1
+        output: list[str] = []
+        while index < len(lines) and not lines[index].startswith("$ "):
+            output.append(lines[index].rstrip())
+            index += 1
+        while output and not output[-1]:
+            output.pop()
+        steps.append((command, output))
+    return steps
+
+
+def output_matches(expected: list[str], actual: list[str]) -> bool:
+    """Whether ``actual`` lines match ``expected``: ``...`` in a line matches any text, a line
+    that is only ``...`` any number of lines (none included); everything else is compared exactly
+    (trailing spaces ignored)."""
+    if not expected:
+        return not actual
+    head, rest = expected[0], expected[1:]
+    if head.strip() == "...":
+        return any(output_matches(rest, actual[skip:]) for skip in range(len(actual) + 1))
+    pattern = ".*".join(re.escape(part) for part in head.rstrip().split("..."))
+    return bool(actual) and re.fullmatch(pattern, actual[0].rstrip()) is not None and output_matches(rest, actual[1:])
+
+
+def run_transcript(block: Block, cwd: Path, env: dict[str, str]) -> None:
+    """Run a console transcript in one ``bash -o pipefail`` session and check it.
+
+    Each command's stdout must match the lines shown after it (:func:`output_matches`); stderr is
+    not compared (diagnostics, warnings, progress bars). Each command must exit 0 unless the next
+    command is ``echo $?``, which then shows its exit status.
+    """
+    steps = parse_transcript(block.code)
+    record = cwd.parent / "transcript"
+    record.mkdir()
+    script = ["set -o pipefail"]
+    for index, (command, _output) in enumerate(steps):
+        # Braces, not a subshell: cd and variables carry over; $? is restored for a next `echo $?`.
+        script.append(f'{{\n{command}\n}} >"{record}/out.{index}" 2>"{record}/err.{index}"; '
+                      f'echo $? >"{record}/rc.{index}"; (exit "$(cat "{record}/rc.{index}")")')
+    result = subprocess.run(["bash", "-c", "\n".join(script)], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=900)
+    ran = sum(1 for index in range(len(steps)) if (record / f"rc.{index}").is_file())
+    assert ran == len(steps), (f"{block.id}: the transcript's shell ran {ran} of {len(steps)} commands "
+                               f"(exit {result.returncode})\n{result.stderr[-4000:]}")
+    for index, (command, expected) in enumerate(steps):
+        stdout = (record / f"out.{index}").read_text()
+        stderr = (record / f"err.{index}").read_text()
+        status = int((record / f"rc.{index}").read_text())
+        shown = index + 1 < len(steps) and steps[index + 1][0].strip() == "echo $?"
+        where = f"{block.id}: $ {command}"
+        assert status == 0 or shown, (f"{where}\nexited {status} (show a non-zero status with `$ echo $?`)"
+                                       f"\n--- stdout\n{stdout[-4000:]}--- stderr\n{stderr[-4000:]}")
+        assert output_matches(expected, stdout.splitlines()), (
+            f"{where}\n--- shown\n" + "\n".join(expected) + f"\n--- stdout\n{stdout[-4000:]}--- stderr\n{stderr[-4000:]}")
+
+
 def _run(block: Block, cwd: Path, env: dict[str, str]) -> None:
+    # Blocks refer to repository files (deploy/entrypoint.sh): give them the repository's files.
+    for name in ("deploy", "scripts"):
+        (cwd / name).symlink_to(REPO / name)
+    if block.lang in TRANSCRIPT:
+        run_transcript(block, cwd, env)
+        return
     if block.lang == "python":
         command = [sys.executable, "-c", block.code]
     else:
         command = ["bash", "-euo", "pipefail", "-c", block.code]
-    # Blocks refer to repository files (deploy/entrypoint.sh): give them the repository's files.
-    for name in ("deploy", "scripts"):
-        (cwd / name).symlink_to(REPO / name)
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, (f"{block.id} exited {result.returncode}\n--- block\n{block.code}"
                                     f"--- stdout\n{result.stdout[-4000:]}--- stderr\n{result.stderr[-4000:]}")
