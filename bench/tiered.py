@@ -4,7 +4,7 @@ against a plain local save and a direct S3 save, measured side by side in one ru
     python -m bench.tiered                 # 1 GiB state, 3 rounds
     python -m bench.tiered --size-mib 64   # quicker
 
-Each round saves the same state (``--size-mib`` MiB of float32 tensors, one ``torch.save``
+Each round saves the same state (``--size-mib`` MiB of float32 tensors, one ``torch_io.torch_save``
 payload) three ways, in rotating order: (1) a plain ``CheckpointStore`` on local disk (fsync, the
 ordinary commit), (2) a ``TieredStore`` with the local tier on the same disk and the bucket on S3
 (moto in its own process over loopback): the time until ``commit()`` returns, i.e. what training
@@ -15,24 +15,24 @@ else runs, (3) a plain ``CheckpointStore`` on the same S3. Target: tiered <= 1.1
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from bench._common import MotoProcess, machine_description, make_state, median, state_nbytes
 
 from opd_store import CheckpointStore
 from opd_store.tiered import TieredStore
+from opd_store.torch_io import torch_save
 
 
 def _save(store, step: int, state: dict) -> float:
     started = time.perf_counter()
     with store.begin(step) as txn:
         with txn.open("model.pt") as writer:
-            torch.save(state, writer)
+            torch_save(state, writer)
     return time.perf_counter() - started
 
 
@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three saves (default 3)")
     parser.add_argument("--tmp-dir", default=None, help="directory for the local stores (default: system temp)")
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"),
+                        help="where the markdown report is written (tiered-<date>-<size>mib.md)")
     args = parser.parse_args(argv)
 
     state = make_state(args.size_mib)
@@ -79,17 +81,25 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
     plain = median(times["plain local"])
-    print(f"# Local tier: {state_nbytes(state) / 2**20:.0f} MiB state, {args.rounds} rounds (median seconds)\n")
-    print("| save | median s | min s | x plain local |")
-    print("|---|---:|---:|---:|")
+    lines = [f"# Local tier: {state_nbytes(state) / 2**20:.0f} MiB state, {args.rounds} rounds "
+             f"({_dt.datetime.now(_dt.timezone.utc):%Y-%m-%dT%H:%M:%SZ})", "",
+             f"Command: `python -m bench.tiered --size-mib {args.size_mib} --rounds {args.rounds}`", "",
+             "| save | median s | min s | x plain local | runs (s) |", "|---|---:|---:|---:|---|"]
     for name, values in times.items():
-        print(f"| {name} | {median(values):.3f} | {min(values):.3f} | {median(values) / plain:.2f} |")
+        lines.append(f"| {name} | {median(values):.3f} | {min(values):.3f} | {median(values) / plain:.2f} | "
+                     + ", ".join(f"{v:.2f}" for v in values) + " |")
     tiered = median(times["tiered (blocking)"])
     direct = median(times["direct s3"])
-    print(f"\ntiered blocking / plain local = {tiered / plain:.2f} (target <= 1.10)"
-          f"; tiered blocking / direct s3 = {tiered / direct:.2f}")
-    print("\n(the background upload column is the time from commit() returning to the step being durable)")
-    print("\n" + "\n".join(f"- {key}: {value}" for key, value in machine_description(str(root.parent))))
+    verdict = "PASS" if tiered / plain <= 1.10 else "MISS"
+    lines += ["", f"tiered blocking / plain local = {tiered / plain:.2f} (target <= 1.10: {verdict})"
+                  f"; tiered blocking / direct s3 = {tiered / direct:.2f}", "",
+              "(the background upload row is the time from commit() returning to the step being durable)", ""]
+    lines += [f"- {key}: {value}" for key, value in machine_description(str(root.parent))]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"tiered-{_dt.date.today():%Y-%m-%d}-{args.size_mib}mib.md").write_text(text)
     return 0
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .common import EXIT_USAGE, CliError, exit_code_for
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handler below, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`opd-store ls URL | head`): stop quietly, as a command killed by
+        # SIGPIPE would. stdout is pointed at /dev/null so the interpreter's final flush cannot
+        # fail again (Python docs, "Note on SIGPIPE" in the signal module).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except (CliError, OSError, ValueError) as exc:
         message = str(exc).strip() or type(exc).__name__
         print(f"opd-store {args.command}: error: {message}", file=sys.stderr)

@@ -74,3 +74,20 @@ def test_cli_in_a_subprocess_on_s3(s3_backend, tmp_path):
     assert "cp step 8:" in terminal and "%|" in terminal and "3.00M" in terminal
     copied = CheckpointStore(tmp_path / "tty")
     assert copied.read(8, "model.bin") == bytes([8]) * (3 << 20)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    # `opd-store ls DIR | head -0`: the pipe's reader is gone before the command writes.
+    store = CheckpointStore(tmp_path / "store")
+    for step in (1, 2, 3):
+        with store.begin(step) as txn:
+            txn.write_bytes("model.bin", bytes([step]) * 10)
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "opd_store", "ls", str(tmp_path / "store")],
+                            stdout=write_fd, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
+    os.close(write_fd)
+    _, err = proc.communicate(timeout=300)
+    assert (proc.returncode, err.decode()) == (141, "")
+    assert store.steps() == [1, 2, 3]
