@@ -265,10 +265,36 @@ def machine_description(tmp_dir: str | None = None) -> list[tuple[str, str]]:
         ("crc32c", f"{_version('crc32c')} (hardware_based={crc32c.hardware_based})"),
         ("opd_store", _version("opd_store")),
     ]
+    reporting = free_page_reporting()
+    if reporting:
+        rows.append(("free page reporting (virtio-balloon)", reporting))
     if tmp_dir:
         usage = shutil.disk_usage(tmp_dir)
         rows.append(("local temp dir / free", f"{tmp_dir} / {usage.free / 2**30:.0f} GiB"))
     return rows
+
+
+def free_page_reporting() -> str | None:
+    """The guest's free page reporting settings, when the kernel has them (a VM), else None.
+
+    With reporting on, memory a process frees is handed back to the hypervisor; touching such
+    memory again faults it back in on the host, which this project's VMs charge at roughly
+    10-20 s of guest CPU per GiB, to whichever operation touches it first (a save's page cache, a
+    load's fresh tensors). Benchmark phases that allocate fresh memory carry that noise.
+    """
+    params = Path("/sys/module/page_reporting/parameters")
+    if not params.is_dir():
+        return None
+    values = {}
+    for name in ("page_reporting_order", "min_free_ms", "reported_kib"):
+        try:
+            values[name] = (params / name).read_text().strip()
+        except OSError:
+            values[name] = "?"
+    reported = values["reported_kib"]
+    reported_gib = f"{int(reported) / 2**20:.0f} GiB" if reported.isdigit() else reported
+    return (f"on: page_reporting_order {values['page_reporting_order']}, min_free_ms {values['min_free_ms']}, "
+            f"{reported_gib} reported to the host since boot")
 
 
 def now_stamp() -> str:

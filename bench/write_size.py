@@ -8,9 +8,12 @@ slices), for each ``S``; each (size, run) runs in a process forked from this one
 seconds of the writes, of the fsync, CPU seconds, MiB/s, and the ratio to the fastest size. Written
 to ``bench/results/write-size-<date>.md`` with the kernel version.
 
-Found while benchmarking issue 2 on Linux 6.18: whole-tensor writes (8 MiB, as ``torch.save``
-hands its file) cost 15-20x the CPU of the same bytes in 512 KiB writes, in the kernel (CPU time,
-no I/O wait), and ``opd_store``'s local backend (``_LOCAL_WRITE_BYTES``) was changed to slice them.
+Found while benchmarking issue 2 on this project's VMs (Linux 6.18, virtio-balloon free page
+reporting on, see the machine line): whole-tensor writes (8 MiB, as ``torch.save`` hands its file)
+cost 15-20x the CPU of the same bytes in 512 KiB writes, in the kernel (CPU time, no I/O wait).
+Large writes make the page cache allocate large folios, which come from the high-order free blocks
+that the guest has reported to the host and that fault back in on first touch. ``opd_store``'s
+local backend (``_LOCAL_WRITE_BYTES``) slices writes to 512 KiB.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import MIB, REPO_ROOT, make_state, median, tensor_views
+from bench._common import REPO_ROOT, free_page_reporting, make_state, median, tensor_views
 
 
 def _cpu_secs() -> float:
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `python -m bench.write_size --size-mib {args.size_mib} --repeats {args.repeats} "
         f"--sizes-kib {args.sizes_kib}`; kernel {platform.release()}, {os.cpu_count()} CPUs, "
-        f"load average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+        f"load average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"free page reporting: {free_page_reporting() or 'not present'}.",
         "",
         "| write(2) size KiB | writes s (median) | fsync s (median) | CPU s (median) | MiB/s (writes) | x fastest | runs (writes s) |",
         "|---|---|---|---|---|---|---|",

@@ -38,10 +38,12 @@ from .base import Storage
 _MEMORY_LOCK = threading.Lock()
 
 
-# Largest single write(2) a local payload makes. On Linux 6.x page caches with large folios, one
-# write of 2 MiB or more into a new file cost 15-20x the CPU of the same bytes in 512 KiB writes
-# (1 GiB: ~20 s against ~1.2 s on this project's 6.18 hosts; `python -m bench.write_size`,
-# bench/results/write-size-2026-11-29.md), and torch.save hands over whole tensor storages.
+# Largest single write(2) a local payload makes. On this project's VMs (Linux 6.18 with virtio-balloon
+# free page reporting), writes of 2 MiB or more into a new file cost 15-20x the CPU of 512 KiB writes
+# (1 GiB: ~20 s against ~1.2 s; `python -m bench.write_size`, bench/results/write-size-*.md): the
+# page cache then takes large folios, carved from the high-order free blocks the guest has handed
+# back to the host, which fault back in page by page. torch.save hands over whole tensor storages.
+# Elsewhere the slicing costs 2,048 write calls per GiB, which is not measurable against the copy.
 _LOCAL_WRITE_BYTES = 512 << 10
 
 
