@@ -163,7 +163,7 @@ class Raw(Method):
             path = self.key(tag, ".bin")
             with open(path, "wb", buffering=0) as handle:
                 for view in views:
-                    # The fastest write size measured here (bench/results/write-size-2026-11-29.md):
+                    # The fastest write size measured here (bench/results/write-size-2026-11-30.md):
                     # whole 8 MiB storages per write(2) cost 15-20x the CPU on Linux 6.18.
                     for offset in range(0, view.nbytes, LOCAL_WRITE_BYTES):
                         handle.write(view[offset : offset + LOCAL_WRITE_BYTES])
