@@ -299,3 +299,46 @@ def free_page_reporting() -> str | None:
 
 def now_stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_forked(fn, *args) -> dict:
+    """``fn(*args)`` (which returns a JSON-able dict) in a process forked from this one.
+
+    A fork, not a new interpreter: on the loaded shared machine a fresh ``import torch`` took over a
+    minute. The caller must not have started threads or run torch operators before forking. The
+    child is SIGTERMed if this process exits (Linux ``PR_SET_PDEATHSIG``). An exception in the child
+    comes back as ``{"error": traceback}``; a child that dies without a report as
+    ``{"error": "the child died without a report"}``.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(read_fd)
+        _die_with_parent()
+        code = 0
+        try:
+            payload = json.dumps(fn(*args)).encode()
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            import traceback
+
+            payload = json.dumps({"error": traceback.format_exc()}).encode()
+            code = 1
+        with os.fdopen(write_fd, "wb") as pipe:
+            pipe.write(payload)
+        os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(data or b'{"error": "the child died without a report"}')
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent exits (no orphaned measurements)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -43,6 +43,7 @@ from bench._common import (  # noqa: E402
     machine_description,
     median,
     now_stamp,
+    run_forked,
 )
 from bench.methods import LOCAL_ONLY, METHODS  # noqa: E402
 
@@ -70,17 +71,6 @@ def preload() -> None:
     import opd_store.torch_io  # noqa: F401
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when its parent exits (no orphaned measurements)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run_child(args, method: str, backend: str, size_mib: int, tag: int, root: str, options: dict,
               moto: MotoProcess | None) -> dict:
     """:func:`bench._method_child.measure_one` in a process forked from this one.
@@ -91,28 +81,7 @@ def run_child(args, method: str, backend: str, size_mib: int, tag: int, root: st
     """
     from bench._method_child import measure_one
 
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(read_fd)
-        _die_with_parent()
-        code = 0
-        try:
-            row = measure_one(method, backend, size_mib, root, tag, options, moto.pid if moto else None)
-            payload = json.dumps(row).encode()
-        except BaseException:  # noqa: BLE001 - reported to the parent
-            import traceback
-
-            payload = json.dumps({"error": traceback.format_exc()}).encode()
-            code = 1
-        with os.fdopen(write_fd, "wb") as pipe:
-            pipe.write(payload)
-        os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        data = pipe.read()
-    os.waitpid(pid, 0)
-    row = json.loads(data or b'{"error": "the child died without a report"}')
+    row = run_forked(measure_one, method, backend, size_mib, root, tag, options, moto.pid if moto else None)
     if "error" in row:
         raise RuntimeError(f"{method}/{backend}/{size_mib} MiB failed:\n{row['error'][-4000:]}")
     if not row.get("verified"):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import sys
@@ -28,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import REPO_ROOT, free_page_reporting, make_state, median, tensor_views
+from bench._common import REPO_ROOT, free_page_reporting, make_state, median, run_forked, tensor_views
 
 
 def _cpu_secs() -> float:
@@ -59,24 +58,7 @@ def measure(size_mib: int, slice_kib: int, directory: str) -> dict:
 
 
 def _in_child(size_mib: int, slice_kib: int, directory: str) -> dict:
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_fd)
-        code = 0
-        try:
-            payload = json.dumps(measure(size_mib, slice_kib, directory)).encode()
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            payload = json.dumps({"error": repr(exc)}).encode()
-            code = 1
-        with os.fdopen(write_fd, "wb") as pipe:
-            pipe.write(payload)
-        os._exit(code)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as pipe:
-        data = pipe.read()
-    os.waitpid(pid, 0)
-    row = json.loads(data or b'{"error": "the child died"}')
+    row = run_forked(measure, size_mib, slice_kib, directory)
     if "error" in row:
         raise RuntimeError(f"{slice_kib} KiB: {row['error']}")
     return row

@@ -19,6 +19,15 @@ def _state() -> dict:
     return {"weight": torch.rand(4096, generator=gen), "bias": torch.arange(16, dtype=torch.float32)}
 
 
+def _save_state(store: CheckpointStore, step: int) -> dict:
+    """Commit ``_state()`` as payload ``state.pt`` of ``step`` through ``torch_save``; return it."""
+    state = _state()
+    with store.begin(step) as txn:
+        with txn.open("state.pt") as writer:
+            torch_save(state, writer)
+    return state
+
+
 def _record_crcs(data: bytes) -> dict[str, int]:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         return {info.filename.split("/", 1)[1]: info.CRC for info in archive.infolist()}
@@ -53,10 +62,7 @@ def test_torch_save_writes_no_zip_crc_and_round_trips_through_the_store(tmp_path
 
 def test_store_crc32c_catches_what_the_missing_zip_crc_would_have(tmp_path):
     store = CheckpointStore(tmp_path / "store")
-    state = _state()
-    with store.begin(1) as txn:
-        with txn.open("state.pt") as writer:
-            torch_save(state, writer)
+    state = _save_state(store, 1)
     entry = store.manifest(1).entry("state.pt")
     path = tmp_path / "store" / step_dirname(1) / entry.path
     data = bytearray(path.read_bytes())
@@ -114,10 +120,7 @@ def test_torch_load_maps_a_verified_local_payload_privately(tmp_path):
     from opd_store.torch_io import torch_load
 
     store = CheckpointStore(tmp_path / "store")
-    state = _state()
-    with store.begin(5) as txn:
-        with txn.open("state.pt") as writer:
-            torch_save(state, writer)
+    state = _save_state(store, 5)
     entry = store.manifest(5).entry("state.pt")
     path = tmp_path / "store" / step_dirname(5) / entry.path
     on_disk = path.read_bytes()
@@ -147,10 +150,7 @@ def test_torch_load_mmap_of_a_remote_payload_loads_from_memory():
 
     fsspec.filesystem("memory").store.clear()
     store = CheckpointStore("memory://torch-io/run")
-    state = _state()
-    with store.begin(2) as txn:
-        with txn.open("state.pt") as writer:
-            torch_save(state, writer)
+    state = _save_state(store, 2)
     with store.open(2, "state.pt") as handle:
         loaded = torch_load(handle, mmap=True)
     assert torch.equal(loaded["weight"], state["weight"])
