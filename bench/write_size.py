@@ -13,7 +13,7 @@ reporting on, see the machine line): whole-tensor writes (8 MiB, as ``torch.save
 cost 15-20x the CPU of the same bytes in 512 KiB writes, in the kernel (CPU time, no I/O wait).
 Large writes make the page cache allocate large folios, which come from the high-order free blocks
 that the guest has reported to the host and that fault back in on first touch. ``opd_store``'s
-local backend (``_LOCAL_WRITE_BYTES``) slices writes to 512 KiB.
+local backend (``LocalStorage.write_slice_bytes``) slices writes to 512 KiB.
 """
 
 from __future__ import annotations

@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("opd_store.transaction")
 
-_WRITE_SLICE_BYTES = 8 << 20  # largest single write handed to the backend's file object
-
 
 class PayloadWriter:
     """A write-only binary file for one payload; checksums bytes as they stream through.
@@ -88,11 +86,10 @@ class PayloadWriter:
             view = memoryview(view.tobytes())
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         count = self._crc.update(view)
-        # fsspec's buffered files copy each whole write() into their part buffer before uploading:
-        # one 1 GiB tensor would cost ~3 GiB of RSS. Zero-copy slices keep it to one part.
+        slice_bytes = self._txn.storage.write_slice_bytes  # zero-copy slices (see Storage)
         try:
-            for offset in range(0, count, _WRITE_SLICE_BYTES):
-                self._handle.write(view[offset:offset + _WRITE_SLICE_BYTES])
+            for offset in range(0, count, slice_bytes):
+                self._handle.write(view[offset:offset + slice_bytes])
         except Exception as exc:  # noqa: BLE001 - raised by close(), see __init__
             # A remote writer uploads as it goes (S3: CreateMultipartUpload, UploadPart).
             self._write_error = exc

@@ -38,38 +38,15 @@ from .base import Storage
 _MEMORY_LOCK = threading.Lock()
 
 
-# Largest single write(2) a local payload makes. On this project's VMs (Linux 6.18 with virtio-balloon
-# free page reporting), writes of 2 MiB or more into a new file cost 15-20x the CPU of 512 KiB writes
-# (1 GiB: ~20 s against ~1.2 s; `python -m bench.write_size`, bench/results/write-size-*.md): the
-# page cache then takes large folios, carved from the high-order free blocks the guest has handed
-# back to the host, which fault back in page by page. torch.save hands over whole tensor storages.
-# Elsewhere the slicing costs 2,048 write calls per GiB, which is not measurable against the copy.
-_LOCAL_WRITE_BYTES = 512 << 10
-
-
 class _FsyncingFile:
-    """A local binary file that fsyncs its data before it is published by ``close()``.
-
-    ``write`` hands the kernel at most :data:`_LOCAL_WRITE_BYTES` per call (zero-copy slices).
-    """
+    """A local binary file that fsyncs its data before it is published by ``close()``."""
 
     def __init__(self, path: str) -> None:
-        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed by close()/abort
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()/abort
         self.name = path
 
     def write(self, data) -> int:
-        view = data if isinstance(data, memoryview) else memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        total = view.nbytes
-        offset = 0
-        while offset < total:
-            # A raw file may write less than asked (a signal, a full disk reports via OSError).
-            written = self._file.write(view[offset:offset + _LOCAL_WRITE_BYTES])
-            if not written:
-                raise OSError(f"{self.name}: write made no progress at byte {offset} of {total}")
-            offset += written
-        return total
+        return self._file.write(data)
 
     def flush(self) -> None:
         self._file.flush()
@@ -107,6 +84,13 @@ def _fsync_dir(path: str) -> None:
 class LocalStorage(Storage):
     """A local directory. Payloads are fsynced at close; the manifest is linked into place."""
 
+    # Payload writes reach the kernel 512 KiB at a time. On this project's VMs (Linux 6.18 with
+    # virtio-balloon free page reporting), writes of 2 MiB or more into a new file cost 10-20x the
+    # CPU (1 GiB: 13-22 s against 1.2-1.9 s; `python -m bench.write_size`,
+    # bench/results/write-size-*.md): most likely the page cache then takes large folios from the
+    # high-order free blocks the guest handed back to the host, which fault back in page by page.
+    # torch.save hands over whole tensor storages. Elsewhere this costs 2,048 calls per GiB.
+    write_slice_bytes = 512 << 10
     commit_primitive = "temp file + fsync + os.link (EEXIST if present) + directory fsync"
     atomic_create = True
 

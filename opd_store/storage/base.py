@@ -28,10 +28,15 @@ class Storage:
         root (str): the root in the filesystem's own path spelling, no trailing ``/``.
         url_root (str): the root as a URL (plain absolute path for local stores).
         commit_primitive (str): one line naming how the manifest is made create-only.
+        write_slice_bytes (int): the largest single ``write()`` a payload writer hands this
+            backend's file object (zero-copy slices of larger buffers).
     """
 
     commit_primitive = "none"
     atomic_create = False
+    # fsspec's buffered files copy each whole write() into their part buffer before uploading: one
+    # 1 GiB tensor would cost ~3 GiB of RSS. 8 MiB slices keep it to one part.
+    write_slice_bytes = 8 << 20
 
     def __init__(self, fs, root: str, url_root: str) -> None:
         self.fs = fs
