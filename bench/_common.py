@@ -246,8 +246,6 @@ def _version(module: str) -> str:
 
 
 def machine_description(tmp_dir: str | None = None) -> list[tuple[str, str]]:
-    import crc32c
-
     rows = [
         ("host", platform.node()),
         ("cpus (nproc / affinity)", f"{os.cpu_count()} / {len(os.sched_getaffinity(0))}"),
@@ -262,7 +260,7 @@ def machine_description(tmp_dir: str | None = None) -> list[tuple[str, str]]:
         ("s3fs", _version("s3fs")),
         ("aiobotocore / botocore", f"{_version('aiobotocore')} / {_version('botocore')}"),
         ("moto", _version("moto")),
-        ("crc32c", f"{_version('crc32c')} (hardware_based={crc32c.hardware_based})"),
+        ("awscrt (opd_store's CRC32C) / crc32c package (compared)", f"{_version('awscrt')} / {_version('crc32c')}"),
         ("opd_store", _version("opd_store")),
     ]
     reporting = free_page_reporting()

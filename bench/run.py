@@ -347,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join([Path(sys.executable).name, "-m", "bench"] + (argv if argv is not None else sys.argv[1:]))
     machine = machine_description(args.tmp_dir) + [
         ("matplotlib", _version("matplotlib")),
-        ("awscrt", _version("awscrt")),
     ]
     out = [f"# opd_store against the raw backend and the alternatives, {started}", "", f"Command: `{command}`", ""]
     out += ["## Machine", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine] + [""]
