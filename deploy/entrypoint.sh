@@ -6,6 +6,7 @@
 #   OPD_STORE_URL         required: s3://bucket/prefix, gs://bucket/prefix, or a path
 #   OPD_UPDATES           required: successful updates to reach (part of the run's config)
 #   OPD_CHECKPOINT_EVERY  save every K successful updates (default 50)
+#   OPD_KEEP_LAST         optional: keep only the N newest complete checkpoints (default: keep all)
 #   OPD_S3_ENDPOINT_URL   optional: an S3-compatible endpoint (MinIO, R2, moto in docker-compose)
 # Extra arguments are passed on to `opd-store train` (see `opd-store train --help`).
 #
@@ -19,6 +20,9 @@ set -u
 
 set -- --store "$OPD_STORE_URL" --updates "$OPD_UPDATES" \
     --checkpoint-every "${OPD_CHECKPOINT_EVERY:-50}" --resume auto "$@"
+if [ -n "${OPD_KEEP_LAST:-}" ]; then
+    set -- "$@" --keep-last "$OPD_KEEP_LAST"
+fi
 if [ -n "${OPD_S3_ENDPOINT_URL:-}" ]; then
     set -- "$@" --s3-endpoint-url "$OPD_S3_ENDPOINT_URL"
 fi

@@ -233,6 +233,58 @@ def retention_after_commit(
         return None
 
 
+class TierRetention:
+    """A :class:`~opd_store.tiered.TieredStore` retention hook that applies a :class:`RetentionPolicy`
+    to one tier (``TieredStore(..., bucket_retention=TierRetention(policy))``).
+
+    Called by the tiered store's upload thread after each upload, as ``hook(tier_store,
+    protected_steps)``. Kept whatever the policy says: every step in ``protected_steps`` (for the
+    local tier, each step not yet durable in the bucket, so the local hook never removes a step's
+    only copy), pinned steps, the newest complete step, and ``lineage.parent_step`` until the run
+    of ``lineage`` has a second checkpoint (the rules of :func:`opd_store.retention.plan_retention`).
+
+    Like :func:`retention_after_commit`, a failing pass is logged, not raised: the checkpoint is
+    already durable, and a transient delete error must not stop training at the next save (the
+    tiered store raises what a hook raises). The next pass, or ``opd-store gc``, finishes the job.
+
+    Args:
+        policy (RetentionPolicy): what to keep.
+        lineage (RunLineage | None): the saving run's id and resume parent (see
+            :func:`opd_store.retention.protected_parents`), or ``None``.
+
+    Raises:
+        ValueError: ``policy`` keeps every step (a hook that never deletes is ``None``).
+    """
+
+    def __init__(self, policy: RetentionPolicy, *, lineage: RunLineage | None = None) -> None:
+        if policy.keeps_all:
+            raise ValueError(f"{policy!r} keeps every step; pass no retention hook instead")
+        self.policy = policy
+        self.lineage = lineage
+
+    def __call__(self, store: CheckpointStore, protected_steps: frozenset) -> list[int]:
+        """Plan the policy over ``store`` and delete what it does not keep, except ``protected_steps``.
+
+        Returns:
+            list[int]: the steps deleted, ascending (those deleted before a failure, if one occurs).
+        """
+        current = (self.lineage.run_id, self.lineage.parent_step) if self.lineage is not None else None
+        deleted: list[int] = []
+        try:
+            plan, _sizes = plan_store_retention(store, self.policy, current_run=current)
+            for step in plan.delete:
+                if step in protected_steps:
+                    continue
+                deleted += execute_plan(store, dataclasses.replace(plan, delete=(step,)))
+        except Exception:  # noqa: BLE001 - the checkpoint is durable; retention is best effort
+            logger.warning("retention %r on %s failed after deleting %s; nothing committed was lost",
+                           self.policy, store.url, deleted, exc_info=True)
+        return deleted
+
+    def __repr__(self) -> str:
+        return f"TierRetention({self.policy!r})"
+
+
 def find_orphans(
     store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS, now_secs: float | None = None
 ) -> list[Orphan]:
@@ -356,6 +408,7 @@ __all__ = [
     "GcReport",
     "Orphan",
     "StaleUpload",
+    "TierRetention",
     "apply_retention",
     "collect_garbage",
     "delete_orphans",

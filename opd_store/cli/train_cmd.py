@@ -8,7 +8,7 @@ import json
 import sys
 
 from ..preemption import AWS_METADATA_ENDPOINT, GCE_METADATA_ENDPOINT, SIGNAL_NAMES, PreemptionWatcher
-from .common import CliError, add_store_options, parse_storage_options
+from .common import CliError, add_store_options, parse_storage_options, positive_int
 
 
 def add_parser(subparsers) -> None:
@@ -30,6 +30,11 @@ def add_parser(subparsers) -> None:
         help="commit each checkpoint to this local directory first and upload it to --store in the "
         "background (docs/tiered.md); the job exits only after every upload landed",
     )
+    parser.add_argument("--keep-last", type=positive_int, default=None, metavar="N",
+                        help="after each save, delete complete checkpoints beyond the newest N (default: keep all; "
+                        "with --local-tier this is the bucket's retention, applied after each upload)")
+    parser.add_argument("--keep-every", type=positive_int, default=None, metavar="K",
+                        help="also keep every checkpoint whose step is a multiple of K (the newest is always kept)")
     parser.add_argument("--resume", default="auto", help="auto (default), never, or a step number")
     parser.add_argument("--seed", type=int, default=0, help="seed of models, data order and every RNG (default 0)")
     parser.add_argument("--log", default=None, help="per-update JSON-lines log file (default: stdout)")
@@ -72,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
     from ..job.train import train
+    from ..retention import RetentionPolicy
     from ..store import CheckpointStore
 
     store = CheckpointStore(args.store, storage_options=options)
@@ -107,6 +113,7 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
             final_state_path=args.final_state,
             preemption=watcher,
             async_save=args.async_save,
+            retention=RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every),
         )
     if rank != 0:
         return 0

@@ -25,7 +25,9 @@ from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.checkpoint import latest_complete_checkpoint, load_adapter, load_opd_checkpoint, save_opd_checkpoint
 from ..opd.async_save import AsyncCheckpointer, SaveHandle
 from ..opd.config import OPDConfig
+from ..gc import TierRetention
 from ..preemption import PreemptionWatcher
+from ..retention import RetentionPolicy, RunLineage
 from ..opd.distributed import current_group, decide_on_rank0
 from ..store import CheckpointStore
 from ..tiered import TieredStore
@@ -38,12 +40,15 @@ TEACHER_NAME = "opd-store/tiny-llama-3x64"
 
 
 def job_config(*, updates: int, checkpoint_every: int, store_url: str, seed: int = 0,
-               resume_mode: str = "exact") -> OPDConfig:
+               resume_mode: str = "exact", retention: RetentionPolicy | None = None) -> OPDConfig:
     """The main job's OPD config (tiny models, CPU-sized batches).
 
     ``updates`` (``training.total_updates``) shapes the learning-rate decay, so it is part of the
     config fingerprint: resuming with another ``--updates`` is refused under ``exact``.
+    ``retention`` fills ``checkpoint.keep_last``/``keep_every`` (``None``: keep every step); the
+    checkpoint section is execution-only, so a resume may change it.
     """
+    retention = retention or RetentionPolicy()
     spec = ModelSpec()
     return OPDConfig.model_validate(
         {
@@ -70,7 +75,8 @@ def job_config(*, updates: int, checkpoint_every: int, store_url: str, seed: int
             "rollout": {"temperature": 1.0, "max_new_tokens": 6, "rollout_limit": 1},
             "execution": {"inference_batch_size": 1, "teacher_inference_batch_size": 1, "num_workers": 0},
             "logging": {"log_every": 1},
-            "checkpoint": {"dir": store_url, "every_updates": checkpoint_every, "resume_mode": resume_mode},
+            "checkpoint": {"dir": store_url, "every_updates": checkpoint_every, "resume_mode": resume_mode,
+                           "keep_last": retention.keep_last, "keep_every": retention.keep_every},
         }
     )
 
@@ -149,6 +155,7 @@ def train(
     final_state_path: str | None = None,
     preemption: PreemptionWatcher | None = None,
     async_save: bool = False,
+    retention: RetentionPolicy | None = None,
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
@@ -178,6 +185,15 @@ def train(
             :class:`~opd_store.opd.async_save.AsyncCheckpointer` (training blocked only for the
             snapshot; ``save_snapshot`` then ``saved`` events); the last one is waited for before
             returning, and a background failure is raised.
+        retention (RetentionPolicy | None): checkpoints to keep (issue 6), recorded in the config's
+            checkpoint section; ``None`` keeps every step. On a plain store each save applies it
+            after its commit (never deleting the step it just committed). On a
+            :class:`~opd_store.tiered.TieredStore` it is the bucket's retention for the run
+            (:class:`~opd_store.gc.TierRetention`, after each upload; the store's
+            ``bucket_retention`` is reset to ``None`` before returning); the local tier keeps its
+            own (``local_keep_last``). Either way the step the run resumed from is kept until the
+            run has a second checkpoint: every manifest records the run's ``run_id`` and
+            ``parent_step`` (:class:`~opd_store.retention.RunLineage`).
 
     Rank obligations (issue 7): with a ``torch.distributed`` process group initialised, every rank
     calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
@@ -190,9 +206,15 @@ def train(
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
         ResumeMismatchError: the checkpoint was saved under another config, provenance or world size.
         UploadError: a tiered store's background upload failed (at the next save or at the end).
+        ValueError: ``updates`` or ``checkpoint_every`` < 1, or ``retention`` given for a
+            :class:`~opd_store.tiered.TieredStore` that already has a bucket retention hook.
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
+    retention = None if retention is None or retention.keeps_all else retention
+    if retention is not None and isinstance(store, TieredStore) and store.bucket_retention is not None:
+        raise ValueError(f"{store!r} already has bucket retention {store.bucket_retention!r}; "
+                         f"pass retention={retention!r} to one of them, not both")
     store.check_reachable()
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
@@ -206,7 +228,7 @@ def train(
     events = events or open(os.devnull, "w")  # noqa: SIM115
     torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
     config = job_config(updates=updates, checkpoint_every=checkpoint_every, store_url=store.url, seed=seed,
-                        resume_mode=resume_mode)
+                        resume_mode=resume_mode, retention=retention)
 
     tokenizer = build_tokenizer()
     student = build_student(len(tokenizer), seed)
@@ -244,10 +266,18 @@ def train(
         resumed_step = int(trainer["successful_updates"])
         _emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step})
 
+    # Every manifest records this run's id and the step it resumed from, so retention (here or an
+    # operator's `opd-store gc`) keeps that step until the run has a second checkpoint (issue 6).
+    lineage = (decide_on_rank0(group, lambda: RunLineage.new(parent_step=resumed_step)) if group is not None
+               else RunLineage.new(parent_step=resumed_step))
     save_kwargs = dict(
         checkpoints_dir=store, model=student, processor=tokenizer, optimizer=optimizer, scheduler=scheduler,
-        config=config, provenance_fingerprints=provenance,
+        config=config, provenance_fingerprints=provenance, lineage=lineage,
     )
+    if retention is not None and isinstance(store, TieredStore):
+        store.bucket_retention = TierRetention(retention, lineage=lineage)  # restored before returning
+    elif retention is not None:
+        save_kwargs["retention"] = retention
     saves: list[dict[str, Any]] = []
     checkpointer = AsyncCheckpointer() if async_save else None
     pending: list[tuple[SaveHandle, float]] = []  # the async save in flight and when it began
@@ -304,11 +334,19 @@ def train(
         if checkpointer is not None and preempted is None:
             checkpointer.wait()
             _report_finished(store, pending, saves, events)
+    except BaseException:
+        if retention is not None and isinstance(store, TieredStore):
+            store.bucket_retention = None  # the caller's store as it was given
+        raise
     finally:
         if checkpointer is not None:
             checkpointer.close()
     if isinstance(store, TieredStore):
-        store.flush()  # the last checkpoint (the preemption save too) is durable in the bucket before the job reports success
+        try:
+            store.flush()  # the last checkpoint (the preemption save too) is durable in the bucket before the job reports success
+        finally:
+            if retention is not None:
+                store.bucket_retention = None  # the caller's store as it was given
         try:
             durable = store.latest_durable_step()
         except CheckpointNotFoundError:
@@ -333,7 +371,13 @@ def _save_now(store, saves, events, trainer, teacher_state, save_kwargs) -> dict
 
 
 def _saved_record(store: CheckpointStore, step: int, url: str, seconds: float) -> dict[str, Any]:
-    return {"step": step, "url": url, "seconds": seconds, "size_bytes": store.manifest(step).total_size_bytes}
+    """The ``saved`` record; ``size_bytes`` is ``None`` when retention has already deleted the step
+    (an asynchronous save reported after the next one committed, with ``keep_last=1``)."""
+    try:
+        size_bytes = store.manifest(step).total_size_bytes
+    except CheckpointNotFoundError:
+        size_bytes = None
+    return {"step": step, "url": url, "seconds": seconds, "size_bytes": size_bytes}
 
 
 def _report_finished(store, pending, saves, events) -> None:

@@ -33,9 +33,9 @@ def _env(store: Path, updates: int) -> dict[str, str]:
     return env
 
 
-def _start(store: Path, updates: int, events: Path, cwd: Path) -> subprocess.Popen:
+def _start(store: Path, updates: int, events: Path, cwd: Path, **extra_env: str) -> subprocess.Popen:
     return subprocess.Popen(["sh", str(ENTRYPOINT), "--events", str(events), "--log", str(cwd / "log.jsonl")],
-                            env=_env(store, updates), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**_env(store, updates), **extra_env}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
@@ -69,6 +69,16 @@ def test_entrypoint_runs_to_the_end_then_resumes_without_training(tmp_path):
     assert [e for e in events if e["event"] == "resumed"] == [
         {"event": "resumed", "url": str(store / "step-000002"), "step": 2}]
     assert [e for e in events if e["event"] in ("saved", "update")] == []
+
+
+def test_opd_keep_last_keeps_only_the_newest_checkpoints(tmp_path):
+    store = tmp_path / "store"
+    job = _start(store, 3, tmp_path / "events.jsonl", tmp_path, OPD_KEEP_LAST="1")
+    out, err = job.communicate(timeout=900)
+    assert job.returncode == 0, err[-3000:]
+    assert [e["step"] for e in _events(tmp_path / "events.jsonl") if e["event"] == "saved"] == [1, 2, 3]
+    assert CheckpointStore(store).steps() == [3]
+    assert CheckpointStore(store).is_complete(3)
 
 
 def test_sigterm_exits_143_and_the_next_start_resumes(tmp_path):
