@@ -34,7 +34,8 @@ def add_parser(subparsers) -> None:
                         help="after each save, delete complete checkpoints beyond the newest N (default: keep all; "
                         "with --local-tier this is the bucket's retention, applied after each upload)")
     parser.add_argument("--keep-every", type=positive_int, default=None, metavar="K",
-                        help="also keep every checkpoint whose step is a multiple of K (the newest is always kept)")
+                        help="keep every checkpoint whose step is a multiple of K, and delete the others not kept "
+                        "by --keep-last (alone: the multiples of K and the newest; default: keep all)")
     parser.add_argument("--resume", default="auto", help="auto (default), never, or a step number")
     parser.add_argument("--seed", type=int, default=0, help="seed of models, data order and every RNG (default 0)")
     parser.add_argument("--log", default=None, help="per-update JSON-lines log file (default: stdout)")
