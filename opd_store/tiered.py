@@ -31,7 +31,6 @@ single-writer store: one process saves (rank 0 in the OPD layer's single-writer 
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import os
@@ -40,6 +39,7 @@ import time
 import weakref
 from typing import Any, BinaryIO, Callable
 
+from . import exit_hooks
 from .errors import (
     CheckpointNotFoundError,
     CommitConflictError,
@@ -240,7 +240,8 @@ class TieredStore(CheckpointStore):
         self._unreported: list[tuple[str, BaseException]] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # At interpreter exit, while remote stores still work (see opd_store.exit_hooks).
+        exit_hooks.register(_close_at_exit, weakref.ref(self))
 
     # -- identity ------------------------------------------------------------------------------
     @property

@@ -22,15 +22,19 @@ Guarantees:
   :meth:`AsyncCheckpointer.save`, :meth:`~AsyncCheckpointer.wait` or
   :meth:`~AsyncCheckpointer.close` (as :class:`~opd_store.errors.BackgroundSaveError`), once;
   it is never only logged (issue 5, scenario 15);
-* at interpreter exit (``atexit``) an in-flight save is given ``exit_timeout_secs`` to commit;
-  past that it is abandoned: the manifest is not created (the step stays uncommitted, invisible
-  to readers) and one line on stderr says so.
+* at interpreter exit an in-flight save is given ``exit_timeout_secs`` to commit; past that it
+  is abandoned: the manifest is not created (the step stays uncommitted, invisible to readers)
+  and one line on stderr says so. The hook runs as the interpreter starts to exit, while remote
+  stores still work (:mod:`opd_store.exit_hooks`);
+* the writer thread has ended before :meth:`~AsyncCheckpointer.close` returns and before the
+  interpreter finalizes (:func:`_end_writer` says why a thread that touches torch must not
+  outlive the exit hooks).
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
+import ctypes
 import logging
 import sys
 import threading
@@ -42,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .. import exit_hooks
 from ..errors import BackgroundSaveError, SaveAbandonedError, SaveInFlightError
 from ..thread_random import route_background_random
 from .checkpoint import snapshot_opd_checkpoint, write_opd_checkpoint
@@ -51,6 +56,10 @@ from .rng import preserve_global_rng
 logger = logging.getLogger("opd_store.opd.async_save")
 
 DEFAULT_EXIT_TIMEOUT_SECS = 60.0
+# After an abandoned save's deadline: how long the exit hook waits for its writer thread to end once
+# SaveAbandonedError was raised in it. fsspec's sync() wakes a waiting writer every second, so a
+# writer stuck on a remote request takes the exception within about a second.
+END_WRITER_GRACE_SECS = 3.0
 WHEN_BUSY = ("wait", "raise")
 
 
@@ -190,7 +199,10 @@ class SaveHandle:
         return self._future.exception()
 
 
-_live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+_live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()  # not closed: reported at exit
+_writers: dict[threading.Thread, SaveHandle] = {}  # writer threads not joined yet, with their saves
+_writers_lock = threading.Lock()
+_exit_hook_registered = False  # by the first checkpointer (see AsyncCheckpointer.__init__)
 
 
 class AsyncCheckpointer:
@@ -233,10 +245,19 @@ class AsyncCheckpointer:
         self.exit_timeout_secs = float(exit_timeout_secs)
         self._staging = StagingBuffers(pin_memory)
         self._pending: SaveHandle | None = None
+        self._thread: threading.Thread | None = None  # the writer of self._pending
         self._abandon = threading.Event()
         self._closed = False
         self._lock = threading.Lock()
         _live.add(self)
+        global _exit_hook_registered
+        with _writers_lock:
+            if not _exit_hook_registered:
+                # Registered when the first checkpointer is made, not at import: exit hooks run
+                # last-registered first, so saves into a TieredStore made before it finish before
+                # that store's exit hook closes it.
+                exit_hooks.register(_finish_in_flight_saves)
+                _exit_hook_registered = True
 
     @property
     def in_flight(self) -> SaveHandle | None:
@@ -278,6 +299,7 @@ class AsyncCheckpointer:
                     "on rank 0 (single-writer mode)"
                 )
             self._wait_for_pending(for_what="a new save")
+            self._join_finished_writer()  # its staging buffers are reused below
             started = time.perf_counter()
             self._staging.begin()
             with preserve_global_rng():
@@ -285,10 +307,12 @@ class AsyncCheckpointer:
             self._staging.finish()
             handle = SaveHandle(snapshot.step, time.perf_counter() - started, self._staging.staged_bytes)
             self._pending = handle
-            thread = threading.Thread(
+            self._thread = threading.Thread(
                 target=self._write, args=(snapshot, handle), name=f"opd-async-save-{snapshot.step:06d}", daemon=True
             )
-            thread.start()
+            with _writers_lock:
+                _writers[self._thread] = handle
+            self._thread.start()
             return handle
 
     def _write(self, snapshot: Any, handle: SaveHandle) -> None:
@@ -345,16 +369,18 @@ class AsyncCheckpointer:
         return None if pending is None else pending.url
 
     def close(self, timeout_secs: float | None = None) -> str | None:
-        """Wait for the save in flight, then refuse further saves.
+        """Wait for the save in flight and for its writer thread to end, then refuse further saves.
 
         Args:
             timeout_secs (float | None): seconds to wait; past that the save is abandoned
-                uncommitted (it may still commit if it is inside the manifest create).
+                uncommitted (it may still commit if it is inside the manifest create), and the
+                exit hook ends its writer thread (see :func:`_end_writer`).
 
         Returns:
             str | None: the last save's committed URL, or ``None`` when none committed.
 
         Raises:
+            TimeoutError: the save is still in flight after ``timeout_secs``.
             BackgroundSaveError: the last save failed (or was abandoned) and the failure was not
                 reported yet.
         """
@@ -368,6 +394,8 @@ class AsyncCheckpointer:
             except TimeoutError:
                 self._abandon.set()
                 raise
+            finally:
+                self._join_finished_writer()
         return None if pending is None else pending.url
 
     def __enter__(self) -> AsyncCheckpointer:
@@ -382,12 +410,26 @@ class AsyncCheckpointer:
             except BackgroundSaveError as failure:
                 logger.error("%s (while handling %r)", failure, exc)
 
+    def _join_finished_writer(self) -> None:
+        """Join the writer thread once its save has finished (a no-op while it is in flight).
+
+        After the handle's result is set the thread still drops its snapshot, which frees tensors
+        (see :func:`_end_writer`); that takes milliseconds and never blocks on I/O."""
+        thread, pending = self._thread, self._pending
+        if thread is not None and pending is not None and pending.done():
+            thread.join()
+            with _writers_lock:
+                _writers.pop(thread, None)
+
     def _finish_at_exit(self) -> None:
-        """atexit: give the save in flight ``exit_timeout_secs`` to commit, else abandon it."""
+        """At exit: give the save in flight ``exit_timeout_secs`` to commit, else abandon it."""
         pending = self._pending
         if self._closed or pending is None:
             return
         self._closed = True
+        self._report_at_exit(pending)
+
+    def _report_at_exit(self, pending: SaveHandle) -> None:
         if not pending.done():
             print(
                 f"opd_store: waiting up to {self.exit_timeout_secs:g} s for the asynchronous save of step "
@@ -418,10 +460,46 @@ class AsyncCheckpointer:
                   flush=True)
 
 
-@atexit.register
+def _end_writer(thread: threading.Thread, handle: SaveHandle) -> None:
+    """At exit: make sure a writer thread has ended before the interpreter finalizes.
+
+    Why: once ``Py_FinalizeEx`` has run the exit hooks, a daemon thread that takes the GIL is ended
+    with ``pthread_exit`` (CPython <= 3.13, ``take_gil``; the C-API docs of
+    ``PyEval_RestoreThread``: "calling this function from a thread when the runtime is finalizing
+    will terminate the thread"). ``pthread_exit`` unwinds the thread's stack; when the GIL was
+    re-taken inside torch's C++ (the destructor of the ``pybind11::gil_scoped_release`` with which
+    ``THPVariable_clear``, torch/csrc/autograd/python_variable.cpp, frees every tensor, or the
+    ones around the storage writes of ``torch.save``), the unwinding meets a ``noexcept`` frame and
+    C++ calls ``std::terminate``: "terminate called without an active exception", SIGABRT (exit
+    status -6), after the save had committed. The writer thread frees its snapshot (the staged
+    tensors) when it returns, that is after it set the handle's result and the exit hook stopped
+    waiting for it.
+
+    So a finished writer is joined. A writer still in flight (the exit deadline passed, or
+    ``close(timeout_secs)`` timed out) gets :class:`~opd_store.errors.SaveAbandonedError` raised in
+    it at its next Python instruction (``PyThreadState_SetAsyncExc``; a writer waiting on a remote
+    request runs one every second in fsspec's ``sync``), so it leaves torch's frames through the
+    ordinary failure path (the payload is discarded, nothing is committed) while the interpreter
+    is whole, and it is given :data:`END_WRITER_GRACE_SECS` to end. A writer blocked where no
+    Python runs (a lock that is never released) stays blocked and never takes the GIL again.
+    """
+    if not thread.is_alive():
+        return
+    if not handle.done() and thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(SaveAbandonedError))
+    thread.join(END_WRITER_GRACE_SECS)
+
+
 def _finish_in_flight_saves() -> None:
+    """The exit hook (:mod:`opd_store.exit_hooks`): report every open checkpointer's last save
+    (waiting up to its ``exit_timeout_secs``), then end every writer thread (:func:`_end_writer`)."""
     for checkpointer in list(_live):
         checkpointer._finish_at_exit()  # noqa: SLF001
+    with _writers_lock:
+        writers = list(_writers.items())
+        _writers.clear()
+    for thread, handle in writers:
+        _end_writer(thread, handle)
 
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "StagingBuffers"]
