@@ -443,7 +443,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> Callable[[], None]:
     sys.argv = argv
     first = os.path.dirname(os.path.abspath(target)) if kind == "path" else os.getcwd()
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [first] + [p for p in extra if p not in sys.path] + [p for p in sys.path[1:] if p not in extra]
+    sys.path[:] = [first, *extra] + [p for p in sys.path[1:] if p not in extra and p != first]
     sys.stdin, sys.stdout, sys.stderr = (_std_stream(i, n, env) for i, n in enumerate(("stdin", "stdout", "stderr")))
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     if "numpy" in sys.modules:
