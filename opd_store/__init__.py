@@ -3,6 +3,7 @@
 A checkpoint exists exactly when its manifest object does; see docs/protocol.md.
 """
 
+from ._version import __version__
 from .errors import (
     AmbiguousCommitError,
     CheckpointNotFoundError,
@@ -22,8 +23,6 @@ from .manifest import Manifest, PayloadEntry
 from .store import CheckpointInfo, CheckpointStore, Problem, VerifyReport
 from .tiered import TieredStore
 from .transaction import PayloadWriter, Transaction
-
-__version__ = "0.1.0"
 
 # The OPD layer needs torch (and pydantic/yaml for its config); import it on first use so that
 # ``import opd_store`` and store-only tools stay light.

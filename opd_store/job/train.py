@@ -20,7 +20,7 @@ from typing import Any, Callable, TextIO
 import numpy as np
 import torch
 
-from .. import __version__
+from .._version import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.checkpoint import latest_complete_checkpoint, load_adapter, load_opd_checkpoint, save_opd_checkpoint
 from ..opd.async_save import AsyncCheckpointer, SaveHandle
