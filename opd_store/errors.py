@@ -54,22 +54,6 @@ class StoragePermissionError(OpdStoreError, PermissionError):
     ``PutObject`` on S3), the object URL and the step (issue 5, scenario 34)."""
 
 
-def backend_operation(exc: BaseException) -> str | None:
-    """The name of the backend API operation behind ``exc`` or one of its causes, if it has one.
-
-    botocore's ``ClientError`` carries ``operation_name``; s3fs re-raises it as a builtin
-    (``PermissionError``) with the ``ClientError`` as ``__cause__``.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        name = getattr(current, "operation_name", None)
-        if isinstance(name, str) and name:
-            return name
-        current = current.__cause__ or current.__context__
-    return None
-
 class RankFailedError(OpdStoreError, OSError):
     """A collective operation of a multi-rank job failed on one or more ranks (issue 7).
 
@@ -154,7 +138,6 @@ __all__ = [
     "ResumeMismatchError",
     "StoragePermissionError",
     "StoreUnreachableError",
-    "backend_operation",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
     "UploadError",

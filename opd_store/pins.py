@@ -20,6 +20,7 @@ import socket
 
 from .errors import CheckpointNotFoundError
 from .layout import parse_step_dirname, step_dirname
+from .storage.backend_errors import Meaning, classify
 from .store import COMPLETE, CORRUPT, INCOMPLETE, LEGACY, CheckpointStore
 
 PINS_DIR = "pins"
@@ -69,8 +70,10 @@ def pin(store: CheckpointStore, step: int, *, reason: str = "") -> bool:
     }
     try:
         store.storage.create_exclusive(pin_rel(step), (json.dumps(body, indent=1) + "\n").encode("utf-8"))
-    except FileExistsError:
-        return False
+    except Exception as exc:  # noqa: BLE001 - a lost create race means the pin is there already
+        if classify(exc) is Meaning.LOST_RACE:
+            return False
+        raise
     return True
 
 

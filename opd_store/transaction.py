@@ -30,10 +30,10 @@ from .errors import (
     OpdStoreError,
     StoragePermissionError,
     UnsupportedBackendError,
-    backend_operation,
 )
 from .layout import MANIFEST_NAME, check_payload_name, step_dirname
 from .manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, parse_manifest
+from .storage.backend_errors import Meaning, backend_operation, classify, is_missing
 
 if TYPE_CHECKING:
     from .storage import Storage
@@ -96,7 +96,7 @@ class PayloadWriter:
             logger.debug("payload %s: write failed (%r); raised at close", self._rel, exc)
         return count
 
-    def _denied(self, exc: PermissionError) -> PermissionError:
+    def _denied(self, exc: BaseException) -> PermissionError:
         if isinstance(exc, OpdStoreError):
             return exc
         operation = backend_operation(exc) or "the write"
@@ -144,7 +144,7 @@ class PayloadWriter:
         if self._write_error is not None:
             failed = self._write_error
             self.abort()
-            if isinstance(failed, PermissionError):
+            if classify(failed) is Meaning.DENIED and not isinstance(failed, OpdStoreError):
                 raise self._denied(failed) from failed
             raise failed
         try:
@@ -158,7 +158,7 @@ class PayloadWriter:
                 self._txn.storage.abort_write(self._handle, self._rel)
             except Exception:  # noqa: BLE001 - the close error is the one to report
                 logger.warning("could not discard the failed payload writer %s", self._rel, exc_info=True)
-            if isinstance(exc, PermissionError) and not isinstance(exc, OpdStoreError):
+            if classify(exc) is Meaning.DENIED and not isinstance(exc, OpdStoreError):
                 raise self._denied(exc) from exc
             raise
         self._state = "closed"
@@ -333,10 +333,10 @@ class Transaction:
             self._state = "failed"
             self._discard_payloads()
             raise
-        except FileExistsError as exc:
-            self._settle(manifest_rel, exc, lost_race=True)
-        except Exception as exc:  # noqa: BLE001 - any other outcome is ambiguous until read back
-            self._settle(manifest_rel, exc, lost_race=False)
+        except Exception as exc:  # noqa: BLE001 - decided by the table of backend failures, then read back
+            # A refused create-only write (S3 412/409, GCS 412, EEXIST) is a lost race; any other
+            # failure may or may not have landed (a lost response, a retry into a 412).
+            self._settle(manifest_rel, exc, lost_race=classify(exc) is Meaning.LOST_RACE)
         self._state = "committed"
         self.committed_url = self.url
         return self.url
@@ -377,8 +377,6 @@ class Transaction:
             found = parse_manifest(
                 self.storage.read_bytes(manifest_rel, small=True, max_bytes=MAX_MANIFEST_BYTES), url=url, expected_step=self.step
             )
-        except FileNotFoundError:
-            found = None
         except ManifestError as bad:
             # Whatever that object is, it does not name this attempt's payloads.
             self._state = "failed"
@@ -387,12 +385,15 @@ class Transaction:
                 f"{self.url}: step {self.step} already holds an unreadable manifest ({bad}); "
                 f"attempt {self.attempt_id} was not committed"
             ) from exc
-        except Exception as read_exc:  # noqa: BLE001
-            self._state = "failed"
-            raise AmbiguousCommitError(
-                f"{self.url}: the manifest create for attempt {self.attempt_id} failed ({exc!r}) and "
-                f"reading it back failed too ({read_exc!r}); the step may or may not be committed"
-            ) from exc
+        except Exception as read_exc:  # noqa: BLE001 - no manifest is an answer; anything else is not
+            if is_missing(read_exc):
+                found = None
+            else:
+                self._state = "failed"
+                raise AmbiguousCommitError(
+                    f"{self.url}: the manifest create for attempt {self.attempt_id} failed ({exc!r}) and "
+                    f"reading it back failed too ({read_exc!r}); the step may or may not be committed"
+                ) from exc
         if found is not None and found.attempt_id == self.attempt_id:
             logger.warning("commit of %s reported %r but the manifest of attempt %s landed", self.url, exc, self.attempt_id)
             return
