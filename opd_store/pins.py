@@ -1,4 +1,4 @@
-"""Pins: steps that retention and garbage collection never delete (issue 6).
+"""Pins: steps that retention and garbage collection never delete.
 
 A pin is one small JSON object ``pins/step-NNNNNN.json`` beside (not inside) the step prefixes:
 
@@ -20,8 +20,9 @@ import socket
 
 from .errors import CheckpointNotFoundError
 from .layout import parse_step_dirname, step_dirname
+from .status import COMPLETE, CORRUPT, INCOMPLETE, LEGACY
 from .storage.backend_errors import Meaning, classify
-from .store import COMPLETE, CORRUPT, INCOMPLETE, LEGACY, CheckpointStore
+from .store import CheckpointStore
 
 PINS_DIR = "pins"
 _SUFFIX = ".json"
