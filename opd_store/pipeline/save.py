@@ -77,15 +77,6 @@ class SaveRequest:
     release: Callable[[], None] | None = None
     on_commit: list[Callable[["SaveRequest", str], None]] = dataclasses.field(default_factory=list)
 
-    def check(self) -> None:
-        """The snapshot stage's check of the request against its store (nothing is written).
-
-        Raises:
-            ValueError: the store refuses the save's retention policy (it applies its own).
-        """
-        if self.retention is not None and not self.retention.keeps_all:
-            self.store.check_save_retention(self.retention)
-
     def finish_write_stage(self) -> None:
         """Release the snapshot's resources (idempotent)."""
         release, self.release = self.release, None
