@@ -12,7 +12,7 @@ from fsspec.callbacks import Callback
 from cli_helpers import cli_store_args
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.gc import find_orphans
+from opd_store.orphans import find_orphans
 from opd_store.layout import new_attempt_id
 from opd_store.transfer import copy_checkpoint
 from opd_store.testing.stores import open_store, raw_put

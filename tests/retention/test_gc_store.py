@@ -11,7 +11,8 @@ import pytest
 
 from faults import Fault, FaultyStorage, InjectedFault
 from opd_store import CheckpointNotFoundError, CheckpointStore
-from opd_store.gc import apply_retention, collect_garbage, execute_plan, find_orphans, plan_store_retention
+from opd_store.orphans import collect_garbage, find_orphans
+from opd_store.pruning import apply_retention, execute_plan, plan_store_retention
 from opd_store.layout import new_attempt_id
 from opd_store.pins import pin, pinned_steps, unpin
 from opd_store.retention import RetentionPolicy
