@@ -1,13 +1,14 @@
 """Run a function when the interpreter starts to exit, while background I/O still works.
 
-Background saves (:mod:`opd_store.opd.async_save`) and tier uploads (:mod:`opd_store.tiered`) are
-finished or abandoned at interpreter exit. ``atexit`` hooks run too late for remote stores: by then
-``threading._shutdown()`` has run the hooks registered with ``threading._register_atexit``, among
-them ``concurrent.futures.thread._python_exit``, after which every ``ThreadPoolExecutor`` refuses
-work ("cannot schedule new futures after interpreter shutdown"). asyncio's default executor is one
-of them: aiobotocore builds an S3 client's HTTP connector with ``asyncio.to_thread`` and aiohttp
-resolves host names with ``loop.getaddrinfo``, both through it, so a save whose first S3 request
-comes after ``main`` returned failed with ``HTTPClientError`` at exit, and nothing was committed.
+Background saves and tier uploads are finished or abandoned at interpreter exit by the background
+worker's exit routine (:func:`opd_store.pipeline.worker.finish_all_at_exit`). ``atexit`` hooks run
+too late for remote stores: by then ``threading._shutdown()`` has run the hooks registered with
+``threading._register_atexit``, among them ``concurrent.futures.thread._python_exit``, after which
+every ``ThreadPoolExecutor`` refuses work ("cannot schedule new futures after interpreter
+shutdown"). asyncio's default executor is one of them: aiobotocore builds an S3 client's HTTP
+connector with ``asyncio.to_thread`` and aiohttp resolves host names with ``loop.getaddrinfo``,
+both through it, so a save whose first S3 request came after ``main`` returned failed with
+``HTTPClientError`` at exit, and nothing was committed.
 
 :func:`register` uses ``threading._register_atexit`` (CPython >= 3.9; the hook concurrent.futures
 itself uses). Those hooks run last-registered first, before non-daemon threads are joined and

@@ -1,8 +1,8 @@
 """A child process that ends while a background save or upload is in flight (run by
 tests/spot/test_exit_paths.py, forked from the preloaded fork server).
 
-``python tests/spot/exit_child.py BACKEND_JSON LOCAL_TIER_DIR PATH``; messages go to stdout, one
-per line, flushed. Every path saves step 2 with the small real OPD objects of
+``python tests/spot/exit_child.py BACKEND_JSON LOCAL_TIER_DIR PATH [ORDER]``; messages go to
+stdout, one per line, flushed. Every path saves step 2 with the small real OPD objects of
 :mod:`opd_store.testing.opd` (tensors in the snapshot) and must end with exit status 0 and step 2
 committed (for the tier paths: durable in the bucket), with no thread of opd_store alive when the
 ``atexit`` hooks run (printed as ``threads at exit: [...]``, just before the interpreter
@@ -19,6 +19,12 @@ process starts to end:
     The same through a :class:`TieredStore` whose bucket upload waits at the gate; the gate opens
     from an exit hook registered after the store's (:func:`opd_store.exit_hooks.register`; hooks
     run last-registered first), so the upload finishes while the interpreter is exiting.
+``async-tier-exit``
+    An :class:`AsyncCheckpointer` save into a :class:`TieredStore` whose *local* commit waits at
+    the gate, opened as for ``async-exit``: the save commits locally while the interpreter exits,
+    and its commit queues the upload, which the store's upload worker must still accept and run.
+    ``ORDER`` (``checkpointer-first`` or ``store-first``) is the order the two are made in; the
+    exit routine must finish the save before the store's upload worker either way.
 ``async-sigterm`` / ``tier-sigterm``
     A :class:`PreemptionWatcher` handles SIGTERM; the gate opens when the notice arrives. The child
     prints ``in-flight``, the parent sends SIGTERM, the child (as the main job does on a notice)
@@ -107,7 +113,14 @@ def main() -> None:
     gate = threading.Event()
     watcher = PreemptionWatcher(signals=("SIGTERM",)).start() if path.endswith("-sigterm") else None
     checkpointer = None
-    if path.startswith("async-"):
+    if path == "async-tier-exit":
+        made = []
+        for what in ("checkpointer", "store") if sys.argv[4] == "checkpointer-first" else ("store", "checkpointer"):
+            made.append(AsyncCheckpointer(exit_timeout_secs=300) if what == "checkpointer" else
+                        TieredStore(gated(CheckpointStore(local_dir), gate), store, exit_timeout_secs=300))
+        checkpointer, tiered = made if isinstance(made[0], AsyncCheckpointer) else made[::-1]
+        checkpointer.save(**kwargs(tiered))
+    elif path.startswith("async-"):
         checkpointer = AsyncCheckpointer(exit_timeout_secs=300)
         checkpointer.save(**kwargs(gated(store, gate)))
     elif path.startswith("tier-"):
@@ -115,7 +128,7 @@ def main() -> None:
         save_opd_checkpoint(**kwargs(tiered))
     else:
         raise SystemExit(f"unknown path {path}")
-    if path == "async-exit":
+    if path in ("async-exit", "async-tier-exit"):
         sys.stderr = _OpenGateOn(sys.stderr, "opd_store: waiting up to", gate)
     elif path == "tier-exit":
         exit_hooks.register(gate.set)  # runs before the store's exit hook: the interpreter is exiting

@@ -4,14 +4,18 @@ committed: an asynchronous save at interpreter exit, a tier upload at interprete
 
 Two faults of this kind were found: a process that ended while the writer thread still freed the
 snapshot's tensors died with SIGABRT after the save had committed ("terminate called without an
-active exception", exit -6, in about 1 of 6 runs; ``opd_store.opd.async_save._end_writer`` says
-why), and an S3 save whose first request came after ``main`` returned failed with "cannot schedule
-new futures after interpreter shutdown" (``opd_store.exit_hooks``). Each path runs :data:`RUNS`
+active exception", exit -6, in about 1 of 6 runs; the docstring of :mod:`opd_store.pipeline.worker`
+says why), and an S3 save whose first request came after ``main`` returned failed with "cannot
+schedule new futures after interpreter shutdown" (``opd_store.exit_hooks``). Each path runs :data:`RUNS`
 times (32 runs in all; a 1-in-6 failure passes all of them with probability (5/6)**32 < 0.3 %),
 and each run also checks the cause whatever the timing: no thread of opd_store is alive when the
 ``atexit`` hooks run, just before the interpreter finalizes. Each run is a process forked from the
 preloaded fork server (:mod:`opd_store.testing.forkserver`) that ends through the interpreter's
 real exit (exit hooks, ``atexit`` hooks, finalization), as a training script does.
+
+A third: an asynchronous save into a tiered store that commits while the interpreter exits queues
+its upload then, so the store's upload worker must finish after the save's worker, whichever was
+made first (4 more runs).
 """
 
 from __future__ import annotations
@@ -68,3 +72,29 @@ def test_the_process_exits_0_with_the_step_committed(request, tmp_path, fork_ser
         assert f"opd_store: asynchronous save of step 2 committed: {store.step_url(2)}" in err.splitlines()
     if path.startswith("tier-"):  # durable in the bucket, and still in the local tier
         assert open_store(Backend("local", str(tmp_path / "tier"), {})).status(2) == "complete"
+
+
+@pytest.mark.timeout(DEADLINE_SECS)
+@pytest.mark.parametrize("backend_name", ["local", "s3"])
+@pytest.mark.parametrize("order", ["checkpointer-first", "store-first"])
+def test_an_async_save_into_a_tiered_store_at_exit_is_uploaded(request, tmp_path, fork_server, order,
+                                                                 backend_name):
+    """The save commits locally while the interpreter exits and queues its upload then: the exit
+    routine finishes the save before the store's upload worker, whichever was made first."""
+    backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
+    child = fork_server.popen([sys.executable, str(CHILD), backend.to_json(), str(tmp_path / "tier"),
+                               "async-tier-exit", order], stdout=fork_server.PIPE, stderr=fork_server.PIPE, text=True)
+    watchdog = threading.Timer(WATCHDOG_SECS, child.send_signal, (signal.SIGABRT,))
+    watchdog.start()
+    try:
+        _read_line(child, "returning")
+        out, err = child.communicate(timeout=DEADLINE_SECS)
+    finally:
+        watchdog.cancel()
+        child.kill()
+    assert child.returncode == 0, f"exit status {child.returncode}:\n{err}"
+    assert out.splitlines() == ["threads at exit: []"]
+    local_url = open_store(Backend("local", str(tmp_path / "tier"), {})).step_url(2)
+    assert f"opd_store: asynchronous save of step 2 committed: {local_url}" in err.splitlines(), err
+    assert open_store(backend).steps() == [2] and open_store(backend).status(2) == "complete"
+    assert open_store(Backend("local", str(tmp_path / "tier"), {})).status(2) == "complete"
