@@ -41,13 +41,10 @@ def _read_line(child, expected: str) -> None:
     assert line.strip() == expected, f"{line!r}; stderr:\n{child.stderr.read() if not line else ''}"
 
 
-@pytest.mark.timeout(DEADLINE_SECS)
-@pytest.mark.parametrize("run", range(RUNS))
-@pytest.mark.parametrize("backend_name", ["local", "s3"])
-@pytest.mark.parametrize("path", PATHS)
-def test_the_process_exits_0_with_the_step_committed(request, tmp_path, fork_server, path, backend_name, run):
-    backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
-    child = fork_server.popen([sys.executable, str(CHILD), backend.to_json(), str(tmp_path / "tier"), path],
+def _run_to_exit(fork_server, backend: Backend, tier: Path, path: str, *extra: str) -> str:
+    """Run the child of ``path`` to its end (sending SIGTERM on the ``-sigterm`` paths); assert it
+    exited 0 with no thread of opd_store alive at its ``atexit`` hooks; return its stderr."""
+    child = fork_server.popen([sys.executable, str(CHILD), backend.to_json(), str(tier), path, *extra],
                               stdout=fork_server.PIPE, stderr=fork_server.PIPE, text=True)
     watchdog = threading.Timer(WATCHDOG_SECS, child.send_signal, (signal.SIGABRT,))
     watchdog.start()
@@ -66,6 +63,16 @@ def test_the_process_exits_0_with_the_step_committed(request, tmp_path, fork_ser
     assert "terminate called" not in err
     # The cause, checked whatever the timing: no thread of opd_store outlives the exit hooks.
     assert out.splitlines() == ["threads at exit: []"]
+    return err
+
+
+@pytest.mark.timeout(DEADLINE_SECS)
+@pytest.mark.parametrize("run", range(RUNS))
+@pytest.mark.parametrize("backend_name", ["local", "s3"])
+@pytest.mark.parametrize("path", PATHS)
+def test_the_process_exits_0_with_the_step_committed(request, tmp_path, fork_server, path, backend_name, run):
+    backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
+    err = _run_to_exit(fork_server, backend, tmp_path / "tier", path)
     store = open_store(backend)
     assert store.status(2) == "complete" and store.steps() == [2]
     if path == "async-exit":
@@ -82,19 +89,9 @@ def test_an_async_save_into_a_tiered_store_at_exit_is_uploaded(request, tmp_path
     """The save commits locally while the interpreter exits and queues its upload then: the exit
     routine finishes the save before the store's upload worker, whichever was made first."""
     backend: Backend = request.getfixturevalue(f"{backend_name}_backend")
-    child = fork_server.popen([sys.executable, str(CHILD), backend.to_json(), str(tmp_path / "tier"),
-                               "async-tier-exit", order], stdout=fork_server.PIPE, stderr=fork_server.PIPE, text=True)
-    watchdog = threading.Timer(WATCHDOG_SECS, child.send_signal, (signal.SIGABRT,))
-    watchdog.start()
-    try:
-        _read_line(child, "returning")
-        out, err = child.communicate(timeout=DEADLINE_SECS)
-    finally:
-        watchdog.cancel()
-        child.kill()
-    assert child.returncode == 0, f"exit status {child.returncode}:\n{err}"
-    assert out.splitlines() == ["threads at exit: []"]
-    local_url = open_store(Backend("local", str(tmp_path / "tier"), {})).step_url(2)
-    assert f"opd_store: asynchronous save of step 2 committed: {local_url}" in err.splitlines(), err
-    assert open_store(backend).steps() == [2] and open_store(backend).status(2) == "complete"
-    assert open_store(Backend("local", str(tmp_path / "tier"), {})).status(2) == "complete"
+    err = _run_to_exit(fork_server, backend, tmp_path / "tier", "async-tier-exit", order)
+    local_tier = open_store(Backend("local", str(tmp_path / "tier"), {}))
+    assert f"opd_store: asynchronous save of step 2 committed: {local_tier.step_url(2)}" in err.splitlines(), err
+    assert local_tier.status(2) == "complete"
+    bucket = open_store(backend)
+    assert bucket.steps() == [2] and bucket.status(2) == "complete"
