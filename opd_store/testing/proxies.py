@@ -349,9 +349,10 @@ class HoldProxy(S3Proxy):
 def through_proxy(backend, proxy: S3Proxy, **options):
     """``backend`` (an S3 :class:`~opd_store.testing.stores.Backend`) reached through ``proxy``,
     with ``options`` added to its storage options."""
-    from .stores import Backend
+    import dataclasses
 
-    return Backend(backend.name, backend.url, dict(backend.storage_options, endpoint_url=proxy.endpoint_url, **options))
+    return dataclasses.replace(backend, storage_options=dict(backend.storage_options, endpoint_url=proxy.endpoint_url,
+                                                             **options))
 
 
 __all__ = ["HoldProxy", "Request", "Rule", "S3FaultProxy", "S3Proxy", "through_proxy"]
