@@ -35,6 +35,7 @@ from ..checksum import Crc32c
 from ..errors import UnsupportedBackendError
 from .base import NoMultipartUploads, Storage
 from .fsspec_storage import FsspecStorage
+from .parts import TransferSettings
 
 _MEMORY_LOCK = threading.Lock()
 
@@ -103,7 +104,7 @@ class LocalStorage(NoMultipartUploads, FsspecStorage):
     def abort_write(self, handle, rel: str) -> None:
         handle.discard()
 
-    def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         # The file itself, checksummed through a read-only map: no copy of the payload in memory,
         # and torch.load then reads pages the checksum just brought into the cache.
         handle = open(self.path(rel), "rb")  # noqa: SIM115 - returned to the caller
@@ -199,7 +200,12 @@ class _BucketStorage(FsspecStorage):
 
 
 class S3Storage(_BucketStorage):
-    """Amazon S3 (or an S3-compatible server) through s3fs."""
+    """Amazon S3 (or an S3-compatible server) through s3fs.
+
+    Payloads move in parallel (:mod:`opd_store.storage.s3_transfers`): uploads as multipart parts
+    of ``transfers.part_size_bytes``, up to ``transfers.parts_in_flight`` at once across the
+    store's payloads; reads as parallel ranged GETs into one buffer.
+    """
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
     # Only requests inside the store's prefix (least privilege: deploy/iam/s3-policy.json grants
@@ -227,6 +233,32 @@ class S3Storage(_BucketStorage):
     def _bucket_and_prefix(self) -> tuple[str, str]:
         bucket, _, prefix = self.root.partition("/")
         return bucket, prefix
+
+    def _bucket_and_key(self, rel: str) -> tuple[str, str]:
+        bucket, _, key = self.path(rel).partition("/")
+        return bucket, key
+
+    def open_write(self, rel: str) -> BinaryIO:
+        from .s3_transfers import S3PartWriter
+
+        bucket, key = self._bucket_and_key(rel)
+        return S3PartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
+
+    def start_finish(self, handle, rel: str):
+        return handle.finish()
+
+    def abort_write(self, handle, rel: str) -> None:
+        handle.discard()
+
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
+        from .s3_transfers import read_checked
+
+        if size_bytes is None:
+            size_bytes = self.size(rel)
+            if size_bytes is None:
+                raise FileNotFoundError(f"{self.url(rel)}: no such object")
+        bucket, key = self._bucket_and_key(rel)
+        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers, size_bytes)  # type: ignore[return-value]
 
     def list_uploads(self) -> list[tuple[str, str, float]]:
         # ListMultipartUploads with the store's prefix (s3fs's list_multipart_uploads lists the
@@ -305,12 +337,14 @@ def open_storage(
         url (str | os.PathLike): a local path, ``file://``, ``memory://``, ``s3://``, ``gs://`` or any
             fsspec URL naming the store root.
         storage_options (dict | None): keyword arguments for the fsspec filesystem (``endpoint_url``,
-            ``key``, ``token``, ...); they reach every request the store makes.
+            ``key``, ``token``, ...); they reach every request the store makes. Except opd_store's
+            own: ``part_size_bytes`` and ``parts_in_flight`` (parallel transfers,
+            :class:`~opd_store.storage.parts.TransferSettings`).
         allow_check_then_put (bool): accept a non-atomic commit on backends without a create-only
             write (see module docstring).
 
     Raises:
-        ValueError: the URL is empty or chained (``a::b``).
+        ValueError: the URL is empty or chained (``a::b``), or a transfer setting is out of range.
     """
     text = os.fspath(url)
     if not text:
@@ -318,6 +352,7 @@ def open_storage(
     if "::" in text:
         raise ValueError(f"chained fsspec URLs are not supported as stores: {text}")
     options = dict(storage_options or {})
+    transfers = TransferSettings.pop_from(options)  # opd_store's own options, never fsspec's
     # A private instance: fsspec returns one cached instance per argument set, and the store drops
     # that instance's listing caches before every decision.
     options.setdefault("skip_instance_cache", True)
@@ -327,11 +362,15 @@ def open_storage(
     root = root.rstrip("/") or "/"
     if cls is LocalStorage:
         root = os.path.abspath(root)
-        return LocalStorage(fs, root, root)
-    url_root = _keep_scheme(text, fs, fs.unstrip_protocol(root))
-    if cls is None:
-        return CheckThenPutStorage(fs, root, url_root, allow_check_then_put=allow_check_then_put)
-    return cls(fs, root, url_root)
+        storage: Storage = LocalStorage(fs, root, root)
+    else:
+        url_root = _keep_scheme(text, fs, fs.unstrip_protocol(root))
+        if cls is None:
+            storage = CheckThenPutStorage(fs, root, url_root, allow_check_then_put=allow_check_then_put)
+        else:
+            storage = cls(fs, root, url_root)
+    storage.use_transfers(transfers)
+    return storage
 
 
 def _keep_scheme(text: str, fs, url_root: str) -> str:

@@ -28,7 +28,12 @@ import abc
 import io
 import logging
 import posixpath
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from .parts import PartPool, TransferSettings
+
+if TYPE_CHECKING:
+    from .parts import Completion
 
 logger = logging.getLogger("opd_store.storage")
 
@@ -48,6 +53,7 @@ class Storage(abc.ABC):
             backend's writer (zero-copy slices of larger buffers).
         bucketed (bool): the root's first component is a bucket.
         probe_bucket (bool): :meth:`check_reachable` asks for the bucket before listing the root.
+        transfers (TransferSettings): part size and parts in flight of parallel transfers.
     """
 
     commit_primitive = "none"
@@ -58,12 +64,29 @@ class Storage(abc.ABC):
     bucketed = False
     probe_bucket = True
 
+    transfers = TransferSettings()
+    """How payloads move (part size, parts in flight): the storage options ``part_size_bytes`` and
+    ``parts_in_flight`` (:class:`~opd_store.storage.parts.TransferSettings`)."""
+
     def __init__(self, fs: Any, root: str, url_root: str) -> None:
         self.fs = fs
+        self._part_pool: PartPool | None = None
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
         self.url_root = stripped if stripped and not stripped.endswith(":") else url_root
+
+    def use_transfers(self, settings: TransferSettings) -> None:
+        """Move payloads with ``settings`` from now on (before the first transfer)."""
+        self.transfers = settings
+        self._part_pool = None
+
+    def part_pool(self) -> PartPool:
+        """This store's part buffers: ``parts_in_flight`` of ``part_size_bytes``, reused (made on
+        first use)."""
+        if self._part_pool is None:
+            self._part_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
+        return self._part_pool
 
     # -- names -------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -164,6 +187,17 @@ class Storage(abc.ABC):
         """Publish a writer from :meth:`open_write` (durably, where the backend needs a flush)."""
         handle.close()
 
+    def start_finish(self, handle: BinaryIO, rel: str) -> "Completion":
+        """Start publishing a writer from :meth:`open_write`; the completion says when it landed.
+
+        The default publishes now (:meth:`finish_write`; its failure is raised here). Backends
+        that upload in parallel (S3) return at once while the last parts still move, so the next
+        payload of a save can stream meanwhile.
+        """
+        from .parts import Completion
+
+        return Completion.now(lambda: self.finish_write(handle, rel))
+
     def abort_write(self, handle: BinaryIO, rel: str) -> None:
         """Throw away a writer from :meth:`open_write` without publishing it (best effort)."""
         discard = getattr(handle, "discard", None)
@@ -191,11 +225,18 @@ class Storage(abc.ABC):
         """
         return io.BytesIO(self.read_bytes(rel))
 
-    def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.
 
         The default fetches the object whole (one request where the backend allows) and serves it
-        from memory; the CRC is computed over exactly the bytes the reader returns.
+        from memory; the CRC is computed over exactly the bytes the reader returns. Remote backends
+        read in parallel ranges of the ``size_bytes`` expected (the manifest's), into one buffer.
+
+        Args:
+            rel (str): the object.
+            size_bytes (int | None): the size the caller expects; a backend may plan its reads by
+                it, and reports the object's real size when it differs (the reader then holds
+                nothing to trust).
 
         Returns:
             tuple[BinaryIO, int, str]: (reader positioned at 0, size_bytes, crc32c as 8 hex digits).

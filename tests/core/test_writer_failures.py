@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from opd_store import IncompleteCheckpointError
+from opd_store import IncompleteCheckpointError, PayloadUploadError
 from proc_writer import make_bytes
 
 from .helpers import open_store, save
@@ -194,9 +194,10 @@ def test_s3_failed_multipart_completion_leaves_no_open_upload(s3_backend, moto_s
         raise ConnectionResetError("connection reset during CompleteMultipartUpload")
 
     store.storage.fs.s3.meta.events.register("before-call.s3.CompleteMultipartUpload", complete_fails)
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(PayloadUploadError, match="step-000002/.*/model.pt: CompleteMultipartUpload failed") as caught:
         with store.begin(2) as txn:
             txn.write_bytes("model.pt", make_bytes("big", 6 * 2**20))
+    assert isinstance(caught.value.__cause__, ConnectionResetError)
     gc.collect()
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert [k for k in raw.keys() if k.startswith("step-000002/")] == []

@@ -1,0 +1,371 @@
+"""Parallel S3 transfers over s3fs's asynchronous API: a part writer and a ranged reader.
+
+s3fs's file writer uploads a multipart upload one part at a time (its source: "TODO: concurrent
+here") and ``cat_file`` is one GET, or ranges gathered into per-range copies. A store here moves a
+payload over several connections at once, on s3fs's own event loop and client (its credentials,
+endpoint, timeouts and botocore's retries, which back off on ``503 SlowDown``):
+
+* :class:`S3PartWriter` (``Storage.open_write``): the bytes written are copied into part buffers
+  from the store's :class:`~opd_store.storage.parts.PartPool`; each full buffer goes up as an
+  ``UploadPart`` while the caller keeps writing, up to ``parts_in_flight`` at once. A payload of at
+  most one part is one ``PutObject``. :meth:`S3PartWriter.finish` seals the payload and returns a
+  :class:`~opd_store.storage.parts.Completion` that completes the upload in the background, so the
+  next payload of the save streams while this one's last parts are still moving. If any request
+  fails after the client's retries, the whole multipart upload is aborted once the parts in flight
+  have settled (no upload is left open on the server) and the failure is raised as
+  :class:`~opd_store.errors.PayloadUploadError` naming the object and the request.
+* :func:`read_checked` (``Storage.open_checked``): the object is read with ranged GETs of
+  ``part_size_bytes``, up to ``parts_in_flight`` at once, each streamed into its place in one
+  preallocated buffer (no copy per range). The CRC32C is computed over the ranges in order as they
+  land. A range that answers with fewer bytes than it asked for is an
+  :class:`~opd_store.errors.IntegrityError` naming the object; a body cut mid-way is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..checksum import Crc32c
+from ..errors import IntegrityError, PayloadUploadError
+from .backend_errors import Meaning, classify, describe, s3_error_code
+from .parts import Completion, MemoryReader, PartPool, TransferSettings
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+logger = logging.getLogger("opd_store.storage")
+
+_RANGE_ATTEMPTS = 3
+"""Attempts per range whose body was cut mid-way (the request itself is retried by botocore)."""
+
+
+def _run(fs, coroutine: "Coroutine") -> concurrent.futures.Future:
+    """Schedule ``coroutine`` on s3fs's event loop thread; its future, at once."""
+    return asyncio.run_coroutine_threadsafe(coroutine, fs.loop)
+
+
+class S3PartWriter:
+    """A write-only binary file for one S3 object, uploaded in parallel parts (module docstring).
+
+    Args:
+        fs: the store's ``s3fs.S3FileSystem``.
+        bucket (str), key (str): the object.
+        url (str): the object's URL (for messages).
+        pool (PartPool): the store's part buffers (their size is the part size).
+    """
+
+    def __init__(self, fs, bucket: str, key: str, url: str, pool: PartPool) -> None:
+        self._fs = fs
+        self._bucket = bucket
+        self._key = key
+        self.url = url
+        self._pool = pool
+        self._buffer: bytearray | None = None
+        self._fill = 0
+        self._size_bytes = 0
+        self._upload_id: concurrent.futures.Future | None = None
+        self._parts: list[concurrent.futures.Future] = []
+        self._failure: BaseException | None = None
+        self._aborted = False
+        self._lock = threading.Lock()
+        self._state = "open"
+
+    # -- file protocol -------------------------------------------------------------------------
+    def write(self, data) -> int:
+        """Copy ``data`` into part buffers; each full one starts uploading at once.
+
+        Raises:
+            PayloadUploadError: an earlier part failed (the upload is being aborted).
+            ValueError: the writer is finished or discarded.
+        """
+        if self._state != "open":
+            raise ValueError(f"write to a {self._state} S3 writer ({self.url})")
+        if self._failure is not None:
+            raise self._failure
+        view = memoryview(data).cast("B")
+        total = view.nbytes
+        part_size = self._pool.part_size_bytes
+        while view.nbytes:
+            if self._buffer is None:
+                self._buffer = self._pool.acquire()
+            count = min(view.nbytes, part_size - self._fill)
+            self._buffer[self._fill:self._fill + count] = view[:count]
+            self._fill += count
+            view = view[count:]
+            if self._fill == part_size:
+                self._submit_part()
+        self._size_bytes += total
+        return total
+
+    def tell(self) -> int:
+        return self._size_bytes
+
+    def flush(self) -> None:
+        """Nothing: full parts are already uploading; the last one goes at :meth:`finish`."""
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._state != "open"
+
+    # -- parts ---------------------------------------------------------------------------------
+    def _submit_part(self) -> None:
+        """Upload the full current buffer as the next part (creating the upload first).
+
+        The first part waits for ``CreateMultipartUpload`` (one short request): a refused upload
+        is raised here, and an upload is open on the server once a part was handed over.
+        """
+        if self._upload_id is None:
+            self._upload_id = _run(self._fs, self._create())
+            self._upload_id.result()
+        buffer, self._buffer, self._fill = self._buffer, None, 0
+        number = len(self._parts) + 1
+        self._pool.flying()
+        future = _run(self._fs, self._upload_part(number, buffer))
+        future.add_done_callback(lambda done, buffer=buffer: self._part_done(done, buffer))
+        self._parts.append(future)
+
+    def _part_done(self, done: concurrent.futures.Future, buffer: bytearray) -> None:
+        self._pool.release(buffer, was_flying=True)
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            with self._lock:
+                if self._failure is None:
+                    self._failure = exc
+
+    async def _create(self) -> str:
+        try:
+            answer = await self._fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise self._error("CreateMultipartUpload", exc)  # noqa: B904 - the cause is set by _error
+        return answer["UploadId"]
+
+    async def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+        upload_id = await asyncio.wrap_future(self._upload_id)
+        try:
+            answer = await self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=upload_id,
+                                             PartNumber=number, Body=body)
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise self._error(f"UploadPart {number}", exc)  # noqa: B904 - the cause is set by _error
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _error(self, request: str, exc: BaseException) -> BaseException:
+        """``exc`` named: a :class:`PayloadUploadError` naming the object and the request (the
+        backend's error as its cause); a refusal (403) stays as it is, for the payload writer to
+        report as a permission error naming the operation."""
+        if classify(exc) is Meaning.DENIED:
+            return exc
+        named = PayloadUploadError(f"{self.url}: {request} failed after the client's retries ({describe(exc)}); "
+                                   "the upload is aborted and the object not written")
+        named.__cause__ = exc
+        return named
+
+    # -- publish or discard --------------------------------------------------------------------
+    def finish(self) -> Completion:
+        """Seal the object: upload what is buffered and complete the upload in the background.
+
+        Returns:
+            Completion: waits for the object to be published; raises
+            :class:`~opd_store.errors.PayloadUploadError` (the upload aborted) otherwise.
+        """
+        if self._state != "open":
+            raise ValueError(f"finish of a {self._state} S3 writer ({self.url})")
+        self._state = "finishing"
+        if self._upload_id is None:  # at most one part: one PutObject
+            body = bytes(memoryview(self._buffer)[:self._fill]) if self._buffer is not None else b""
+            self._drop_buffer()
+            return Completion(_run(self._fs, self._put(body)))
+        if self._fill:
+            tail = bytearray(memoryview(self._buffer)[:self._fill])  # the last part: its own size
+            self._drop_buffer()
+            number = len(self._parts) + 1
+            self._parts.append(_run(self._fs, self._upload_part(number, tail)))
+        else:
+            self._drop_buffer()
+        return Completion(_run(self._fs, self._complete()))
+
+    def close(self) -> None:
+        """Publish and wait (the file protocol; :meth:`finish` returns at once instead)."""
+        if self._state == "open":
+            self.finish().wait()
+
+    def discard(self) -> None:
+        """Abort without publishing: wait for the parts in flight, then abort the upload (best effort)."""
+        if self._state in ("discarded", "done"):
+            return
+        self._state = "discarded"
+        self._drop_buffer()
+        if self._upload_id is not None and not self._aborted:
+            try:
+                _run(self._fs, self._abort()).result()
+            except Exception:  # noqa: BLE001 - cleanup of an already failing save
+                logger.warning("could not abort the multipart upload of %s", self.url, exc_info=True)
+
+    def _drop_buffer(self) -> None:
+        if self._buffer is not None:
+            self._pool.release(self._buffer, was_flying=False)
+            self._buffer, self._fill = None, 0
+
+    async def _put(self, body: bytes) -> None:
+        try:
+            await self._fs._call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=body)
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise self._error("PutObject", exc)  # noqa: B904 - the cause is set by _error
+        self._state = "done"
+
+    async def _settled_parts(self) -> list[Any]:
+        """Every part's outcome (a result or the exception), once none is in flight."""
+        return await asyncio.gather(*(asyncio.wrap_future(part) for part in self._parts), return_exceptions=True)
+
+    async def _complete(self) -> None:
+        outcomes = await self._settled_parts()
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failed is None:
+            upload_id = await asyncio.wrap_future(self._upload_id)
+            try:
+                await self._fs._call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                        UploadId=upload_id, MultipartUpload={"Parts": outcomes})
+                self._state = "done"
+                return
+            except Exception as exc:  # noqa: BLE001 - named below
+                failed = self._error("CompleteMultipartUpload", exc)
+        await self._abort()
+        raise failed
+
+    async def _abort(self) -> None:
+        """Abort the upload once no part is in flight (AWS: a part still uploading during the abort
+        could otherwise be stored after it)."""
+        await self._settled_parts()
+        self._aborted = True
+        try:
+            upload_id = await asyncio.wrap_future(self._upload_id)
+        except Exception:  # noqa: BLE001 - the upload was never created: nothing to abort
+            return
+        try:
+            await self._fs._call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)
+        except Exception as exc:  # noqa: BLE001 - an upload already gone is aborted
+            if classify(exc) is not Meaning.NOT_FOUND:
+                raise
+
+
+# -- reads ----------------------------------------------------------------------------------------
+class _OtherSize(Exception):
+    """The object is not as long as expected: its real length (``-1``: unknown)."""
+
+    def __init__(self, size_bytes: int) -> None:
+        super().__init__(size_bytes)
+        self.size_bytes = size_bytes
+
+
+async def _read_range(fs, bucket: str, key: str, url: str, view: memoryview, start: int, size_bytes: int) -> None:
+    """Fetch bytes ``start .. start + len(view)`` of the object into ``view``.
+
+    Raises:
+        _OtherSize: the object is not ``size_bytes`` long.
+        IntegrityError: the range came back short.
+    """
+    end = start + view.nbytes
+    for attempt in range(1, _RANGE_ATTEMPTS + 1):
+        try:
+            answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+        except Exception as exc:  # noqa: BLE001 - a range past the end: the object is shorter
+            if s3_error_code(exc) == "InvalidRange":
+                raise _OtherSize(-1) from exc
+            raise
+        body = answer["Body"]
+        try:
+            total = int(str(answer.get("ContentRange", "")).rpartition("/")[2] or -1)
+            if total != size_bytes:
+                raise _OtherSize(total)
+            got = 0
+            while got < view.nbytes:
+                count = await body.readinto(view[got:])
+                if count == 0:
+                    break
+                got += count
+            if got != view.nbytes:
+                raise IntegrityError(f"{url}: a ranged read of bytes {start}-{end - 1} returned {got} bytes "
+                                     f"instead of {view.nbytes}")
+            return
+        except (IntegrityError, _OtherSize):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a body cut mid-way: the range again
+            if attempt == _RANGE_ATTEMPTS or classify(exc) in (Meaning.NOT_FOUND, Meaning.DENIED):
+                raise
+            logger.debug("%s: range %d-%d cut (%r); reading it again", url, start, end - 1, exc)
+        finally:
+            body.close()
+
+
+async def _read_all(fs, bucket: str, key: str, url: str, settings: TransferSettings, size_bytes: int,
+                    buffer: bytearray) -> str:
+    view = memoryview(buffer)
+    part = settings.part_size_for(size_bytes)
+    starts = list(range(0, size_bytes, part))
+    slots = asyncio.Semaphore(settings.parts_in_flight)
+    landed = [False] * len(starts)
+    crc = Crc32c()
+    next_unchecked = 0
+
+    async def one(index: int) -> None:
+        nonlocal next_unchecked
+        start = starts[index]
+        async with slots:
+            await _read_range(fs, bucket, key, url, view[start:start + part], start, size_bytes)
+        landed[index] = True
+        while next_unchecked < len(starts) and landed[next_unchecked]:  # CRC32C in order, as ranges land
+            first = starts[next_unchecked]
+            crc.update(view[first:first + part])
+            next_unchecked += 1
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(starts))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    finally:
+        view.release()
+    return crc.hexdigest()
+
+
+def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings,
+                 size_bytes: int) -> tuple[MemoryReader, int, str]:
+    """The object read with parallel ranged GETs into one buffer of ``size_bytes``: a reader over
+    it, the object's size and the CRC32C of the bytes read (8 hex digits).
+
+    When the object is not ``size_bytes`` long, the size returned is its real one (from a fresh
+    ``HeadObject``) and the reader is empty: the caller reports the mismatch.
+
+    Raises:
+        IntegrityError: a range came back short (names the object and the range).
+        OSError: the backend's failure after its retries (a missing object: ``FileNotFoundError``).
+    """
+    from fsspec.asyn import sync
+
+    if not size_bytes:
+        actual = int(fs.info(f"{bucket}/{key}", refresh=True).get("size") or 0)
+        return MemoryReader(b""), actual, Crc32c().hexdigest()
+    buffer = bytearray(size_bytes)
+    try:
+        crc = sync(fs.loop, _read_all, fs, bucket, key, url, settings, size_bytes, buffer)
+    except _OtherSize as other:
+        actual = other.size_bytes
+        if actual < 0:
+            fs.invalidate_cache()
+            actual = int(fs.info(f"{bucket}/{key}", refresh=True).get("size") or 0)
+        return MemoryReader(b""), actual, ""
+    return MemoryReader(buffer), size_bytes, crc
+
+
+__all__ = ["S3PartWriter", "read_checked"]
