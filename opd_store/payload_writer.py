@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Callable
 
+from . import kill_points
 from .checksum import Crc32c
 from .errors import OpdStoreError, SaveAbandonedError, StoragePermissionError
 from .manifest import PayloadEntry
@@ -101,6 +102,7 @@ class PayloadWriter:
         if not view.c_contiguous:
             view = memoryview(view.tobytes())
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        kill_points.payload_bytes(self.step, self.name, self._crc.size_bytes, view, self._handle.write)  # the soak
         count = self._crc.update(view)
         slice_bytes = self._storage.write_slice_bytes  # zero-copy slices (see Storage)
         try:

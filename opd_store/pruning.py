@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from . import kill_points
 from .errors import RetentionError
 from .pins import pinned_steps
 from .retention import RetentionPlan, RetentionPolicy, RunLineage, StepRecord, plan_retention
@@ -147,6 +148,7 @@ def execute_plan(store: CheckpointStore, plan: RetentionPlan) -> list[int]:
         if step in pinned:
             logger.info("retention: step %d was pinned after planning; kept", step)
             continue
+        kill_points.reach("retention_pass", step=step)  # test-only (the soak); nothing when not armed
         store.delete(step)
         logger.info("retention: deleted %s", store.step_url(step))
         deleted.append(step)

@@ -14,6 +14,7 @@ import logging
 import os
 from typing import Any, BinaryIO
 
+from . import kill_points
 from .errors import CheckpointNotFoundError, CommitConflictError, UnsupportedBackendError
 from .layout import (
     LEGACY_MARKER,
@@ -348,6 +349,7 @@ class CheckpointStore(BaseStore):
         once, then every object under its prefix. A missing step is not an error."""
         prefix = step_dirname(step)
         self.storage.delete(f"{prefix}/{MANIFEST_NAME}")
+        kill_points.reach("step_delete", step=step)  # test-only (the soak); nothing when not armed
         self.storage.delete(f"{prefix}/{LEGACY_MARKER}")
         self.storage.delete_tree(prefix)
 

@@ -28,6 +28,7 @@ from .errors import (
     ManifestError,
     UnsupportedBackendError,
 )
+from . import kill_points
 from .attempt import Attempt
 from .layout import MANIFEST_NAME
 from .manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, parse_manifest
@@ -161,8 +162,10 @@ class Transaction(Attempt):
             self._discard_payloads()
             raise
         manifest_rel = f"{self._step_rel}/{MANIFEST_NAME}"
+        kill_points.reach("before_manifest", step=self.step)  # test-only (the soak); nothing when not armed
         try:
             self.storage.create_exclusive(manifest_rel, data)
+            kill_points.reach("after_commit", step=self.step)
         except UnsupportedBackendError:
             self._state = "failed"
             self._discard_payloads()

@@ -22,7 +22,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "opd_store"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pure", ("opd_store._version", "opd_store.errors", "opd_store.checksum", "opd_store.layout",
               "opd_store.manifest", "opd_store.torch_io", "opd_store.thread_random", "opd_store.exit_hooks",
-              "opd_store.preemption")),
+              "opd_store.preemption", "opd_store.kill_points")),
     ("storage", ("opd_store.storage", "opd_store.storage.*")),
     ("store", ("opd_store.status", "opd_store.verified_reads", "opd_store.store_api", "opd_store.store", "opd_store.attempt",
                "opd_store.store_refs", "opd_store.payload_writer", "opd_store.transaction",

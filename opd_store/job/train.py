@@ -19,6 +19,7 @@ from typing import Any, Callable, TextIO
 import numpy as np
 import torch
 
+from .. import kill_points
 from .._version import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.adapter import load_adapter
@@ -274,6 +275,7 @@ def train(
             if preemption is not None and preemption.should_checkpoint_now():
                 preempted = saves.on_notice(preemption, trainer, teacher_state.state_dict())
                 break
+            kill_points.update_started(trainer["attempted_updates"] + 1)  # test-only (the soak); nothing when not armed
             prompts = prompts_for(trainer["query_update"] * world_size + rank, config.training.queries_per_update)
             outcome = run_update(
                 student=student,
