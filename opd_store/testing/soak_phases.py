@@ -137,8 +137,9 @@ def plan_start(ref: Reference, resume_step: int | None, older_steps: bool, count
         where = f"save of step {step}"
         if phase in ("payload_stream", "tier_upload", "async_write"):
             rank = _pick_rank(rng, world_size, last_rank) if phase == "payload_stream" else 0
-            names = sorted(n for n, size in ref.payloads[step].items() if size > 0
-                           and (world_size == 1 or rank == 0 or n == f"rng-rank-{rank:02d}.pt"))
+            # Rank r > 0 writes only its RNG part; rank 0 everything else and its own part.
+            names = sorted(n for n, size in ref.payloads[step].items() if size > 0 and (
+                world_size == 1 or n == f"rng-rank-{rank:02d}.pt" or (rank == 0 and not n.startswith("rng-rank-"))))
             kill["name"] = name = rng.choice(names)
             kill["byte"] = rng.randrange(ref.payloads[step][name])
             kill["rank"] = rank if world_size > 1 else None
