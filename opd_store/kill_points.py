@@ -57,7 +57,7 @@ _PAYLOAD_THREADS = {"payload_stream": "MainThread", "async_write": "opd-async-sa
 
 _UNREAD = object()
 _plan: Any = _UNREAD  # None: not armed (the common case); else the plan dict
-_state = {"calls": 0, "deletes": 0}
+_state = {"calls": 0}  # torch hook calls seen in the armed update
 _hooks: list[Any] = []
 
 
