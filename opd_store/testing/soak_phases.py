@@ -92,7 +92,8 @@ def reachable_phases(ref: Reference, resume_step: int | None, older_steps: bool,
         "before_manifest": bool(saves),
         "after_commit": bool(saves),
         # Retention (keep-last 1) deletes only once a step older than the run's newest exists and
-        # the resume parent is no longer protected (the run's second checkpoint).
+        # the resume parent is no longer protected (the run's second checkpoint). Earlier starts'
+        # parents can be protected too (killed before their second checkpoint): then it misses.
         "retention_delete": bool(resume_step) and bool(saves) and (older_steps or len(saves) >= 2),
         "tier_upload": bool(saves),
         "async_write": bool(saves),
