@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{soak.reference_secs:.1f} s; checkpoints {soak.reference.saves}",
         f"- kill seed {args.seed}; processes started by `{args.launcher if args.nproc == 1 else 'exec'}`; "
         f"{len(soak.starts)} starts in {len({s.prefix for s in soak.starts})} spot runs, {len(soak.kills)} kills "
-        f"counted, {soak.misses} kill points missed (redrawn); {minutes:.1f} min",
+        f"counted; misses (a kill point the start never reached, redrawn): {soak.misses}; {minutes:.1f} min",
     ]
     text, problems = render(kills=soak.kills, n=args.n, header=header, starts=soak.starts,
                             extra_problems=soak.start_problems, world_size=args.nproc, machine=machine_description())
