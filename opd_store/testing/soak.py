@@ -125,6 +125,7 @@ class Soak:
         self.reference: Reference | None = None
         self.reference_secs = 0.0
         self._compared: set[tuple[str, int, str]] = set()  # (prefix, step, attempt id) found identical
+        self._reference_payloads: dict[tuple[int, str], Any] = {}  # (step, name) -> comparable form
 
     def store(self, prefix: str):
         from ..store import CheckpointStore
@@ -198,8 +199,12 @@ class Soak:
                 problems.append(f"step {info.step}: payloads {names} are not the reference's")
                 continue
             for name in names:
-                if name != CONFIG_YAML and (_comparable(name, spot.read(info.step, name))
-                                            != _comparable(name, ref.read(info.step, name))):
+                if name == CONFIG_YAML:
+                    continue
+                if (info.step, name) not in self._reference_payloads:  # the reference never changes
+                    self._reference_payloads[info.step, name] = _comparable(name, ref.read(info.step, name))
+                spot_payload = _comparable(name, spot.read(info.step, name, manifest=manifest))
+                if spot_payload != self._reference_payloads[info.step, name]:
                     problems.append(f"step {info.step}: {name} differs from the reference's")
             if not problems:
                 self._compared.add(key)
