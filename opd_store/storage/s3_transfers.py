@@ -179,17 +179,17 @@ class S3PartWriter:
         if self._state != "open":
             raise ValueError(f"finish of a {self._state} S3 writer ({self.url})")
         self._state = "finishing"
+        tail = self._take_tail()
         if self._upload_id is None:  # at most one part: one PutObject
-            body = bytes(memoryview(self._buffer)[:self._fill]) if self._buffer is not None else b""
-            self._drop_buffer()
-            return Completion(_run(self._fs, self._put(body)))
-        if self._fill:
-            tail = bytearray(memoryview(self._buffer)[:self._fill])  # the last part: its own size
-            self._drop_buffer()
+            future = _run(self._fs, self._put(tail if tail is not None else bytearray()))
+            if tail is not None:
+                future.add_done_callback(lambda _done: self._pool.release(tail, was_flying=True))
+            return Completion(future)
+        if tail is not None:
             number = len(self._parts) + 1
-            self._parts.append(_run(self._fs, self._upload_part(number, tail)))
-        else:
-            self._drop_buffer()
+            future = _run(self._fs, self._upload_part(number, tail))
+            future.add_done_callback(lambda done: self._part_done(done, tail))
+            self._parts.append(future)
         return Completion(_run(self._fs, self._complete()))
 
     def close(self) -> None:
@@ -209,12 +209,30 @@ class S3PartWriter:
             except Exception:  # noqa: BLE001 - cleanup of an already failing save
                 logger.warning("could not abort the multipart upload of %s", self.url, exc_info=True)
 
+    def _take_tail(self) -> bytearray | None:
+        """The buffer being filled, cut in place to the bytes it holds and counted in flight (its
+        request gives it back to the pool); ``None`` when nothing is buffered.
+
+        The last part (or the only object) goes up from the pool's own buffer, so every byte a
+        save holds for upload is one of the pool's ``parts_in_flight`` buffers: payloads whose
+        publishes run in the background cannot pile up copies of their tails.
+        """
+        buffer, fill = self._buffer, self._fill
+        self._buffer, self._fill = None, 0
+        if buffer is None or not fill:
+            if buffer is not None:
+                self._pool.release(buffer, was_flying=False)
+            return None
+        del buffer[fill:]
+        self._pool.flying()
+        return buffer
+
     def _drop_buffer(self) -> None:
         if self._buffer is not None:
             self._pool.release(self._buffer, was_flying=False)
             self._buffer, self._fill = None, 0
 
-    async def _put(self, body: bytes) -> None:
+    async def _put(self, body: bytearray) -> None:
         try:
             await self._fs._call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=body)
         except Exception as exc:  # noqa: BLE001 - named below
