@@ -1,5 +1,5 @@
 """A "fresh machine" for a process start (new, empty working directory, ``HOME`` and ``TMPDIR``),
-and the CPU time of a process.
+the CPU time of a process, and the end of a server process.
 
 ``opd-store demo``, the soak (``bench/soak.py``) and the spot tests start the job again and again
 and must prove that only the store carries state from one start to the next. Each start gets a new
@@ -11,6 +11,7 @@ transformers' warnings off and unbuffered output (the parent reads events line b
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -53,4 +54,14 @@ def process_cpu_secs(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-__all__ = ["MACHINE_ENV", "fresh_machine", "process_cpu_secs"]
+def end_process(process: subprocess.Popen, timeout_secs: float) -> None:
+    """Terminate ``process`` (SIGTERM), wait up to ``timeout_secs``, then kill it and reap it."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_secs)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+__all__ = ["MACHINE_ENV", "end_process", "fresh_machine", "process_cpu_secs"]
