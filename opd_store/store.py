@@ -100,14 +100,18 @@ class CheckpointStore(BaseStore):
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
 
-    def check_reachable(self) -> None:
-        """Fail fast, before any work, when the store cannot be used.
+    def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
+        """Fail fast, before any work, when the store cannot be used: a real probe (a listing;
+        with ``write`` a probe object created and deleted, a missing local root created) that
+        answers within ``timeout_secs`` (default: the ``connect_timeout_secs`` storage option,
+        15 s) whatever the backend does (:mod:`opd_store.storage.reachability`).
 
         Raises:
-            StoreUnreachableError: no such bucket, missing credentials, no connection, or a local
-                root that is not a writable directory; the message names the URL and the cause.
+            StoreUnreachableError: no such bucket, missing credentials, no connection, no answer
+                in time, a local root that cannot be created or written (URL, operation, cause).
+            StoreNotFoundError: ``write`` is false and the local root does not exist.
         """
-        self.storage.check_reachable()
+        self.storage.check_reachable(write=write, timeout_secs=timeout_secs)
 
     # -- listing ---------------------------------------------------------------------------
     def _step_prefixes(self) -> list[int]:

@@ -12,6 +12,8 @@ instead, exactly as a real S3 endpoint or a broken network would:
                     without a response: the ambiguous outcome of a lost reply
 ``truncate``        the request is forwarded, the status line, headers and half the body are sent,
                     then the connection is closed (a connection dropped mid-response)
+``stall``           the request is read and never answered (a stuck gateway): the connection
+                    stays open until the client gives up, the rules are cleared or the proxy stops
 ==================  ==========================================================================
 
 Every request is recorded (:attr:`S3FaultProxy.requests`) with its S3 operation name (classified
@@ -114,7 +116,7 @@ class Rule:
     Attributes:
         ops: S3 operation names to match (any when empty).
         match: extra predicate on the :class:`Request` (``path``, ``query``, ``headers`` filled in).
-        fault: ``status``, ``drop``, ``drop_after`` or ``truncate``.
+        fault: ``status``, ``drop``, ``drop_after``, ``truncate`` or ``stall``.
         status: HTTP status for ``status`` faults.
         code: S3 error code for ``status`` faults (``SlowDown``, ``InternalError``, ``AccessDenied``).
         times: fault this many matching requests, then forward (``None``: every one).
@@ -167,6 +169,7 @@ class S3FaultProxy:
         self.fail_puts = 0
         self.failed: list[str] = []
         self.lock = threading.Lock()
+        self.released = threading.Event()  # set: stalled requests are let go (dropped)
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -237,6 +240,10 @@ class S3FaultProxy:
                 if rule is not None and rule.fault == "drop":
                     self._drop()
                     return
+                if rule is not None and rule.fault == "stall":
+                    proxy.released.wait()
+                    self._drop()
+                    return
                 status, reason, headers, data = self._forward(body)
                 if rule is not None and rule.fault == "drop_after":
                     self._drop()
@@ -291,12 +298,14 @@ class S3FaultProxy:
         return rule
 
     def clear(self) -> None:
-        """Drop every rule and every recorded request."""
+        """Drop every rule and every recorded request; let stalled requests go (dropped)."""
         with self.lock:
             self.rules.clear()
             self.requests.clear()
             self.failed.clear()
             self.fail_puts = 0
+            self.released.set()
+            self.released = threading.Event()
 
     def ops(self) -> list[str]:
         """Operation names of every recorded request, in order."""
@@ -311,6 +320,7 @@ class S3FaultProxy:
             )
 
     def stop(self) -> None:
+        self.released.set()
         self._server.shutdown()
         self._server.server_close()
 

@@ -16,7 +16,7 @@ from opd_store.storage.backend_errors import Meaning, classify
 
 from .helpers import crc_hex, open_store
 
-ABSTRACT_VERBS = {"list_children", "list_tree", "size", "read_bytes", "open_write", "create_exclusive", "delete",
+ABSTRACT_VERBS = {"list_children", "list_tree", "list_tree_modified", "size", "read_bytes", "open_write", "create_exclusive", "delete",
                   "delete_tree", "list_uploads", "abort_upload"}
 
 
