@@ -18,7 +18,6 @@ from .errors import CheckpointNotFoundError, CommitConflictError, UnsupportedBac
 from .layout import (
     LEGACY_MARKER,
     MANIFEST_NAME,
-    attempt_created_secs,
     is_attempt_id,
     new_attempt_id,
     parse_step_dirname,
@@ -354,11 +353,6 @@ class CheckpointStore(BaseStore):
         self.storage.delete(f"{prefix}/{MANIFEST_NAME}")
         self.storage.delete(f"{prefix}/{LEGACY_MARKER}")
         self.storage.delete_tree(prefix)
-
-    def attempt_age_secs(self, attempt_id: str, now_secs: float) -> float | None:
-        """Age in seconds of an attempt, from the UTC time in its id."""
-        created = attempt_created_secs(attempt_id)
-        return None if created is None else now_secs - created
 
     # -- durability: a committed step of a plain store is durable --------------------------------
     def durable_steps(self) -> list[int]:

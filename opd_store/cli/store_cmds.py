@@ -49,7 +49,8 @@ def add_parsers(subparsers) -> None:
     gc = subparsers.add_parser(
         "gc", help="apply a retention policy and remove orphans (dry run unless --yes)",
         description="Plan retention (--keep-last/--keep-every; without either no step is deleted) "
-        "and find orphan attempts and stale S3 multipart uploads older than the grace period. "
+        "and find orphan attempts and stale S3 multipart uploads that nothing has written to for longer than "
+        "the grace period, measured on the store's own clock (never the writer's). "
         "Prints what it would delete and the bytes freed; deletes only with --yes. Never deleted: "
         "pinned steps, the newest complete step, a run's resume parent until the run has a second "
         "checkpoint, damaged or legacy steps, and objects outside the attempt layout.",
@@ -59,7 +60,8 @@ def add_parsers(subparsers) -> None:
     gc.add_argument("--keep-every", type=positive_int, default=None, metavar="K",
                     help="also keep complete steps that are multiples of K")
     gc.add_argument("--orphans-older-than", type=parse_duration, default=3600.0, metavar="DURATION",
-                    help="grace period of uncommitted attempts and multipart uploads (default 1h; 90s, 30m, 2d)")
+                    help="grace period: an uncommitted attempt or multipart upload is collected only when nothing "
+                    "has been written under it for this long by the store's clock (default 1h; 90s, 30m, 2d)")
     gc.add_argument("--deep", action="store_true",
                     help="recompute checksums of the newest complete steps so a corrupt one never counts as kept")
     gc.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
@@ -166,7 +168,9 @@ def _gc_json(report) -> dict:
         "keep_steps": {str(s): list(why) for s, why in plan.keep.items()},
         "untouched_steps": {str(s): status for s, status in plan.untouched.items()},
         "orphans": [{"url": o.url, "step": o.step, "attempt_id": o.attempt_id, "size_bytes": o.size_bytes,
-                     "age_secs": round(o.age_secs, 1)} for o in report.orphans],
+                     "age_secs": round(o.age_secs, 1),
+                     "writer_clock_age_secs": None if o.writer_clock_age_secs is None else round(o.writer_clock_age_secs, 1)}
+                    for o in report.orphans],
         "stale_uploads": [{"key": u.rel, "upload_id": u.upload_id, "age_secs": round(u.age_secs, 1)}
                           for u in report.uploads],
         "freed_bytes": report.freed_bytes,
