@@ -4,7 +4,12 @@ Each case runs ``python -m opd_store`` as a real process against a real backend 
 (fake-gcs-server with no bucket, a GCS or S3 endpoint at a closed port, a TCP listener that
 accepts and never answers, moto with a missing bucket, unwritable and missing local paths, URL
 schemes opd_store cannot commit to) for ``ls``, ``latest``, ``show``, ``verify``, ``train``,
-``demo --store``, ``cp`` and ``gc``, all commands of a case at once. Each must exit with the
+``demo --store``, ``cp`` and ``gc``, all commands of a case at once. The processes are forked from
+the worker's preloaded fork server (:mod:`opd_store.testing.forkserver`), except where the case
+is about what a new interpreter reads when it starts: GCS without credentials (google-auth reads
+the metadata server's address at import, and a new interpreter of every command also shows that
+nothing printed while the modules load reaches stderr) and the read-only bind mount (the command
+must start inside the mount namespace). Each must exit with the
 documented code, print exactly one line on stderr naming the URL, the operation and the cause
 (no client library's retry log, no traceback), print nothing on stdout, and return within the
 check's bound plus a generous margin (an upper limit, not a speed target: machines here are
@@ -30,6 +35,7 @@ import pytest
 
 import opd_store
 from opd_store import CheckpointStore
+from opd_store.testing import forkserver
 
 REPO_ROOT = Path(opd_store.__file__).resolve().parents[1]
 DEFAULT_BOUND_SECS = 15.0
@@ -137,12 +143,16 @@ def base_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def run_all(commands: dict[str, list[str]], env: dict[str, str], cwd: Path, timeout_secs: float = 300) -> dict[str, Result]:
-    """Start every command at once; wait for all; measure each from its start to its exit."""
+def run_all(commands: dict[str, list[str]], env: dict[str, str], cwd: Path, timeout_secs: float = 300, *,
+            fresh: bool = False, prefix: list[str] | None = None) -> dict[str, Result]:
+    """Start every command at once (forked from the fork server; ``fresh``: each a new
+    interpreter, started by the command ``prefix`` when given); wait for all; measure each from its
+    start to its exit."""
+    start = subprocess.Popen if fresh or prefix else forkserver.popen
     started = {}
     for name, argv in commands.items():
-        started[name] = (time.monotonic(), subprocess.Popen(
-            [sys.executable, "-m", "opd_store", *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+        started[name] = (time.monotonic(), start(
+            [*(prefix or []), sys.executable, "-m", "opd_store", *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True))
     results = {}
     for name, (start, proc) in started.items():
@@ -176,11 +186,13 @@ def assert_refused(result: Result, *, code: int, line: str, bound_secs: float) -
 # -- GCS -------------------------------------------------------------------------------------------
 def test_gcs_without_credentials_is_refused_in_one_line(tmp_path, good_store):
     """No credentials anywhere (gcsfs would fall back to anonymous access and retry for minutes):
-    every command says so in one line, before any request to the store."""
+    every command says so in one line, before any request to the store. New interpreters: the
+    metadata server google-auth asks is the one in the environment when it is imported (here a
+    closed loopback port; a forked child would have the fork server's)."""
     env = base_env(tmp_path)
     env["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{closed_port()}"  # never contacted
     url = "gs://bucket/x"
-    results = run_all(commands_for(url, good_store, tmp_path, ("ls", "show", *WRITES)), env, tmp_path)
+    results = run_all(commands_for(url, good_store, tmp_path, ("ls", "show", *WRITES)), env, tmp_path, fresh=True)
     for result in results.values():
         assert_refused(result, code=2, bound_secs=DEFAULT_BOUND_SECS,
                        line=f"{url}: no credentials found ({GCS_SOURCES}); for a public bucket or an emulator "
@@ -292,21 +304,10 @@ def test_a_read_only_store_serves_reads_and_refuses_writes(tmp_path, good_store)
     cause = "Read-only file system" if prefix is not None else "No such file or directory"
     commands = commands_for(url, good_store, tmp_path, ("ls", *WRITES))
     commands["cp"] = ["cp", good_store, "1", url]
+    results = run_all(commands, env, tmp_path, prefix=prefix)  # in the mount namespace: new interpreters
+    listing = results.pop("ls")
     if prefix is not None:
-        started = {}
-        for name, argv in commands.items():
-            started[name] = (time.monotonic(), subprocess.Popen(
-                [*prefix, sys.executable, "-m", "opd_store", *argv], env=env, cwd=tmp_path,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        results = {}
-        for name, (start, proc) in started.items():
-            out, err = proc.communicate(timeout=300)
-            results[name] = Result(name, proc.returncode, out, err, time.monotonic() - start)
-        listing = results.pop("ls")
         assert listing.code == 0 and listing.out.splitlines()[1].split()[:2] == ["1", "complete"], listing
-    else:
-        results = run_all(commands, env, tmp_path)
-        results.pop("ls")
     for result in results.values():
         assert_refused(result, code=2, bound_secs=DEFAULT_BOUND_SECS,
                        line=f"{url}: cannot write in the store root ({cause})")

@@ -1,7 +1,7 @@
 """``check_reachable`` through the Python API: a real probe (a listing; for writers a probe object
 created with the create-only write and deleted), refusals that name the operation and the cause,
 and a probe name that no listing, ``ls`` or ``gc`` ever takes for a step. S3 behind the fault proxy
-in front of moto (``tests/s3proxy.py``), local directories, the memory store.
+in front of moto (:mod:`opd_store.testing.proxies`), local directories, the memory store.
 """
 
 from __future__ import annotations

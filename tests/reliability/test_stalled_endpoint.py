@@ -1,6 +1,6 @@
 """An endpoint that stops answering in the middle of a job (a stuck gateway): saves and loads fail
 with an error naming the step, the object, the operation and the read timeout, instead of
-hanging. The proxy in front of moto (``tests/s3proxy.py``) reads the stalled requests and never
+hanging. The proxy in front of moto (:mod:`opd_store.testing.proxies`) reads the stalled requests and never
 answers them; the store's ``read_timeout_secs`` is 1 s and botocore makes one attempt per pass of
 s3fs's retry loop (opd_store's default: 2 passes, nested twice for a download), so a failure takes
 at most 4 attempts of 1 s. With the defaults (60 s, 3 botocore attempts) the same failure takes at

@@ -5,7 +5,8 @@
 Before anything else it shifts this process's ``time.time()`` by ``CLOCK_OFFSET_SECS`` (a VM
 restored from a snapshot, a container whose host has not synced its clock): the attempt ids it
 makes carry that time, as a real skewed writer's would; the store stamps its objects with its own
-clock. Messages go to stdout, one per line, flushed; the parent synchronises on them and answers
+clock. opd_store reads the clock through ``time.time()`` at each call, so the shift holds in a new
+interpreter and in a child of the tests' fork server (which imported opd_store before) alike. Messages go to stdout, one per line, flushed; the parent synchronises on them and answers
 on stdin, never by sleeping:
 
 ``txn``
@@ -38,11 +39,11 @@ sys.path.insert(0, str(HERE.parent))
 
 import threading  # noqa: E402
 
-from backends import Backend  # noqa: E402
 from faults import Fault, FaultyStorage  # noqa: E402
 from proc_writer import make_bytes  # noqa: E402
 
 from opd_store import CheckpointStore  # noqa: E402
+from opd_store.testing.stores import Backend  # noqa: E402
 
 STEP = 2
 A_BYTES = make_bytes("a", 1000)
@@ -85,12 +86,8 @@ def run_txn(store: CheckpointStore) -> None:
 
 
 def run_async(store: CheckpointStore) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("opd_fixtures", HERE.parent / "opd" / "conftest.py")
-    fixtures = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fixtures)
     from opd_store.opd.async_save import AsyncCheckpointer
+    from opd_store.testing import opd as fixtures
 
     factory = fixtures.PeftFactory()
     model, tokenizer = factory.model(), factory.tokenizer()

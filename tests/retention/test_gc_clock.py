@@ -1,14 +1,14 @@
 """Garbage collection judges an attempt's age by the store's clock, never the writer's.
 
-Each writer is a separate process (``skewed_writer.py``) whose ``time.time()`` runs 2 hours behind
-or ahead, so its attempt ids carry a time 2 hours off, as a VM restored from a snapshot would
-write them. ``opd-store gc --yes`` runs while the writer is in the middle of its save (stopped by
-a message, never by sleeping: a payload half streamed and, on S3, its multipart upload open), and
-the save then commits. Abandoned attempts (the writer SIGKILLed there) are kept until the store's
-clock says they are older than the grace period, and collected then, whatever their ids say; the
-store's clock is moved without sleeping (local files' mtimes set explicitly; moto stamping
-objects with a shifted clock; the store's "now" read an hour later, ``tests/aged_objects.py``).
-On local disk and on S3 (moto).
+Each writer is a separate process (``skewed_writer.py``, forked from the worker's fork server)
+whose ``time.time()`` runs 2 hours behind or ahead, so its attempt ids carry a time 2 hours off,
+as a VM restored from a snapshot would write them. ``opd-store gc --yes`` runs while the writer is
+in the middle of its save (stopped by a message, never by sleeping: a payload half streamed and,
+on S3, its multipart upload open), and the save then commits. Abandoned attempts (the writer
+SIGKILLed there) are kept until the store's clock says they are older than the grace period, and
+collected then, whatever their ids say; the store's clock is moved without sleeping (local files'
+mtimes set explicitly; moto stamping objects with a shifted clock; the store's "now" read an hour
+later: :mod:`opd_store.testing.aged_objects`). On local disk and on S3 (moto).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,13 +23,14 @@ from pathlib import Path
 import pytest
 
 import opd_store
-from aged_objects import backdate, moto_clock
-from backends import Backend
 from opd_store import CheckpointStore
 from opd_store.cli import main
 from opd_store.layout import attempt_created_secs
 from opd_store.orphans import collect_garbage, delete_orphans, find_orphans
 from opd_store.retention import RetentionPolicy
+from opd_store.testing import forkserver
+from opd_store.testing.aged_objects import backdate, moto_clock
+from opd_store.testing.stores import Backend
 from proc_writer import make_bytes
 
 REPO_ROOT = Path(opd_store.__file__).resolve().parents[1]
@@ -63,13 +63,16 @@ def cli_args(backend: Backend) -> list[str]:
 
 
 class Writer:
-    """One ``skewed_writer.py`` process (see its docstring)."""
+    """One ``skewed_writer.py`` process (see its docstring), forked from this worker's preloaded
+    fork server (:mod:`opd_store.testing.forkserver`): the writer shifts ``time.time`` when its
+    program starts, which every clock reading of opd_store goes through (``time.time()`` looked up
+    at each call), in a forked child as in a new interpreter."""
 
     def __init__(self, backend: Backend, mode: str, offset_secs: float, *extra: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-        self.proc = subprocess.Popen(
+        self.proc = forkserver.popen(
             [sys.executable, str(WRITER), backend.to_json(), mode, str(offset_secs), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            stdin=forkserver.PIPE, stdout=forkserver.PIPE, stderr=forkserver.PIPE, text=True, env=env)
 
     def expect(self, prefix: str) -> str:
         line = self.proc.stdout.readline()

@@ -5,8 +5,9 @@ against the backend's own notion of now (``opd_store.orphans``), so a test that 
 abandoned two hours ago must make the backend record it so:
 
 - local files: their mtime is set explicitly (``os.utime``);
-- S3 on moto: the moto server runs in the test process (``ThreadedMotoServer``), and moto stamps
-  every object and part with ``moto.s3.models.utcnow()``; :func:`moto_clock` shifts that function,
+- S3 on moto: the moto server runs in the test process (:class:`~opd_store.testing.s3.MotoS3`,
+  moto's ``ThreadedMotoServer``), and moto stamps every object and part with
+  ``moto.s3.models.utcnow()``; :func:`moto_clock` shifts that function,
   so objects written (or copied onto themselves, :func:`backdate`) meanwhile carry the shifted
   ``LastModified``. The ``Date`` header moto sends stays the real time, as a server's would.
 
@@ -21,9 +22,12 @@ import datetime
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from backends import Backend
+from .stores import Backend
+
+if TYPE_CHECKING:
+    from .s3 import MotoS3
 
 
 @contextlib.contextmanager
@@ -44,7 +48,7 @@ def moto_clock(offset_secs: float) -> Iterator[None]:
         models.utcnow = real
 
 
-def backdate(backend: Backend, prefix: str, age_secs: float, moto_s3=None) -> list[str]:
+def backdate(backend: Backend, prefix: str, age_secs: float, moto_s3: MotoS3 | None = None) -> list[str]:
     """Make every object under ``prefix`` (relative to the store root) ``age_secs`` old on the
     store's clock.
 
@@ -53,6 +57,9 @@ def backdate(backend: Backend, prefix: str, age_secs: float, moto_s3=None) -> li
 
     Returns:
         list[str]: the objects backdated, relative to the store root.
+
+    Raises:
+        ValueError: ``backend`` is neither local nor S3 with its ``moto_s3`` server given.
     """
     if backend.name == "local":
         root = Path(backend.url)
