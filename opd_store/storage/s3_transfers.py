@@ -17,7 +17,8 @@ endpoint, timeouts and botocore's retries, which back off on ``503 SlowDown``):
   save with 8 parts of 16 MiB in flight, 149 MiB with the reader). If any request
   fails after the client's retries, the whole multipart upload is aborted once the parts in flight
   have settled (no upload is left open on the server) and the failure is raised as
-  :class:`~opd_store.errors.PayloadUploadError` naming the object and the request.
+  :class:`~opd_store.errors.PayloadUploadError` naming the object and the request
+  (:class:`~opd_store.errors.StoreUnreachableError` when the store cannot be reached at all).
 * :func:`read_checked` (``Storage.open_checked``): the object is read with ranged GETs of
   ``part_size_bytes``, up to ``parts_in_flight`` at once, each streamed into its place in one
   preallocated buffer (no copy per range). The CRC32C is computed over the ranges in order as they
@@ -31,11 +32,11 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..checksum import Crc32c
-from ..errors import IntegrityError, PayloadUploadError
-from .backend_errors import Meaning, classify, describe, s3_error_code
+from ..errors import IntegrityError, PayloadUploadError, StoreUnreachableError
+from .backend_errors import Meaning, classify, describe, is_unreachable, s3_error_code
 from .parts import Completion, MemoryReader, PartPool, TransferSettings
 
 if TYPE_CHECKING:
@@ -60,10 +61,14 @@ class S3PartWriter:
         bucket (str), key (str): the object.
         url (str): the object's URL (for messages).
         pool (PartPool): the store's part buffers (their size is the part size).
+        explain (Callable[[BaseException], str]): the store's words for a failure to reach it
+            (``Storage.explain``: names its endpoint and timeouts).
     """
 
-    def __init__(self, fs, bucket: str, key: str, url: str, pool: PartPool) -> None:
+    def __init__(self, fs, bucket: str, key: str, url: str, pool: PartPool, *,
+                 explain: Callable[[BaseException], str] = describe) -> None:
         self._fs = fs
+        self._explain = explain
         self._bucket = bucket
         self._key = key
         self.url = url
@@ -165,11 +170,17 @@ class S3PartWriter:
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
     def _error(self, request: str, exc: BaseException) -> BaseException:
-        """``exc`` named: a :class:`PayloadUploadError` naming the object and the request (the
-        backend's error as its cause); a refusal (403) stays as it is, for the payload writer to
-        report as a permission error naming the operation."""
+        """``exc`` named, with the backend's error as its cause: a :class:`StoreUnreachableError`
+        naming the object and why the store cannot be reached (a refused or closed connection, a
+        timeout: as every storage verb reports it), else a :class:`PayloadUploadError` naming the
+        object and the request. A refusal (403) stays as it is, for the payload writer to report
+        as a permission error naming the operation."""
         if classify(exc) is Meaning.DENIED:
             return exc
+        if is_unreachable(exc):
+            unreachable = StoreUnreachableError(f"{self.url}: cannot write: {self._explain(exc)}")
+            unreachable.__cause__ = exc
+            return unreachable
         named = PayloadUploadError(f"{self.url}: {request} failed after the client's retries ({describe(exc)}); "
                                    "the upload is aborted and the object not written")
         named.__cause__ = exc

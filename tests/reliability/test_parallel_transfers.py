@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from opd_store import IntegrityError, PayloadUploadError
+from opd_store import IntegrityError, PayloadUploadError, StoreUnreachableError
 from opd_store.storage.parts import MIN_PART_SIZE_BYTES
 from opd_store.testing.proxies import HoldProxy, S3FaultProxy, through_proxy
 from opd_store.testing.stores import open_store
@@ -164,20 +164,24 @@ def test_a_part_failing_once_is_retried_and_commits(faulty, server, kind):
 @pytest.mark.parametrize("kind", ["500", "cut"])
 def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faulty, server, kind):
     """The upload is aborted once its other parts settled (no upload left open on the server), the
-    save raises :class:`PayloadUploadError` naming the step's object and the request, step 2 has no
+    save raises naming the step's object (a 500: :class:`PayloadUploadError` naming the request; a
+    connection cut every time: :class:`StoreUnreachableError` naming the endpoint), step 2 has no
     object at all, step 1 is untouched."""
     backend, proxy = faulty
     retries = {"retries": {"total_max_attempts": 2, "mode": "standard"}}
-    store = open_store(through_proxy(backend, proxy, config_kwargs=retries))
+    store = open_store(through_proxy(backend, proxy, config_kwargs=retries, retries=1))
     save(store, 1, {"prev.bin": SMALL})
     rule = proxy.add(ops=("UploadPart",), match=_second_part, times=None, **UPLOAD_FAULTS[kind])
-    with pytest.raises(PayloadUploadError) as caught:
+    with pytest.raises(OSError) as caught:
         save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
     message = str(caught.value)
-    assert "/step-000002/attempt-" in message and "/model.bin: UploadPart 2 failed" in message
-    assert isinstance(caught.value, OSError)
-    # A 500: the request and its one retry; a cut connection is also retried by s3fs, a few times.
-    assert rule.hits == 2 if kind == "500" else rule.hits >= 2
+    assert f"{backend.url}/step-000002/attempt-" in message
+    if kind == "500":
+        assert type(caught.value) is PayloadUploadError and "/model.bin: UploadPart 2 failed" in message
+    else:
+        assert type(caught.value) is StoreUnreachableError
+        assert f"/model.bin: cannot write: endpoint {proxy.endpoint_url} closed the connection" in message
+    assert rule.hits == 2  # the request and its one retry
     assert proxy.count("AbortMultipartUpload") == 1 and proxy.count("CompleteMultipartUpload") == 0
     assert _open_uploads(server, backend) == []
     assert _keys(server, backend, "step-000002/") == []
