@@ -57,6 +57,7 @@ def preload() -> None:
     from torch.distributed.checkpoint import _fsspec_filesystem  # noqa: F401
 
     import opd_store  # noqa: F401
+    import opd_store.storage.s3_reads  # noqa: F401
     import opd_store.storage.s3_transfers  # noqa: F401
     import opd_store.torch_io  # noqa: F401
 

@@ -204,9 +204,10 @@ class _BucketStorage(FsspecStorage):
 class S3Storage(_BucketStorage):
     """Amazon S3 (or an S3-compatible server) through s3fs.
 
-    Payloads move in parallel (:mod:`opd_store.storage.s3_transfers`): uploads as multipart parts
+    Payloads move in parallel: uploads (:mod:`opd_store.storage.s3_transfers`) as multipart parts
     of ``transfers.part_size_bytes``, up to ``transfers.parts_in_flight`` at once across the
-    store's payloads; reads as parallel ranged GETs into one buffer.
+    store's payloads; reads (:mod:`opd_store.storage.s3_reads`) as parallel ranged GETs into one
+    buffer.
     """
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
@@ -269,7 +270,7 @@ class S3Storage(_BucketStorage):
         handle.discard()
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
-        from .s3_transfers import read_checked
+        from .s3_reads import read_checked
 
         if size_bytes is None:
             size_bytes = self.size(rel)

@@ -82,9 +82,7 @@ class Storage(abc.ABC):
     endpoint: str | None = None
     credential_sources: str | None = None
 
-    transfers = TransferSettings()
-    """How payloads move (part size, parts in flight): the storage options ``part_size_bytes`` and
-    ``parts_in_flight`` (:class:`~opd_store.storage.parts.TransferSettings`)."""
+    transfers = TransferSettings()  # storage options part_size_bytes and parts_in_flight
 
     def __init__(self, fs: Any | Callable[[], Any], root: str, url_root: str, *,
                  timeouts: ClientTimeouts | None = None) -> None:
@@ -120,8 +118,7 @@ class Storage(abc.ABC):
         self._part_pool = None
 
     def part_pool(self) -> PartPool:
-        """This store's part buffers: ``parts_in_flight`` of ``part_size_bytes``, reused (made on
-        first use)."""
+        """This store's reused part buffers: ``parts_in_flight`` of ``part_size_bytes``."""
         if self._part_pool is None:
             self._part_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
         return self._part_pool

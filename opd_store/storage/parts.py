@@ -4,7 +4,7 @@ one buffer, and the completion of a publish that runs in the background.
 Real object stores give each connection a bounded share of bandwidth (AWS S3: roughly 50-100 MB/s
 per connection; its performance guidelines recommend parallel ranged requests and multipart parts
 of 8-16 MB); a payload moves at the network's speed only over several connections at once. The
-remote writers and readers (:mod:`opd_store.storage.s3_transfers`, :mod:`opd_store.storage.gcs_transfers`)
+S3 writer and reader (:mod:`opd_store.storage.s3_transfers`, :mod:`opd_store.storage.s3_reads`)
 cut a payload into parts of :attr:`TransferSettings.part_size_bytes` and keep up to
 :attr:`TransferSettings.parts_in_flight` of them moving at once.
 
