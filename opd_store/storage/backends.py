@@ -260,8 +260,7 @@ class S3Storage(_BucketStorage):
         from .s3_transfers import S3PartWriter
 
         bucket, key = self._bucket_and_key(rel)
-        return S3PartWriter(self.fs, bucket, key, self.url(rel), self.part_pool(),  # type: ignore[return-value]
-                            explain=self.explain)
+        return S3PartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
 
     def start_finish(self, handle, rel: str):
         return handle.finish()

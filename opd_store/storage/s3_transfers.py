@@ -17,7 +17,8 @@ SlowDown``); the reads are :mod:`opd_store.storage.s3_reads`.
   fails after the client's retries, the whole multipart upload is aborted once the parts in flight
   have settled (no upload is left open on the server) and the failure is raised as
   :class:`~opd_store.errors.PayloadUploadError` naming the object and the request
-  (:class:`~opd_store.errors.StoreUnreachableError` when the store cannot be reached at all).
+  (a failure to reach the store at all is left to the payload writer, which reports it as
+  :class:`~opd_store.errors.StoreUnreachableError`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from ..errors import PayloadUploadError, StoreUnreachableError
+from ..errors import PayloadUploadError
 from .backend_errors import Meaning, classify, describe, is_unreachable
 from .parts import Completion, MemoryReader, PartPool
 
@@ -50,14 +51,10 @@ class S3PartWriter:
         bucket (str), key (str): the object.
         url (str): the object's URL (for messages).
         pool (PartPool): the store's part buffers (their size is the part size).
-        explain (Callable[[BaseException], str]): the store's words for a failure to reach it
-            (``Storage.explain``: names its endpoint and timeouts).
     """
 
-    def __init__(self, fs, bucket: str, key: str, url: str, pool: PartPool, *,
-                 explain: Callable[[BaseException], str] = describe) -> None:
+    def __init__(self, fs, bucket: str, key: str, url: str, pool: PartPool) -> None:
         self._fs = fs
-        self._explain = explain
         self._bucket = bucket
         self._key = key
         self.url = url
@@ -159,17 +156,14 @@ class S3PartWriter:
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
     def _error(self, request: str, exc: BaseException) -> BaseException:
-        """``exc`` named, with the backend's error as its cause: a :class:`StoreUnreachableError`
-        naming the object and why the store cannot be reached (a refused or closed connection, a
-        timeout: as every storage verb reports it), else a :class:`PayloadUploadError` naming the
-        object and the request. A refusal (403) stays as it is, for the payload writer to report
-        as a permission error naming the operation."""
-        if classify(exc) is Meaning.DENIED:
+        """``exc`` named: a :class:`PayloadUploadError` naming the object and the request, with
+        the backend's error as its cause. A refusal (403) and a failure to reach the store (a
+        refused or closed connection, a timeout) stay as they are: the payload writer reports
+        them as a permission error naming the operation or as a
+        :class:`~opd_store.errors.StoreUnreachableError` naming the payload, the step and the
+        endpoint."""
+        if classify(exc) is Meaning.DENIED or is_unreachable(exc):
             return exc
-        if is_unreachable(exc):
-            unreachable = StoreUnreachableError(f"{self.url}: cannot write: {self._explain(exc)}")
-            unreachable.__cause__ = exc
-            return unreachable
         named = PayloadUploadError(f"{self.url}: {request} failed after the client's retries ({describe(exc)}); "
                                    "the upload is aborted and the object not written")
         named.__cause__ = exc

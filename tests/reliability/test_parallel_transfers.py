@@ -180,7 +180,8 @@ def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faul
         assert type(caught.value) is PayloadUploadError and "/model.bin: UploadPart 2 failed" in message
     else:
         assert type(caught.value) is StoreUnreachableError
-        assert f"/model.bin: cannot write: endpoint {proxy.endpoint_url} closed the connection" in message
+        assert (f"/model.bin: cannot write payload 'model.bin' of step 2: endpoint {proxy.endpoint_url} closed "
+                "the connection") in message and message.endswith("; step 2 is not committed")
     # A 500: the request and its one retry. A cut connection is retried by the client's handling of
     # connection errors as well (4 requests on this stack): a bounded few.
     assert rule.hits == 2 if kind == "500" else 2 <= rule.hits <= 8
