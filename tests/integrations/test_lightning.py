@@ -1,0 +1,121 @@
+"""StoreCheckpointIO and StoreModelCheckpoint with a real Lightning Trainer: top-k and last in the
+store, AsyncCheckpointIO, and a run SIGKILLed after a checkpoint and resumed with
+``fit(ckpt_path="last")`` in a new process on S3 and GCS, continuing exactly."""
+
+from __future__ import annotations
+
+import io
+import signal
+
+import pytest
+import torch
+
+import lightning_child
+from opd_store import CheckpointStore, StoreUnreachableError
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The uninterrupted run's final weights (a local store, this process)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        trainer, model, train, val, _plugin, _ckpt = lightning_child.build(root + "/ckpts", {})
+        trainer.fit(model, train, val)
+        return lightning_child.weights(model)
+
+
+def _layout(url, options):
+    """{name: [steps]} of a plugin root, from stores opened independently of the plugin."""
+    from opd_store.integrations.lightning import StoreCheckpointIO
+
+    plugin = StoreCheckpointIO(url, storage_options=options)
+    return {name: CheckpointStore(plugin.path_of(name), storage_options=options).steps() for name in plugin.names()}
+
+
+@pytest.mark.parametrize("async_io", [False, True], ids=["sync", "async-checkpoint-io"])
+def test_top_k_and_last_live_in_the_store(s3_backend, async_io, reference):
+    url, options = s3_backend.url + "/ckpts", s3_backend.storage_options
+    trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, async_io=async_io)
+    trainer.fit(model, train, val)
+    layout = _layout(url, options)
+    # 4 epochs of 4 steps: last.ckpt holds only its newest version; two top-k names are left
+    assert layout.pop("last.ckpt") == [16]
+    assert len(layout) == 2 and all(len(steps) == 1 for steps in layout.values())
+    assert {f"{plugin.path_of(name)}" for name in layout} == set(checkpoint.best_k_models)
+    loaded = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    assert loaded["global_step"] == 16 and loaded["epoch"] == 3
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(loaded["state_dict"][name], tensor)
+        assert torch.equal(reference[name], tensor), name  # the plugin changes nothing in the run
+    # Lightning's normalised form of the same path (protocol dropped) reaches the same checkpoint
+    bare = plugin.path_of("last.ckpt").split("://", 1)[1]
+    assert plugin.load_checkpoint(bare)["global_step"] == 16
+
+
+def test_unreachable_store_fails_at_construction(monkeypatch):
+    from opd_store.integrations.lightning import StoreCheckpointIO
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(StoreUnreachableError, match=r"^s3://bucket/ckpts: cannot reach the store \(.*127\.0\.0\.1:9"):
+        StoreCheckpointIO("s3://bucket/ckpts", storage_options={"endpoint_url": "http://127.0.0.1:9",
+                                                               "config_kwargs": {"retries": {"max_attempts": 1}}})
+
+
+@pytest.mark.parametrize("backend_name", ["s3", "gcs"])
+def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(backend_name, request, tmp_path, reference):
+    backend = request.getfixturevalue(f"{backend_name}_backend")
+    url, options = backend.url + "/ckpts", backend.storage_options
+    process, conn = lightning_child.start(str(tmp_path / "machine-1"), url, options, resume=False)
+    while True:
+        assert conn.poll(300)
+        event = conn.recv()
+        assert event["event"] != "error", event.get("traceback")
+        if event["event"] == "epoch_end" and event["epoch"] == 2:  # epochs 0 and 1 are checkpointed
+            break
+        conn.send("go")
+    process.kill()
+    process.join(30)
+    assert process.exitcode == -signal.SIGKILL
+    assert _layout(url, options)["last.ckpt"] == [8]
+
+    process, conn = lightning_child.start(str(tmp_path / "machine-2"), url, options, resume=True)
+    events = []
+    while True:
+        assert conn.poll(300)
+        event = conn.recv()
+        events.append(event)
+        assert event["event"] != "error", event.get("traceback")
+        if event["event"] == "done":
+            break
+        conn.send("go")
+    process.join(60)
+    assert process.exitcode == 0
+    assert [e["epoch"] for e in events if e["event"] == "epoch_end"] == [2, 3]
+    assert events[-1]["resumed_from"].endswith("/last.ckpt")
+    state = torch.load(io.BytesIO(events[-1]["state"]), weights_only=True)
+    assert state.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor), name
+    assert _layout(url, options)["last.ckpt"] == [16]
+
+
+def test_lightning_does_not_restore_rng_without_the_module_hooks(tmp_path):
+    """Evidence for docs/integrations.md: Lightning's checkpoint holds no RNG state, so a run with
+    dropout resumed from "last" draws other masks unless the module saves the generator itself."""
+    url = str(tmp_path / "ckpts")
+    results = {}
+    for hooks in (False, True):
+        ref_trainer, ref_model, train, val, _p, _c = lightning_child.build(str(tmp_path / f"ref-{hooks}"), {},
+                                                                           rng_hooks=hooks)
+        ref_trainer.fit(ref_model, train, val)
+        first, model, train, val, _p, _c = lightning_child.build(f"{url}-{hooks}", {}, rng_hooks=hooks, max_epochs=2)
+        first.fit(model, train, val)
+        # build() seeds as the script of a new process would (seed_everything(0)), then resumes
+        second, model, train, val, _p, _c = lightning_child.build(f"{url}-{hooks}", {}, rng_hooks=hooks)
+        second.fit(model, train, val, ckpt_path="last")
+        reference, resumed = lightning_child.weights(ref_model), lightning_child.weights(model)
+        results[hooks] = all(torch.equal(reference[name], resumed[name]) for name in reference)
+    assert results == {False: False, True: True}
