@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -381,8 +382,12 @@ def store_checkpoint(
         check_resume(store.manifest(step).metadata.get("run_config"), current,
                      checkpoint_url=store.step_url(step), world_size=trainer.args.world_size)
     target = Path(local_dir) / checkpoint_dirname(step)
-    rank0_of_node = trainer is None or trainer.args.local_process_index == 0
-    if rank0_of_node:
+    # One fetch per distinct (host, directory): ranks sharing a filesystem share the copy, ranks on
+    # machines of their own (or with directories of their own) each fetch theirs.
+    key = (socket.gethostname(), str(target.resolve()))
+    keys = collective.broadcast_from_zero(collective.gather_to_zero(key))
+    rank = trainer.args.process_index if trainer is not None else 0
+    if keys.index(key) == rank:
         fetch_step(store, step, target)
     collective.barrier()
     return str(target)

@@ -1,0 +1,62 @@
+"""One rank of a 2-process gloo run of a plain transformers Trainer with StoreCallback, forked from
+the preloaded forkserver. Each rank has its own output directory (as on separate machines), so rank 0
+cannot see rank 1's files: rank 1's ``rng_state_1.pth`` can reach the store only as rank 1's part."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import proc_writer  # noqa: E402
+
+PRELOAD = [*proc_writer.PRELOAD, "torch", "transformers", "accelerate", "opd_store.integrations.transformers",
+           "rank_child"]
+
+
+def _rank(conn, rank: int, port: int, store_url: str, out: str, stop_at: int, resume: bool) -> None:
+    try:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+        from opd_store.integrations.transformers import StoreCallback, store_checkpoint
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16))
+        data = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(32)]
+        class StopAt(TrainerCallback):  # a run of 4 steps whose process ends after step ``stop_at``
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == stop_at:
+                    control.should_training_stop = True
+
+        args = TrainingArguments(output_dir=out, max_steps=4, save_steps=2, per_device_train_batch_size=2,
+                                 report_to=[], use_cpu=True, disable_tqdm=True, ddp_backend="gloo", seed=0,
+                                 logging_steps=1)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StoreCallback(store_url), StopAt()])
+        resume_path = store_checkpoint(store_url, trainer=trainer) if resume else None
+        trainer.train(resume_from_checkpoint=resume_path)
+        conn.send({"rank": rank, "world_size": args.world_size, "files": sorted(os.listdir(Path(out) / f"checkpoint-{stop_at}")),
+                   "resumed": resume_path, "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e]})
+    except BaseException:  # noqa: BLE001
+        conn.send({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        conn.close()
+
+
+def start_pair(port: int, store_url: str, outs: list[str], stop_at: int, resume: bool):
+    ctx = proc_writer.context()
+    ctx.set_forkserver_preload(PRELOAD)
+    procs = []
+    for rank in (0, 1):
+        parent, child = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_rank, args=(child, rank, port, store_url, outs[rank], stop_at, resume), daemon=True)
+        process.start()
+        child.close()
+        procs.append((process, parent))
+    return procs

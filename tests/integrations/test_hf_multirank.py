@@ -1,0 +1,50 @@
+"""Two gloo ranks of a real transformers Trainer with StoreCallback: each rank's RNG file is its own
+part of the attempt, one manifest (world_size 2) names both, and a 2-rank resume from the store
+fetches and continues."""
+
+from __future__ import annotations
+
+import pytest
+
+import rank_child
+from backends import free_port
+from opd_store import CheckpointStore
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _run(store_url, outs, stop_at, resume):
+    results = []
+    for process, conn in rank_child.start_pair(free_port(), store_url, outs, stop_at, resume):
+        assert conn.poll(300)
+        result = conn.recv()
+        assert "error" not in result, result.get("error")
+        process.join(60)
+        assert process.exitcode == 0
+        results.append(result)
+    return results
+
+
+def test_each_rank_uploads_its_own_files_and_one_manifest_commits(tmp_path):
+    store_url = str(tmp_path / "store")
+    outs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
+    first = _run(store_url, outs, 2, resume=False)
+    assert [r["world_size"] for r in first] == [2, 2]
+    assert first[1]["files"] == ["rng_state_1.pth"]  # rank 1's machine holds only its own file
+    assert "rng_state_1.pth" not in first[0]["files"]
+    store = CheckpointStore(store_url)
+    manifest = store.manifest(2)
+    assert manifest.world_size == 2 and manifest.writer.rank == 0
+    names = {entry.name for entry in manifest.payloads}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "trainer_state.json", "model.safetensors"} <= names
+    assert store.read(2, "rng_state_1.pth") == (tmp_path / "rank1" / "checkpoint-2" / "rng_state_1.pth").read_bytes()
+    assert store.verify(2, deep=True).ok
+
+    # a second pair of "machines" resumes from the store (both ranks' files fetched) and continues
+    resumed = _run(store_url, [str(tmp_path / "r0"), str(tmp_path / "r1")], 4, resume=True)
+    assert all(r["resumed"].endswith("checkpoint-2") for r in resumed)
+    assert store.steps() == [2, 4] and store.manifest(4).metadata["parent_step"] == 2
+    reference = _run(str(tmp_path / "ref-store"), [str(tmp_path / "f0"), str(tmp_path / "f1")], 4, resume=False)
+    assert resumed[0]["loss"] == reference[0]["loss"] and len(reference[0]["loss"]) == 4
+    # rank 1's generators after step 4 equal the uninterrupted run's: its part was fetched and restored
+    assert store.read(4, "rng_state_1.pth") == CheckpointStore(str(tmp_path / "ref-store")).read(4, "rng_state_1.pth")
