@@ -8,13 +8,21 @@ Three additions to a Lightning script (docs/integrations.md)::
     trainer.fit(model, ckpt_path="last")
 
 Layout: Lightning names checkpoint *files* (``epoch=1-step=20.ckpt``, ``last.ckpt``) under a
-directory and overwrites some of them (``last.ckpt``) in place. Here every such name is a store of
-its own, ``<url>/<name>/``, whose steps are the ``global_step`` of each save: a save commits
-``<url>/<name>/step-N/`` (payload ``checkpoint.ckpt``, created with ``torch.save`` straight into the
-object, manifest created only if absent) and only then deletes the name's older steps, so a name
-that was ever saved always has a complete version, also across a kill mid-save. ``load`` reads the
-newest complete step of the name (size and CRC32C checked); ``remove`` deletes every step of it,
-manifest first.
+directory and overwrites a file when it saves the same name again (``last.ckpt`` at every save; any
+name after a resume from an older checkpoint, at a ``global_step`` the name already holds or below
+it). Here every such name is a store of its own, ``<url>/<name>/``, whose steps are *versions*
+numbered in save order: a save commits version ``N + 1`` after the highest version ``N`` listed
+(committed or not) as ``<url>/<name>/step-(N+1)/`` (payload ``checkpoint.ckpt``, created with
+``torch.save`` straight into the object, manifest created only if absent, ``global_step`` and
+``epoch`` in its metadata) and only then deletes the name's older versions. So a name that was ever
+saved always has a complete version, also across a kill mid-save, and the newest save is the one a
+load reads (size and CRC32C checked), as with Lightning's overwritten file. ``remove`` deletes every
+version, manifest first.
+
+Order with ``AsyncCheckpointIO``: its thread runs the saves in order, but ``ModelCheckpoint``
+removes an evicted top-k checkpoint on the training thread, possibly before that checkpoint's
+queued save has run (which would then put it back for good). :class:`StoreModelCheckpoint` sends a
+removal through the same queue as the saves (:data:`REMOVAL_REQUEST`), so it runs after them.
 
 Paths: Lightning hands back remote paths without their protocol (``ModelCheckpoint`` lists its
 directory and ``os.path.normpath``s the entries, Lightning #18261), and resolves ``ckpt_path="last"``
@@ -40,15 +48,20 @@ import fsspec
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from ..errors import CheckpointNotFoundError
-from ..store import COMPLETE, CheckpointStore
+from ..store import COMPLETE, CheckpointInfo, CheckpointStore
 from ..thread_random import route_background_random
 
 logger = logging.getLogger("opd_store.integrations.lightning")
 
 PAYLOAD_NAME = "checkpoint.ckpt"
 FRAMEWORK = "lightning"
+REMOVAL_REQUEST_KEY = "opd_store_removal_request"
+REMOVAL_REQUEST: dict[str, bool] = {REMOVAL_REQUEST_KEY: True}
+"""What :class:`StoreModelCheckpoint` hands to ``save_checkpoint`` (through ``AsyncCheckpointIO``'s
+queue) to remove a checkpoint after the saves queued before it."""
 
 
 class StoreCheckpointIO(CheckpointIO):
@@ -59,14 +72,19 @@ class StoreCheckpointIO(CheckpointIO):
             ``gs://...``, a local directory). Give ``ModelCheckpoint`` the same ``dirpath``.
         storage_options (dict | None): fsspec options for every request.
         local_cache_dir (str | os.PathLike | None): where ``"last"`` is fetched for Lightning to
-            resolve (default: a new temporary directory, removed at ``teardown``).
+            resolve (default: the temp dir); each fetch is a private directory in it, removed once
+            Lightning has loaded it.
 
     Raises:
         StoreUnreachableError: the store cannot be used (raised here, before training).
 
     Thread safety: Lightning's ``AsyncCheckpointIO`` calls :meth:`save_checkpoint` on its own
     thread and :meth:`remove_checkpoint` on the training thread; a removal waits for a save of the
-    same name that is running.
+    same name that is running, and :class:`StoreModelCheckpoint` queues its removals behind the
+    saves (module docs).
+
+    Rank obligations: Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank
+    0 only; ``load_checkpoint`` on every rank.
     """
 
     def __init__(self, url: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
@@ -78,7 +96,7 @@ class StoreCheckpointIO(CheckpointIO):
         self.storage_options = dict(storage_options or {})
         self._bare_root = re.sub(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", "", self.url).rstrip("/")
         self._local_cache_dir = local_cache_dir
-        self._cache: Path | None = None
+        self._fetched: dict[Path, Path] = {}
         self._saving: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
 
@@ -95,7 +113,9 @@ class StoreCheckpointIO(CheckpointIO):
         text = os.fspath(path)
         for root in (self.url.rstrip("/"), self._bare_root, "/" + self._bare_root.lstrip("/")):
             if text.startswith(root + "/") and len(text) > len(root) + 1:
-                return os.path.normpath(text[len(root) + 1:]).replace(os.sep, "/")
+                name = os.path.normpath(text[len(root) + 1:]).replace(os.sep, "/")
+                if name != ".." and not name.startswith(("../", "/")):
+                    return name
         raise ValueError(f"checkpoint path {text!r} is not under the store root {self.url}")
 
     def store_of(self, path: str | os.PathLike) -> CheckpointStore:
@@ -124,39 +144,55 @@ class StoreCheckpointIO(CheckpointIO):
 
     # -- CheckpointIO ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
-        """Commit ``checkpoint`` as step ``checkpoint["global_step"]`` of the name at ``path``, then
-        delete the name's older steps.
+        """Commit ``checkpoint`` as the next version of the name at ``path``, then delete the
+        name's older versions (module docs). :data:`REMOVAL_REQUEST` removes the name instead.
+
+        Args:
+            checkpoint (dict): Lightning's checkpoint; ``global_step`` and ``epoch`` go into the
+                manifest's metadata.
+            path (str | os.PathLike): ``<url>/<name>``, with or without the protocol.
+            storage_options: Lightning's per-call options; unused (the plugin's own apply).
 
         Raises:
-            CommitConflictError: this name already holds a committed checkpoint of this step (a
-                committed checkpoint is never overwritten).
+            ValueError: ``path`` is not under the root.
+            CommitConflictError: another process committed the same version of this name
+                concurrently (two writers of one checkpoint directory); nothing is changed.
             OSError: a backend failure; the name's previous version is untouched.
         """
+        if checkpoint.keys() == REMOVAL_REQUEST.keys() and checkpoint.get(REMOVAL_REQUEST_KEY) is True:
+            self.remove_checkpoint(path)
+            return
         name = self.name_of(path)
         store = self.store_of(path)
-        step = int(checkpoint.get("global_step", 0))
+        global_step = int(checkpoint.get("global_step", 0))
         with self._name_lock(name), route_background_random():
-            metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"), "global_step": step}
-            with store.begin(step, metadata=metadata) as txn:
+            listed = [info.step for info in store.checkpoints()]
+            version = max(listed, default=0) + 1
+            metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"),
+                        "global_step": global_step}
+            with store.begin(version, metadata=metadata) as txn:
                 with txn.open(PAYLOAD_NAME) as writer:
                     torch.save(checkpoint, writer)
-            for info in store.checkpoints():
-                if info.step < step:
-                    store.delete(info.step)
-        logger.info("saved %s as step %d (%s)", name, step, txn.url)
+            for step in listed:
+                store.delete(step)
+        logger.info("saved %s (global_step %d) as version %d (%s)", name, global_step, version, txn.url)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The newest complete version of the checkpoint at ``path`` (size and CRC32C checked), or
-        a local file this plugin fetched for ``ckpt_path="last"``.
+        a local file :meth:`fetch_local` fetched for ``ckpt_path="last"`` (then deleted: it was
+        only Lightning's way to the store).
 
         Raises:
             CheckpointNotFoundError: no complete version under that name (``FileNotFoundError``).
             IntegrityError: the bytes differ from the manifest.
         """
         local = Path(os.fspath(path))
-        if self._cache is not None and local.is_file() and self._cache in local.parents:
-            with open(local, "rb") as handle:
-                return torch.load(handle, map_location=map_location, weights_only=weights_only)
+        if local in self._fetched:
+            try:
+                with open(local, "rb") as handle:
+                    return torch.load(handle, map_location=map_location, weights_only=weights_only)
+            finally:
+                self._drop_fetched()
         store = self.store_of(path)
         step = store.latest_step()
         with store.open(step, PAYLOAD_NAME) as reader:
@@ -172,28 +208,44 @@ class StoreCheckpointIO(CheckpointIO):
         logger.info("removed %s", name)
 
     def teardown(self) -> None:
-        if self._cache is not None and self._local_cache_dir is None:
-            shutil.rmtree(self._cache, ignore_errors=True)
-            self._cache = None
+        """Delete local copies :meth:`fetch_local` made that were not loaded. (Lightning's
+        ``AsyncCheckpointIO`` does not forward ``teardown``; a loaded copy is deleted at the load.)"""
+        self._drop_fetched()
 
     # -- "last" ------------------------------------------------------------------------------
-    def fetch_local(self, name: str) -> str:
-        """Fetch the newest complete version of ``name`` into the local cache; return the file path.
+    def newest_complete(self, name: str) -> CheckpointInfo | None:
+        """The newest complete version of ``name`` (its info, with manifest), or ``None``."""
+        complete = [info for info in self.store_of(self.path_of(name)).checkpoints() if info.status == COMPLETE]
+        return complete[-1] if complete else None
+
+    def fetch_local(self, name: str, version: int | None = None) -> str:
+        """Fetch a complete version of ``name`` (default: the newest) into a new private directory
+        under the local cache; return the file's path. :meth:`load_checkpoint` of that path reads
+        and deletes it.
 
         Raises:
             CheckpointNotFoundError: no complete version.
+            IntegrityError: the bytes differ from the manifest (nothing is left locally).
         """
         store = self.store_of(self.path_of(name))
-        step = store.latest_step()
-        if self._cache is None:
-            base = self._local_cache_dir or tempfile.mkdtemp(prefix="opd-store-lightning-")
-            self._cache = Path(base).resolve()
-            self._cache.mkdir(parents=True, exist_ok=True)
-        target = self._cache / f"step-{step}" / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with store.open(step, PAYLOAD_NAME) as reader, open(target, "wb") as out:
-            shutil.copyfileobj(reader, out, 8 << 20)
+        step = store.latest_step() if version is None else version
+        base = Path(self._local_cache_dir) if self._local_cache_dir is not None else Path(tempfile.gettempdir())
+        base.mkdir(parents=True, exist_ok=True)
+        directory = Path(tempfile.mkdtemp(prefix=f"opd-store-lightning-{step}-", dir=base)).resolve()
+        target = directory / Path(name).name
+        self._fetched[target] = directory
+        try:
+            with store.open(step, PAYLOAD_NAME) as reader, open(target, "wb") as out:
+                shutil.copyfileobj(reader, out, 8 << 20)
+        except BaseException:
+            self._drop_fetched()
+            raise
         return str(target)
+
+    def _drop_fetched(self) -> None:
+        fetched, self._fetched = self._fetched, {}
+        for directory in fetched.values():
+            shutil.rmtree(directory, ignore_errors=True)
 
     def _name_lock(self, name: str) -> threading.Lock:
         with self._lock:
@@ -239,21 +291,32 @@ class StoreModelCheckpoint(ModelCheckpoint):
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
         """The newest complete ``last*.ckpt``, fetched locally (see module docs): Lightning then
-        checks it with its default filesystem, which reaches only local paths with certainty. Every
-        rank fetches its own copy (each loads the checkpoint)."""
+        checks it with its default filesystem, which reaches only local paths with certainty.
+        "Newest" is the latest commit time, as Lightning picks the last-modified file. Every rank
+        fetches its own copy (each loads the checkpoint)."""
         pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?\d+)?{re.escape(self.FILE_EXTENSION)}$")
-        candidates = [name for name in self.checkpoint_io.names() if pattern.match(name)]
-        if not candidates:
+        newest = {}
+        for name in self.checkpoint_io.names():
+            info = self.checkpoint_io.newest_complete(name) if pattern.match(name) else None
+            if info is not None:
+                newest[name] = info
+        if not newest:
             return set()
-
-        def newest(name: str) -> int:
-            return self.checkpoint_io.store_of(self.checkpoint_io.path_of(name)).latest_step()
-
-        best = max(candidates, key=newest)
+        best = max(newest, key=lambda name: (newest[name].created_at, newest[name].metadata.get("global_step", -1)))
         try:
-            return {self.checkpoint_io.fetch_local(best)}
+            return {self.checkpoint_io.fetch_local(best, newest[best].step)}
         except CheckpointNotFoundError:
             return set()
 
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        """Remove through ``AsyncCheckpointIO``'s queue when it wraps the plugin, so the removal
+        runs after the saves queued before it (module docs); directly otherwise."""
+        outer = trainer.strategy.checkpoint_io
+        if isinstance(outer, AsyncCheckpointIO) and outer.checkpoint_io is self.checkpoint_io:
+            if trainer.is_global_zero:
+                outer.save_checkpoint(dict(REMOVAL_REQUEST), filepath)
+            return
+        super()._remove_checkpoint(trainer, filepath)
 
-__all__ = ["PAYLOAD_NAME", "StoreCheckpointIO", "StoreModelCheckpoint"]
+
+__all__ = ["PAYLOAD_NAME", "REMOVAL_REQUEST", "StoreCheckpointIO", "StoreModelCheckpoint"]

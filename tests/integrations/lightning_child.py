@@ -30,7 +30,7 @@ PRELOAD = [*proc_writer.PRELOAD, "torch", "lightning", "lightning.pytorch", "opd
 
 
 def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs: int = 4, callbacks=(),
-          save_top_k: int = 2, rng_hooks: bool = True):
+          save_top_k: int = 2, rng_hooks: bool = True, lr: float = 1e-2, local_cache_dir=None):
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -53,7 +53,7 @@ def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs
             self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return torch.optim.AdamW(self.parameters(), lr=lr)
 
         def on_save_checkpoint(self, checkpoint):
             if rng_hooks:
@@ -71,7 +71,7 @@ def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs
     val = torch.utils.data.DataLoader(data, batch_size=32)
     pl.seed_everything(0, verbose=False)
     model = Tiny()
-    plugin = StoreCheckpointIO(url, storage_options=storage_options)
+    plugin = StoreCheckpointIO(url, storage_options=storage_options, local_cache_dir=local_cache_dir)
     checkpoint = StoreModelCheckpoint(plugin, monitor="val_loss", save_top_k=save_top_k, save_last=True,
                                       filename="{epoch}-{step}")
     trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,

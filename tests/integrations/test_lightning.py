@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 import signal
+import threading
 
 import pytest
 import torch
 
 import lightning_child
 from opd_store import CheckpointStore, StoreUnreachableError
+from opd_store.integrations.lightning import StoreCheckpointIO
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,21 +30,59 @@ def reference():
 
 
 def _layout(url, options):
-    """{name: [steps]} of a plugin root, from stores opened independently of the plugin."""
-    from opd_store.integrations.lightning import StoreCheckpointIO
-
+    """{name: [versions]} of a plugin root, from stores opened independently of the plugin."""
     plugin = StoreCheckpointIO(url, storage_options=options)
     return {name: CheckpointStore(plugin.path_of(name), storage_options=options).steps() for name in plugin.names()}
 
 
+def _last(url, options):
+    """(versions held, global_step of the newest) of last.ckpt, from a store opened independently."""
+    infos = CheckpointStore(f"{url}/last.ckpt", storage_options=options).checkpoints()
+    return len(infos), infos[-1].metadata["global_step"]
+
+
+class _HeldUntil:
+    """Pickles (inside ``torch.save``, on AsyncCheckpointIO's thread) only once ``event`` is set,
+    as an empty dict: the save that carries it is held there, every later one queues behind it."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __reduce__(self):
+        assert self.event.wait(120), "training never ended"
+        return (dict, ())
+
+
 @pytest.mark.parametrize("async_io", [False, True], ids=["sync", "async-checkpoint-io"])
 def test_top_k_and_last_live_in_the_store(s3_backend, async_io, reference):
+    """With AsyncCheckpointIO the first save of last.ckpt (the second save of the run) is held on
+    the saving thread until training has ended, so every later save is still queued when
+    ModelCheckpoint evicts a top-k checkpoint: the eviction must take its turn behind the save of
+    the checkpoint it evicts instead of running before it (and leaving it in the store)."""
+    import lightning.pytorch as pl
+
+    train_ended, dumps = threading.Event(), []
+
+    class HoldSecondSave(pl.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            dumps.append(trainer.global_step)
+            if async_io and len(dumps) == 2:  # epoch 0: top-k save, then last.ckpt
+                checkpoint["held"] = _HeldUntil(train_ended)
+
+        def on_train_end(self, trainer, pl_module):
+            train_ended.set()
+
     url, options = s3_backend.url + "/ckpts", s3_backend.storage_options
-    trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, async_io=async_io)
-    trainer.fit(model, train, val)
+    try:
+        trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, async_io=async_io,
+                                                                               callbacks=[HoldSecondSave()])
+        trainer.fit(model, train, val)
+    finally:
+        train_ended.set()
+    assert dumps == [4, 4, 8, 8, 12, 12, 16, 16]
     layout = _layout(url, options)
     # 4 epochs of 4 steps: last.ckpt holds only its newest version; two top-k names are left
-    assert layout.pop("last.ckpt") == [16]
+    assert len(layout.pop("last.ckpt")) == 1
     assert len(layout) == 2 and all(len(steps) == 1 for steps in layout.values())
     assert {f"{plugin.path_of(name)}" for name in layout} == set(checkpoint.best_k_models)
     loaded = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
@@ -79,7 +119,7 @@ def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(backend
     process.kill()
     process.join(30)
     assert process.exitcode == -signal.SIGKILL
-    assert _layout(url, options)["last.ckpt"] == [8]
+    assert _last(url, options) == (1, 8)
 
     process, conn = lightning_child.start(str(tmp_path / "machine-2"), url, options, resume=True)
     events = []
@@ -99,7 +139,7 @@ def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(backend
     assert state.keys() == reference.keys()
     for name, tensor in reference.items():
         assert torch.equal(state[name], tensor), name
-    assert _layout(url, options)["last.ckpt"] == [16]
+    assert _last(url, options) == (1, 16)
 
 
 def test_lightning_does_not_restore_rng_without_the_module_hooks(tmp_path):
@@ -119,3 +159,38 @@ def test_lightning_does_not_restore_rng_without_the_module_hooks(tmp_path):
         reference, resumed = lightning_child.weights(ref_model), lightning_child.weights(model)
         results[hooks] = all(torch.equal(reference[name], resumed[name]) for name in reference)
     assert results == {False: False, True: True}
+
+
+def test_a_name_saved_again_at_the_same_or_an_earlier_step_holds_the_newest_save(tmp_path):
+    """Lightning overwrites a checkpoint file it saves again. A run resumed from an older top-k
+    checkpoint saves ``last.ckpt`` again below the step it holds, and once more at that very step:
+    each save must replace the name's content, and ``"last"`` must resolve to the newest save."""
+    url = str(tmp_path / "ckpts")
+    first, model, train, val, plugin, checkpoint = lightning_child.build(url, {}, save_top_k=3)
+    first.fit(model, train, val)
+    assert plugin.load_checkpoint(plugin.path_of("last.ckpt"))["global_step"] == 16
+    oldest = min(checkpoint.best_k_models, key=lambda path: plugin.load_checkpoint(path)["global_step"])
+    assert plugin.load_checkpoint(oldest)["global_step"] == 8
+    with pytest.raises(ValueError, match="is not under the store root"):
+        plugin.name_of(f"{url}/../elsewhere/last.ckpt")
+
+    # a second run (another learning rate) resumes from step 8 and saves last.ckpt at step 12 < 16
+    second, model, train, val, plugin, _c = lightning_child.build(url, {}, max_epochs=3, lr=5e-3, save_top_k=3)
+    second.fit(model, train, val, ckpt_path=oldest)
+    last = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    assert last["global_step"] == 12
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(last["state_dict"][name], tensor), name
+
+    # a third start resumes from "last" (that save, fetched into a cache it then empties) and saves
+    # last.ckpt at step 16 again, through AsyncCheckpointIO
+    cache = tmp_path / "cache"
+    third, model, train, val, plugin, _c = lightning_child.build(url, {}, lr=5e-3, async_io=True, save_top_k=3,
+                                                                 local_cache_dir=cache)
+    third.fit(model, train, val, ckpt_path="last")
+    assert third.global_step == 16 and [p for p in cache.rglob("*") if p.is_file()] == []
+    last = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    assert last["global_step"] == 16
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(last["state_dict"][name], tensor), name
+    assert len(CheckpointStore(plugin.path_of("last.ckpt")).steps()) == 1
