@@ -126,6 +126,10 @@ class StoreCheckpointIO(CheckpointIO):
         """The URL Lightning uses for checkpoint ``name``."""
         return f"{self.url.rstrip('/')}/{name}"
 
+    def filesystem(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem of the root, with the plugin's storage options."""
+        return fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+
     def names(self) -> list[str]:
         """Checkpoint names under the root that hold a complete checkpoint (a fresh listing)."""
         fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
@@ -272,14 +276,18 @@ class StoreModelCheckpoint(ModelCheckpoint):
             raise ValueError(f"dirpath {dirpath!r} differs from the store root {checkpoint_io.url!r}")
         if kwargs.get("save_last") == "link":
             raise ValueError("save_last='link' makes a local symbolic link; use save_last=True with a store")
-        super().__init__(dirpath=dirpath, **kwargs)
+        # ModelCheckpoint would build a filesystem for dirpath with no storage options: for gs://
+        # that probes the GCE metadata server for default credentials (about 15 s of retries off
+        # GCE). It gets the plugin's root and filesystem instead.
+        super().__init__(dirpath=None, **kwargs)
+        self.dirpath = checkpoint_io.url
+        self._fs = checkpoint_io.filesystem()
         self.checkpoint_io = checkpoint_io
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         # ModelCheckpoint.setup lists dirpath with Lightning's default filesystem (no storage
         # options) only to warn about a non-empty directory; the store is asked instead.
         self.dirpath = trainer.strategy.broadcast(self.dirpath)
-        self._fs = fsspec.core.url_to_fs(self.checkpoint_io.url, **self.checkpoint_io.storage_options)[0]
         if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0:
             names = self.checkpoint_io.names()
             if names:

@@ -101,7 +101,7 @@ def _child(conn, machine: str, url: str, storage_options: dict, resume: bool) ->
                 conn.recv()
 
         trainer, model, train, val, _plugin, _ckpt = build(url, storage_options, callbacks=[Report()])
-        trainer.fit(model, train, val, ckpt_path="last" if resume else None)
+        trainer.fit(model, train, val, ckpt_path="last")  # also on the first start (empty store)
         buffer = io.BytesIO()
         torch.save(weights(model), buffer)
         conn.send({"event": "done", "state": buffer.getvalue(), "resumed_from": str(trainer.ckpt_path)})

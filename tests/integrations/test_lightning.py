@@ -104,6 +104,22 @@ def test_unreachable_store_fails_at_construction(monkeypatch):
                                                                "config_kwargs": {"retries": {"max_attempts": 1}}})
 
 
+def test_model_checkpoint_builds_no_filesystem_without_the_plugins_options(gcs_backend, monkeypatch):
+    """ModelCheckpoint builds a filesystem for its dirpath with no storage options; for gs:// off GCE
+    that spends about 15 s probing the metadata server for credentials, once per callback."""
+    from lightning.pytorch.callbacks import model_checkpoint
+
+    from opd_store.integrations.lightning import StoreModelCheckpoint
+
+    built = []
+    original = model_checkpoint.get_filesystem
+    monkeypatch.setattr(model_checkpoint, "get_filesystem", lambda path, **kw: built.append(str(path)) or original(path, **kw))
+    plugin = StoreCheckpointIO(gcs_backend.url + "/ckpts", storage_options=gcs_backend.storage_options)
+    checkpoint = StoreModelCheckpoint(plugin, monitor="val_loss", save_last=True)
+    assert [path for path in built if "://" in path] == []
+    assert checkpoint.dirpath == plugin.url and checkpoint._fs.storage_options["endpoint_url"] == gcs_backend.storage_options["endpoint_url"]
+
+
 @pytest.mark.parametrize("backend_name", ["s3", "gcs"])
 def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(backend_name, request, tmp_path, reference):
     backend = request.getfixturevalue(f"{backend_name}_backend")
