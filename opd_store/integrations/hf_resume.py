@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
+from ..opd.distributed import current_group, decide_on_rank0, load_collective
 from ..store import COMPLETE, CheckpointStore
-from . import collective
 from .files import fetch_step
 from .hf_layout import checkpoint_dirname
 from .run_config import check_resume, trainer_run_config
@@ -61,7 +61,12 @@ def store_checkpoint(
         CheckpointNotFoundError: ``step`` is not complete.
         IntegrityError, IncompleteCheckpointError: a payload differs from its manifest (nothing
             is published locally).
+        DistributedLoadError: (several ranks) the fetch failed on some ranks but not all; raised
+            on every rank, naming each failing rank and its error.
         ValueError: neither ``local_dir`` nor ``trainer`` given.
+
+    Rank obligations: with a process group of several ranks, every rank calls it (a collective):
+    rank 0 chooses and checks the step, every distinct local directory is fetched once.
     """
     store = CheckpointStore(url, storage_options=storage_options)
     store.check_reachable()
@@ -69,33 +74,51 @@ def store_checkpoint(
         if trainer is None:
             raise ValueError("store_checkpoint needs local_dir or trainer (whose args.output_dir is used)")
         local_dir = trainer.args.output_dir
-    if step is None:
-        complete = [info for info in store.checkpoints() if info.status == COMPLETE]
-        for info in store.checkpoints():
-            if info.status != COMPLETE and (not complete or info.step > complete[-1].step):
-                logger.warning("%s: skipping step %d (%s: %s)", store.url, info.step, info.status,
-                               "; ".join(p.detail for p in info.problems) or "no manifest")
-        if not complete:
-            logger.warning("%s holds no complete checkpoint; training starts from scratch", store.url)
-            return None
-        step = complete[-1].step
-    elif store.status(step) != COMPLETE:
-        raise CheckpointNotFoundError(f"step {step} of {store.url} is {store.status(step)}, not complete")
     if trainer is not None:
         _align_special_tokens(trainer)
-        current = trainer_run_config(trainer.args, trainer.model, resume_mode=resume_mode)
-        check_resume(store.manifest(step).metadata.get("run_config"), current,
-                     checkpoint_url=store.step_url(step), world_size=trainer.args.world_size)
-    target = Path(local_dir) / checkpoint_dirname(step)
+
+    def decide() -> int | None:
+        chosen = _newest_complete(store) if step is None else step
+        if chosen is not None and step is not None and store.status(step) != COMPLETE:
+            raise CheckpointNotFoundError(f"step {step} of {store.url} is {store.status(step)}, not complete")
+        if chosen is not None and trainer is not None:
+            current = trainer_run_config(trainer.args, trainer.model, resume_mode=resume_mode)
+            check_resume(store.manifest(chosen).metadata.get("run_config"), current,
+                         checkpoint_url=store.step_url(chosen), world_size=trainer.args.world_size)
+        return chosen
+
+    # Rank 0 decides and broadcasts, so every rank resumes the same step even while another
+    # writer (a previous machine's late background upload) commits a newer one.
+    group = current_group()
+    chosen = decide() if group is None else decide_on_rank0(group, decide)
+    if chosen is None:
+        return None
+    target = Path(local_dir) / checkpoint_dirname(chosen)
     # One fetch per distinct (host, directory): ranks sharing a filesystem share the copy, ranks on
-    # machines of their own (or with directories of their own) each fetch theirs.
+    # machines of their own (or with directories of their own) each fetch theirs. Every rank learns
+    # whether every fetch succeeded (a rank failing alone must not leave the others waiting).
     key = (socket.gethostname(), str(target.resolve()))
-    keys = collective.broadcast_from_zero(collective.gather_to_zero(key))
-    rank = trainer.args.process_index if trainer is not None else 0
-    if keys.index(key) == rank:
-        fetch_step(store, step, target)
-    collective.barrier()
+    if group is None:
+        fetch_step(store, chosen, target)
+    else:
+        keys = group.all_gather(key)
+        load_collective(group, lambda: fetch_step(store, chosen, target) if keys.index(key) == group.rank else None)
     return str(target)
+
+
+def _newest_complete(store: CheckpointStore) -> int | None:
+    """The newest complete step, warning about each newer step that is not complete; ``None`` with
+    a warning when the store holds no complete step."""
+    infos = store.checkpoints()
+    complete = [info.step for info in infos if info.status == COMPLETE]
+    for info in infos:
+        if info.status != COMPLETE and (not complete or info.step > complete[-1]):
+            logger.warning("%s: skipping step %d (%s: %s)", store.url, info.step, info.status,
+                           "; ".join(p.detail for p in info.problems) or "no manifest")
+    if not complete:
+        logger.warning("%s holds no complete checkpoint; training starts from scratch", store.url)
+        return None
+    return complete[-1]
 
 
 def _align_special_tokens(trainer: Any) -> None:

@@ -35,12 +35,14 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..errors import CommitConflictError, IncompleteCheckpointError, OpdStoreError, UploadError
+from ..errors import CommitConflictError, IncompleteCheckpointError, UploadError
+from ..gc import retention_after_commit
+from ..manifest import PayloadEntry
 from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, CheckpointStore
 from ..thread_random import route_background_random
-from . import collective
 from .background import Uploader
+from .collective import Ranks
 from .files import FileSnapshot, directory_files, snapshot_files, upload_files
 from .hf_layout import JIT_SENTINEL_NAME, checkpoint_dirname, files_of_rank, missing_files
 from .hf_resume import resume_from_store, store_checkpoint
@@ -106,23 +108,34 @@ class StoreCallback(TrainerCallback):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """Check that this run may write the store, record its lineage, clear stale staging.
+
+        Raises:
+            CommitConflictError: the store holds complete checkpoints newer than the step this run
+                starts from (0, or the resumed step): its saves would collide with them, or
+                interleave two runs' steps. Nothing has been trained yet.
+            ResumeMismatchError: the resumed step belongs to another run (names every field).
+        """
         self._world_size = args.world_size
         self._run_config = trainer_run_config(args, model, resume_mode=self.resume_mode)
-        resumed = state.global_step or None
-        if resumed is not None and self.store.status(resumed) == COMPLETE:
-            manifest = self.store.manifest(resumed)
-            check_resume(manifest.metadata.get("run_config"), self._run_config,
+        resumed = state.global_step
+        complete = {info.step: info for info in self.store.checkpoints() if info.status == COMPLETE}
+        newer = sorted(step for step in complete if step > resumed)
+        if newer:
+            start = f"resumes step {resumed}" if resumed else "starts from step 0"
+            raise CommitConflictError(
+                f"{self.store.url} already holds complete checkpoints newer than this run's start (steps "
+                f"{', '.join(map(str, newer))}) but this run {start}, so its saves would collide with them; resume "
+                "the newest with trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer)) or "
+                "give the run a new store URL")
+        if resumed in complete:
+            check_resume(complete[resumed].metadata.get("run_config"), self._run_config,
                          checkpoint_url=self.store.step_url(resumed), world_size=args.world_size)
-        elif resumed is None:
-            steps = [info.step for info in self.store.checkpoints() if info.status == COMPLETE]
-            if steps:
-                raise CommitConflictError(
-                    f"{self.store.url} already holds complete checkpoints (latest step {steps[-1]}) but this run "
-                    "starts from step 0; resume with trainer.train(resume_from_checkpoint=store_checkpoint(url, "
-                    "trainer=trainer)) or give the run a new store URL"
-                )
-        parent = resumed if resumed is not None and self.store.status(resumed) == COMPLETE else None
-        self._lineage = RunLineage.new(parent_step=parent)
+        self._lineage = RunLineage.new(parent_step=resumed if resumed in complete else None)
+        if args.process_index == 0:
+            # hard links a killed process left (a background upload that never finished): they
+            # would keep deleted checkpoints' bytes on disk; nothing of this process is in flight
+            shutil.rmtree(Path(args.output_dir) / STAGING_DIRNAME, ignore_errors=True)
         if self.preemption is not None:
             self.preemption.start()
 
@@ -180,60 +193,93 @@ class StoreCallback(TrainerCallback):
     def commit(self, args, state, *, wait: bool = False) -> None:
         """Commit ``<output_dir>/checkpoint-<global_step>`` as step ``global_step`` (every rank).
 
+        Three rounds, each ending in one collective (:meth:`Ranks.agree`): every rank checks its
+        share of the directory and rank 0 begins the attempt; every other rank uploads its share as
+        its part; rank 0 uploads the shared files and creates the manifest (with
+        ``async_upload``: hard-links them and hands upload and commit to the background thread).
+
         Args:
             args (TrainingArguments): the run's arguments.
             state (TrainerState): the Trainer's state (``global_step``).
             wait (bool): with ``async_upload``, wait for the commit (preemption, JIT saves).
 
         Raises:
-            IncompleteCheckpointError: a file the Trainer should have written is missing or empty
-                (the message names it), on this rank or another; nothing is committed.
-            CommitConflictError: another run committed this step.
+            IncompleteCheckpointError: (one process) a file the Trainer should have written is
+                missing or empty (the message names the directory and the file); nothing is
+                committed.
+            CommitConflictError: (one process) another run committed this step.
             UploadError: the previous background upload failed.
-            OSError: a backend failure (with ``async_upload``: raised at the next save or the end).
+            DistributedSaveError: (several ranks) any of the above, or a backend failure, on any
+                rank; raised on every rank, naming each failing rank and its error. Nothing is
+                committed.
+            OSError: (one process) a backend failure (with ``async_upload``: raised at the next
+                save or the end of training, as ``UploadError``).
+
+        Rank obligations: every rank calls it for the same step (``on_save`` does).
         """
         step = state.global_step
-        rank, world = args.process_index, args.world_size
+        ranks = Ranks.current()
         directory = Path(args.output_dir) / checkpoint_dirname(step)
-        # a rank that wrote nothing (save_only_model on rank > 0) has no directory: an empty share
-        files = files_of_rank(directory_files(directory), rank, world) if directory.is_dir() else {}
-        missing = missing_files(files, rank=rank, world_size=world, save_only_model=args.save_only_model,
-                                optimizer_in_files=not (args.deepspeed or args.fsdp))
-        collective.barrier()
-        txn, decision = None, ("skip", None)
-        if rank == 0:
+        txn, committing = None, False
+        try:
+            files, attempt, error = {}, None, None
             try:
-                self._uploader.wait()
-                txn = self._begin(step, directory, missing)
-                decision = ("skip", None) if txn is None else ("go", txn.attempt_id)
-            except (OpdStoreError, OSError, ValueError) as exc:
-                if world <= 1:
-                    raise
-                decision = ("error", f"{type(exc).__name__}: {exc}")
+                files = self._share(directory, step, ranks, args)
+                if ranks.rank == 0:
+                    self._uploader.wait()
+                    txn = self._begin(step)
+                    attempt = "skip" if txn is None else txn.attempt_id
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
                 error = exc
-        kind, value = collective.broadcast_from_zero(decision)
-        if kind == "error":
-            if rank == 0:
-                raise error
-            raise IncompleteCheckpointError(f"rank 0 did not commit step {step}: {value}")
-        if kind == "skip":
-            return
-        entries: Any = []
-        if rank != 0:
-            entries = self._upload_part(step, value, rank, world, directory, files, missing)
-        gathered = collective.gather_to_zero(entries)
-        if rank == 0:
-            self._finish(txn, step, directory, files, gathered, args, wait)
-        elif not self.async_upload:
-            outcome = collective.broadcast_from_zero(None)
-            if outcome is not None:
-                raise IncompleteCheckpointError(f"step {step} was not committed by rank 0: {outcome}")
+            attempt = ranks.agree(attempt, error, url=self.store.url, step=step)[0]
+            if attempt == "skip":
+                return
+            entries, error = [], None
+            if ranks.rank != 0:
+                try:
+                    entries = self._upload_part(step, attempt, ranks, files)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+                    error = exc
+            parts = ranks.agree(entries, error, url=self.store.url, step=step)
+            error = None
+            if ranks.rank == 0:
+                for part in parts[1:]:
+                    for entry in part:
+                        txn.add_entry(PayloadEntry(**entry))
+                committing = True
+                try:
+                    self._commit_shared(txn, directory, files, args, wait=wait)
+                except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
+                    error = exc
+            ranks.agree(None, error, url=self.store.url, step=step)
+        except BaseException:
+            # Before the manifest create nothing names the attempt: rank 0 deletes its payloads
+            # and every part. After a failed create they stay (a delayed create may still land).
+            if txn is not None and not committing:
+                txn.abort()
+            raise
 
-    def _begin(self, step: int, directory: Path, missing: list[str]):
+    def _share(self, directory: Path, step: int, ranks: Ranks, args) -> dict[str, Path]:
+        """This rank's files of the directory (a rank that wrote nothing, as ``save_only_model``
+        ranks > 0, has no directory: an empty share), checked to be complete.
+
+        Raises:
+            IncompleteCheckpointError: a file this rank must have written is missing or empty.
+            ValueError: a file of a rank outside the run (see :func:`owner_rank`).
+        """
+        files = files_of_rank(directory_files(directory), ranks.rank, ranks.world_size) if directory.is_dir() else {}
+        missing = missing_files(files, rank=ranks.rank, world_size=ranks.world_size,
+                                save_only_model=args.save_only_model,
+                                optimizer_in_files=not (args.deepspeed or args.fsdp))
         if missing:
+            where = f" on rank {ranks.rank}" if ranks.world_size > 1 else ""
             raise IncompleteCheckpointError(
-                f"{directory}: the Trainer's checkpoint of step {step} is incomplete ({'; '.join(missing)}); "
+                f"{directory}: the Trainer's checkpoint of step {step} is incomplete{where} ({'; '.join(missing)}); "
                 f"not committed to {self.store.url}")
+        return files
+
+    def _begin(self, step: int):
+        """A new attempt of ``step``, or ``None`` when this run already committed it."""
         try:
             return self.store.begin(step, world_size=self._world_size, metadata=self._metadata(step))
         except CommitConflictError:
@@ -243,51 +289,28 @@ class StoreCallback(TrainerCallback):
                 return None
             raise
 
-    def _upload_part(self, step, attempt, rank, world, directory, files, missing):
-        if missing:
-            return f"rank {rank}: {directory} is incomplete ({'; '.join(missing)})"
-        try:
-            with route_background_random(), self.store.begin_part(step, attempt_id=attempt, rank=rank,
-                                                                   world_size=world) as part:
-                upload_files(part, [FileSnapshot.of(name, path) for name, path in files.items()])
-            return [entry.model_dump() for entry in part.entries]
-        except (OpdStoreError, OSError, ValueError) as exc:
-            return f"rank {rank}: {type(exc).__name__}: {exc}"
+    def _upload_part(self, step: int, attempt: str, ranks: Ranks, files: dict[str, Path]) -> list[dict]:
+        with route_background_random(), self.store.begin_part(step, attempt_id=attempt, rank=ranks.rank,
+                                                               world_size=ranks.world_size) as part:
+            upload_files(part, [FileSnapshot.of(name, path) for name, path in files.items()])
+        return [entry.model_dump() for entry in part.entries]
 
-    def _finish(self, txn, step, directory, files, gathered, args, wait) -> None:
-        from ..manifest import PayloadEntry
-
-        failures = [item for item in gathered[1:] if isinstance(item, str)]
-        if failures:
-            txn.abort()
-            self._broadcast_outcome("; ".join(failures))
-            raise IncompleteCheckpointError(f"step {step} not committed to {self.store.url}: " + "; ".join(failures))
-        for part in gathered[1:]:
-            for entry in part:
-                txn.add_entry(PayloadEntry(**entry))
-        if self.async_upload:
-            staging = Path(args.output_dir) / STAGING_DIRNAME / f"{directory.name}-{uuid.uuid4().hex[:8]}"
-            try:
-                snaps = list(snapshot_files(files, staging).values())
-            except BaseException:
-                txn.abort()
-                raise
-            self._uploader.submit(lambda: self._upload_and_commit(txn, snaps, staging), label=self.store.step_url(step))
-            self._broadcast_outcome(None)
-            if wait:
-                self._uploader.wait()
-            return
-        try:
+    def _commit_shared(self, txn, directory: Path, files: dict[str, Path], args, *, wait: bool) -> None:
+        """Rank 0: upload the shared files and commit, now or (``async_upload``) in the background."""
+        if not self.async_upload:
             with route_background_random():
                 self._upload_and_commit(txn, [FileSnapshot.of(n, p) for n, p in files.items()], None)
-        except BaseException as exc:
-            self._broadcast_outcome(f"{type(exc).__name__}: {exc}")
+            return
+        staging = Path(args.output_dir) / STAGING_DIRNAME / f"{directory.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            snaps = list(snapshot_files(files, staging).values())
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            txn.abort()
             raise
-        self._broadcast_outcome(None)
-
-    def _broadcast_outcome(self, outcome: str | None) -> None:
-        if self._world_size > 1 and not self.async_upload:
-            collective.broadcast_from_zero(outcome)
+        self._uploader.submit(lambda: self._upload_and_commit(txn, snaps, staging), label=self.store.step_url(txn.step))
+        if wait:
+            self._uploader.wait()
 
     def _upload_and_commit(self, txn, snaps: list[FileSnapshot], staging: Path | None) -> str:
         try:
@@ -299,8 +322,6 @@ class StoreCallback(TrainerCallback):
         self.committed_steps.append(txn.step)
         logger.info("committed %s (%d files)", txn.url, len(txn.entries))
         if self.retention is not None and not self.retention.keeps_all:
-            from ..gc import retention_after_commit
-
             retention_after_commit(self.store, self.retention, txn.step, self._lineage)
         return txn.url
 

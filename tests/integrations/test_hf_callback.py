@@ -77,6 +77,10 @@ def test_async_upload_survives_save_total_limit_deleting_the_directory(s3_backen
             gate.set()
 
     proxy.add(Rule(match=hold_step1, times=None))
+    # hard links a killed process left behind in the same output directory are cleared at the start
+    stale = tmp_path / "out" / ".opd-store-staging" / "checkpoint-9-0123abcd" / "optimizer.pt"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"x" * 100)
     try:
         options = dict(s3_backend.storage_options, endpoint_url=proxy.endpoint_url)
         callback = StoreCallback(s3_backend.url, storage_options=options, async_upload=True)
@@ -153,8 +157,13 @@ def test_execution_only_changes_resume_and_a_fresh_start_into_a_used_store_is_re
 
     trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4), callbacks=[StoreCallback(run_a_store)],
                             logging_steps=2, dataloader_num_workers=0)
-    with pytest.raises(CommitConflictError, match=r"already holds complete checkpoints \(latest step 4\)"):
+    with pytest.raises(CommitConflictError, match=r"newer than this run's start \(steps 2, 4\) but this run starts"):
         trainer.train()
+    # resuming an older step than the newest is refused too, before anything is trained
+    older = store_checkpoint(run_a_store, trainer=trainer, step=2)
+    with pytest.raises(CommitConflictError, match=r"newer than this run's start \(steps 4\) but this run resumes step 2"):
+        trainer.train(resume_from_checkpoint=older)
+    assert trainer.state.global_step == 2
     path = store_checkpoint(run_a_store, trainer=trainer)
     assert path == str(tmp_path / "out" / "checkpoint-4")
     assert sorted(os.listdir(path)) == sorted(TRAINER_FILES)

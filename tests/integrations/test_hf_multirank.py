@@ -13,9 +13,9 @@ from opd_store import CheckpointStore
 pytestmark = pytest.mark.timeout(600)
 
 
-def _run(store_url, outs, stop_at, resume):
+def _run(store_url, outs, stop_at, resume, probe=False):
     results = []
-    for process, conn in rank_child.start_pair(free_port(), store_url, outs, stop_at, resume):
+    for process, conn in rank_child.start_pair(free_port(), store_url, outs, stop_at, resume, probe):
         assert conn.poll(300)
         result = conn.recv()
         assert "error" not in result, result.get("error")
@@ -28,7 +28,7 @@ def _run(store_url, outs, stop_at, resume):
 def test_each_rank_uploads_its_own_files_and_one_manifest_commits(tmp_path):
     store_url = str(tmp_path / "store")
     outs = [str(tmp_path / "rank0"), str(tmp_path / "rank1")]
-    first = _run(store_url, outs, 2, resume=False)
+    first = _run(store_url, outs, 2, resume=False, probe=True)
     assert [r["world_size"] for r in first] == [2, 2]
     assert first[1]["files"] == ["rng_state_1.pth"]  # rank 1's machine holds only its own file
     assert "rng_state_1.pth" not in first[0]["files"]
@@ -39,10 +39,22 @@ def test_each_rank_uploads_its_own_files_and_one_manifest_commits(tmp_path):
     assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "trainer_state.json", "model.safetensors"} <= names
     assert store.read(2, "rng_state_1.pth") == (tmp_path / "rank1" / "checkpoint-2" / "rng_state_1.pth").read_bytes()
     assert store.verify(2, deep=True).ok
+    # a commit whose directory lacks rank 1's file fails alone on rank 1: both ranks raise the same
+    # DistributedSaveError naming rank 1, the file, the store and the step, and nothing of step 3 stays
+    for result in first:
+        name, ranks, message = result["commit_error"]
+        assert (name, ranks) == ("DistributedSaveError", [1])
+        assert message.startswith(f"{store_url}: step 3 was not committed: rank 1 failed: IncompleteCheckpointError: ")
+        assert "checkpoint-3: the Trainer's checkpoint of step 3 is incomplete on rank 1 (rng_state_1.pth is missing)" in message
+    assert [info.step for info in store.checkpoints()] == [2]
 
     # a second pair of "machines" resumes from the store (both ranks' files fetched) and continues
-    resumed = _run(store_url, [str(tmp_path / "r0"), str(tmp_path / "r1")], 4, resume=True)
+    resumed = _run(store_url, [str(tmp_path / "r0"), str(tmp_path / "r1")], 4, resume=True, probe=True)
     assert all(r["resumed"].endswith("checkpoint-2") for r in resumed)
+    # a fetch that fails on rank 1 alone (its directory cannot be created) fails on both ranks
+    for result in resumed:
+        name, ranks, message = result["fetch_error"]
+        assert (name, ranks) == ("DistributedLoadError", [1]) and "rank 1 failed: NotADirectoryError" in message
     assert store.steps() == [2, 4] and store.manifest(4).metadata["parent_step"] == 2
     reference = _run(str(tmp_path / "ref-store"), [str(tmp_path / "f0"), str(tmp_path / "f1")], 4, resume=False)
     assert resumed[0]["loss"] == reference[0]["loss"] and len(reference[0]["loss"]) == 4
