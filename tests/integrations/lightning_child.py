@@ -25,8 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import proc_writer  # noqa: E402
 
-PRELOAD = [*proc_writer.PRELOAD, "torch", "lightning", "lightning.pytorch", "opd_store.integrations.lightning",
-           "lightning_child"]
 
 
 def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs: int = 4, callbacks=(),
@@ -113,7 +111,6 @@ def _child(conn, machine: str, url: str, storage_options: dict, resume: bool) ->
 
 def start(machine: str, url: str, storage_options: dict, *, resume: bool):
     ctx = proc_writer.context()
-    ctx.set_forkserver_preload(PRELOAD)
     parent, child = ctx.Pipe(duplex=True)
     process = ctx.Process(target=_child, args=(child, machine, url, storage_options, resume), daemon=True)
     process.start()

@@ -19,8 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import proc_writer  # noqa: E402
 
-PRELOAD = [*proc_writer.PRELOAD, "torch", "transformers", "accelerate", "opd_store.integrations.transformers",
-           "rank_child"]
 
 
 def _error(call) -> list | None:
@@ -83,7 +81,6 @@ def _rank(conn, rank: int, port: int, store_url: str, out: str, stop_at: int, re
 
 def start_pair(port: int, store_url: str, outs: list[str], stop_at: int, resume: bool, probe: bool = False):
     ctx = proc_writer.context()
-    ctx.set_forkserver_preload(PRELOAD)
     procs = []
     for rank in (0, 1):
         parent, child = ctx.Pipe(duplex=False)

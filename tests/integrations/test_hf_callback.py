@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -42,22 +43,35 @@ class OnStepEnd(TrainerCallback):
         self.action(args, state)
 
 
-def test_every_save_is_committed_with_each_file_and_its_crc(tmp_path):
-    store_url = str(tmp_path / "store")
-    callback = StoreCallback(store_url)
-    trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4, save_total_limit=1), callbacks=[callback])
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """Run A, uninterrupted: 4 steps, saves at 2 and 4, save_total_limit 1, learning rate 1e-3, with
+    a StoreCallback on a local store; shared by the tests that only read it (one trainer run)."""
+    base = tmp_path_factory.mktemp("run-a")
+    callback = StoreCallback(str(base / "store"))
+    trainer = build_trainer(str(base / "out"), GKDSpec(max_steps=4), callbacks=[callback])
     trainer.train()
-    store = CheckpointStore(store_url)
-    assert store.steps() == [2, 4] and callback.committed_steps == [2, 4]
+    return types.SimpleNamespace(store=str(base / "store"), out=base / "out", callback=callback,
+                                 final=final_state(trainer))
+
+
+@pytest.fixture(scope="module")
+def run_a_store(run_a):
+    return run_a.store
+
+
+def test_every_save_is_committed_with_each_file_and_its_crc(run_a):
+    store = CheckpointStore(run_a.store)
+    assert store.steps() == [2, 4] and run_a.callback.committed_steps == [2, 4]
     manifest = store.manifest(4)
     assert {entry.name for entry in manifest.payloads} == TRAINER_FILES
-    local = tmp_path / "out" / "checkpoint-4"
+    local = run_a.out / "checkpoint-4"
     for entry in manifest.payloads:
         assert store.read(4, entry.name) == (local / entry.name).read_bytes(), entry.name
     assert manifest.metadata["framework"] == "transformers" and manifest.metadata["parent_step"] is None
     assert manifest.metadata["run_config"]["config"]["training_args"]["max_steps"] == 4
     assert json.loads(store.read(4, "trainer_state.json"))["global_step"] == 4
-    assert store.verify(2, deep=True).ok and not (tmp_path / "out" / "checkpoint-2").exists()
+    assert store.verify(2, deep=True).ok and not (run_a.out / "checkpoint-2").exists()
 
 
 def test_async_upload_survives_save_total_limit_deleting_the_directory(s3_backend, moto_s3, tmp_path):
@@ -99,11 +113,11 @@ def test_async_upload_survives_save_total_limit_deleting_the_directory(s3_backen
 
 def test_store_retention_is_independent_of_save_total_limit(tmp_path):
     store_url = str(tmp_path / "store")
-    trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=5, save_steps=1, save_total_limit=1),
-                            callbacks=[StoreCallback(store_url, retention=RetentionPolicy(keep_last=3))])
+    trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4, save_steps=1, save_total_limit=1),
+                            callbacks=[StoreCallback(store_url, retention=RetentionPolicy(keep_last=2))])
     trainer.train()
-    assert CheckpointStore(store_url).steps() == [3, 4, 5]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-5"]
+    assert CheckpointStore(store_url).steps() == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-4"]
 
 
 def test_incomplete_directory_is_not_committed_and_the_error_names_the_file(tmp_path):
@@ -128,14 +142,6 @@ def test_unreachable_store_fails_at_construction_naming_url_and_cause(monkeypatc
     assert str(raised.value).startswith("s3://bucket/run: cannot reach the store (") and "127.0.0.1:9" in str(raised.value)
     with pytest.raises(StoreUnreachableError, match=r"s3://no-such-bucket/run: bucket 'no-such-bucket' does not exist"):
         StoreCallback("s3://no-such-bucket/run", storage_options=moto_s3.storage_options())
-
-
-@pytest.fixture(scope="module")
-def run_a_store(tmp_path_factory):
-    """A store holding checkpoints 2 and 4 of run A (max_steps 4, learning rate 1e-3)."""
-    base = tmp_path_factory.mktemp("run-a")
-    build_trainer(str(base / "out"), GKDSpec(max_steps=4), callbacks=[StoreCallback(str(base / "store"))]).train()
-    return str(base / "store")
 
 
 def test_store_of_another_run_is_refused_naming_the_differing_fields(run_a_store, tmp_path):
@@ -213,9 +219,7 @@ def test_transformers_jit_checkpoint_is_committed(tmp_path):
     assert trainer.state.global_step == 4
 
 
-def test_resume_from_store_in_one_call_continues_exactly(tmp_path):
-    reference = build_trainer(str(tmp_path / "ref"), GKDSpec(max_steps=4))
-    reference.train()
+def test_resume_from_store_in_one_call_continues_exactly(run_a, tmp_path):
     store_url = str(tmp_path / "store")
 
     class Crash(Exception):
@@ -231,5 +235,5 @@ def test_resume_from_store_in_one_call_continues_exactly(tmp_path):
     second = build_trainer(str(tmp_path / "b"), GKDSpec(max_steps=4), callbacks=[StoreCallback(store_url)])
     resume_from_store(second, store_url)
     assert CheckpointStore(store_url).manifest(4).metadata["parent_step"] == 2
-    a, b = final_state(reference), final_state(second)
+    a, b = run_a.final, final_state(second)  # run A is the same run, uninterrupted
     assert a["losses"] == b["losses"] and all((a["adapter"][k] == b["adapter"][k]).all() for k in a["adapter"])

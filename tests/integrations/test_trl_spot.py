@@ -33,7 +33,7 @@ def reference():
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
-        return run_start(None, out)
+        return run_start(None, out, spec=trl_child.SPEC)
 
 
 def _events_until(conn, process, stop):
@@ -109,9 +109,10 @@ def test_gkd_killed_in_training_and_in_a_save_resumes_bit_for_bit(s3_backend, mo
         assert {"event": "resumed", "step": 2} in seen
         done = seen[-1]
         assert done["event"] == "done" and done["cwd_entries"] == ["out"]
-        assert store.steps() == [2, 4, 6] and all(store.verify(s, deep=True).ok for s in (2, 4, 6))
+        assert store.steps() == [2, 4] and all(store.verify(s, deep=True).ok for s in (2, 4))
+        assert len(store.checkpoints()[-1].attempts) == 2  # the killed attempt of step 4 is left to gc
         state = torch.load(io.BytesIO(done["state"]), weights_only=True)
-        assert state["global_step"] == reference["global_step"] == 6
+        assert state["global_step"] == reference["global_step"] == 4
         assert [name for name in state["adapter"]] == [name for name in reference["adapter"]]
         for name, tensor in reference["adapter"].items():
             assert torch.equal(state["adapter"][name], tensor), name
@@ -119,7 +120,7 @@ def test_gkd_killed_in_training_and_in_a_save_resumes_bit_for_bit(s3_backend, mo
             for field, tensor in value.items():
                 assert torch.equal(state["optimizer"]["state"][key][field], tensor), (key, field)
         assert state["optimizer"]["param_groups"] == reference["optimizer"]["param_groups"]
-        assert state["losses"] == reference["losses"] and len(state["losses"]) == 6
+        assert state["losses"] == reference["losses"] and len(state["losses"]) == 4
         # each machine started empty: nothing but the run's output dir appeared in its cwd, HOME
         # and temp dir stayed empty
         for n in (1, 2, 3):

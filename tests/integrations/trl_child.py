@@ -1,8 +1,8 @@
 """One start of the tiny TRL GKD run in its own process, forked from a preloaded forkserver.
 
-The forkserver has imported torch, transformers, TRL, PEFT, datasets, s3fs and opd_store once (see
-``tests/proc_writer.py`` for the pattern), so a start costs a fork instead of ~10 s of imports on a
-loaded 2-core machine. Each child is a separate process: before it builds anything it moves into a
+The forkserver has imported torch, transformers, TRL, PEFT, datasets, s3fs and opd_store once
+(``tests/integrations/conftest.py`` sets its preload list), so a start costs a fork instead of ~10 s
+of imports on a loaded 2-core machine. Each child is a separate process: before it builds anything it moves into a
 new empty working directory and points ``HOME`` and the temp dir at new empty directories (a fresh
 machine: only the store carries state from one start to the next).
 
@@ -25,8 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import proc_writer  # noqa: E402  (the forkserver context shared with the other process tests)
 
-PRELOAD = [*proc_writer.PRELOAD, "torch", "transformers", "trl", "peft", "datasets", "trl.experimental.gkd",
-           "opd_store.job.trl_demo", "opd_store.integrations.transformers", "trl_child"]
+from opd_store.job.trl_demo import GKDSpec  # noqa: E402
+
+SPEC = GKDSpec(max_steps=4, save_steps=2)
+"""The run of every start: saves at steps 2 and 4 (the test kills one start at step 3 and one
+during the save of step 4)."""
+
 
 
 def _fresh_machine(machine: str) -> None:
@@ -51,7 +55,8 @@ def _child(conn, machine: str, store_url: str, storage_options: dict, async_uplo
             if step_ack and event["event"] == "step":
                 conn.recv()
 
-        state = run_start(store_url, "out", storage_options=storage_options, events=events, async_upload=async_upload)
+        state = run_start(store_url, "out", storage_options=storage_options, events=events, async_upload=async_upload,
+                          spec=SPEC)
         state.pop("log_history", None)
         buffer = io.BytesIO()  # plain bytes: torch's pickler would pass tensors as shared-memory fds
         torch.save(state, buffer)
@@ -62,17 +67,9 @@ def _child(conn, machine: str, store_url: str, storage_options: dict, async_uplo
         conn.close()
 
 
-def context():
-    """The shared forkserver context, with the trainer imports added to its preload list (effective
-    when this is the first process test of the worker to start the server)."""
-    ctx = proc_writer.context()
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 def start(machine: str, store_url: str, storage_options: dict, *, async_upload: bool = False, step_ack: bool = True):
     """Start one training start in a new process; return ``(process, parent end of the pipe)``."""
-    ctx = context()
+    ctx = proc_writer.context()
     parent, child = ctx.Pipe(duplex=True)
     process = ctx.Process(target=_child, args=(child, machine, store_url, storage_options, async_upload, step_ack),
                           daemon=True)
