@@ -38,6 +38,7 @@ from transformers import TrainerCallback
 from ..errors import CommitConflictError, IncompleteCheckpointError, UploadError
 from ..gc import retention_after_commit
 from ..manifest import PayloadEntry
+from ..opd.distributed import decide_on_rank0
 from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, CheckpointStore
 from ..thread_random import route_background_random
@@ -115,23 +116,34 @@ class StoreCallback(TrainerCallback):
                 starts from (0, or the resumed step): its saves would collide with them, or
                 interleave two runs' steps. Nothing has been trained yet.
             ResumeMismatchError: the resumed step belongs to another run (names every field).
+
+        Rank obligations: every rank runs it (the Trainer calls callbacks on every rank); rank 0
+        decides and every rank raises its error.
         """
         self._world_size = args.world_size
         self._run_config = trainer_run_config(args, model, resume_mode=self.resume_mode)
         resumed = state.global_step
-        complete = {info.step: info for info in self.store.checkpoints() if info.status == COMPLETE}
-        newer = sorted(step for step in complete if step > resumed)
-        if newer:
-            start = f"resumes step {resumed}" if resumed else "starts from step 0"
-            raise CommitConflictError(
-                f"{self.store.url} already holds complete checkpoints newer than this run's start (steps "
-                f"{', '.join(map(str, newer))}) but this run {start}, so its saves would collide with them; resume "
-                "the newest with trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer)) or "
-                "give the run a new store URL")
-        if resumed in complete:
+
+        def parent_step() -> int | None:
+            complete = {info.step: info for info in self.store.checkpoints() if info.status == COMPLETE}
+            newer = sorted(step for step in complete if step > resumed)
+            if newer:
+                start = f"resumes step {resumed}" if resumed else "starts from step 0"
+                raise CommitConflictError(
+                    f"{self.store.url} already holds complete checkpoints newer than this run's start (steps "
+                    f"{', '.join(map(str, newer))}) but this run {start}, so its saves would collide with them; "
+                    "resume the newest with trainer.train(resume_from_checkpoint=store_checkpoint(url, "
+                    "trainer=trainer)) or give the run a new store URL")
+            if resumed not in complete:
+                return None
             check_resume(complete[resumed].metadata.get("run_config"), self._run_config,
                          checkpoint_url=self.store.step_url(resumed), world_size=args.world_size)
-        self._lineage = RunLineage.new(parent_step=resumed if resumed in complete else None)
+            return resumed
+
+        # decided on rank 0 for every rank: ranks listing the store themselves could disagree
+        group = Ranks.current().group
+        parent = parent_step() if group is None else decide_on_rank0(group, parent_step)
+        self._lineage = RunLineage.new(parent_step=parent)
         if args.process_index == 0:
             # hard links a killed process left (a background upload that never finished): they
             # would keep deleted checkpoints' bytes on disk; nothing of this process is in flight
