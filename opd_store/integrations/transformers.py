@@ -7,17 +7,19 @@ Two additions to a training script (docs/integrations.md)::
     trainer.train(resume_from_checkpoint=store_checkpoint("s3://bucket/run", trainer=trainer))
 
 :class:`StoreCallback` commits every ``checkpoint-N`` directory the Trainer writes as step ``N``
-of the store: after a barrier, rank 0 begins an attempt, every rank uploads its own files (its
+of the store: every rank checks its share of the directory and rank 0 begins an attempt (one
+collective, :mod:`opd_store.integrations.collective`), every other rank uploads its own files (its
 ``rng_state_{rank}.pth``) as its part of that attempt, rank 0 uploads the shared files (model or
 adapter, optimizer, scheduler, scaler, ``trainer_state.json``, tokenizer, ``training_args.bin``)
 and creates the manifest only if absent, naming every file with its size and CRC32C. A directory
-the Trainer left incomplete is never committed. With ``async_upload=True`` rank 0's files are
+the Trainer left incomplete is never committed, and a rank that fails makes every rank raise. With ``async_upload=True`` rank 0's files are
 hard-linked into a staging directory (:func:`opd_store.integrations.files.snapshot_files`) and
 uploaded by a background thread, so ``save_total_limit`` deleting the directory meanwhile cannot
 take bytes from the upload.
 
-:func:`store_checkpoint` finds the newest *complete* step (newer uncommitted or damaged steps are
-skipped with a warning), checks that the current run may resume it (the OPD layer's resume rules
+:func:`store_checkpoint` finds the newest *complete* step (newer uncommitted, incomplete or
+unreadable steps are skipped with a warning; a committed payload whose bytes differ from its
+manifest stops the fetch), checks that the current run may resume it (the OPD layer's resume rules
 over the ``TrainingArguments`` and model config, :mod:`opd_store.integrations.run_config`) and
 fetches it, every file verified, into ``<output_dir>/checkpoint-N``; the Trainer resumes from
 there. Resume is resolved by ``Trainer.train`` before any callback runs, so the fetch has to happen
