@@ -78,6 +78,13 @@ def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs
     return trainer, model, train, val, plugin, checkpoint
 
 
+def pl_callback():
+    """``lightning.pytorch.Callback`` (imported when needed)."""
+    import lightning.pytorch as pl
+
+    return pl.Callback
+
+
 def weights(model) -> dict:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 

@@ -1,6 +1,6 @@
 """StoreCheckpointIO and StoreModelCheckpoint with a real Lightning Trainer: top-k and last in the
-store (local, and S3 through AsyncCheckpointIO with ``fit(ckpt_path="last")`` in a new Trainer), a
-name saved again below or at its step, and a run SIGKILLed after a checkpoint and resumed with
+store (with and without AsyncCheckpointIO), ``fit(ckpt_path="last")`` on S3, a name saved again
+below or at its step, and a run SIGKILLed after a checkpoint and resumed with
 ``fit(ckpt_path="last")`` in a new process on GCS, continuing exactly."""
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ class _HeldUntil:
         return (dict, ())
 
 
-@pytest.mark.parametrize(("async_io", "backend_name"), [(False, "local"), (True, "s3")],
-                         ids=["sync-local", "async-checkpoint-io-s3"])
-def test_top_k_and_last_live_in_the_store(async_io, backend_name, request, reference):
+@pytest.mark.parametrize("async_io", [False, True], ids=["sync", "async-checkpoint-io"])
+def test_top_k_and_last_live_in_the_store(async_io, tmp_path, reference):
     """With AsyncCheckpointIO the first save of last.ckpt (the second save of the run) is held on
     the saving thread until training has ended, so every later save is still queued when
     ModelCheckpoint evicts a top-k checkpoint: the eviction must take its turn behind the save of
@@ -74,8 +73,7 @@ def test_top_k_and_last_live_in_the_store(async_io, backend_name, request, refer
         def on_train_end(self, trainer, pl_module):
             train_ended.set()
 
-    backend = request.getfixturevalue(f"{backend_name}_backend")
-    url, options = backend.url + "/ckpts", backend.storage_options
+    url, options = str(tmp_path / "ckpts"), {}
     try:
         trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, async_io=async_io,
                                                                                callbacks=[HoldSecondSave()])
@@ -93,16 +91,43 @@ def test_top_k_and_last_live_in_the_store(async_io, backend_name, request, refer
     for name, tensor in lightning_child.weights(model).items():
         assert torch.equal(loaded["state_dict"][name], tensor)
         assert torch.equal(reference[name], tensor), name  # the plugin changes nothing in the run
-    # Lightning's normalised form of the same path (protocol dropped) reaches the same checkpoint
-    bare = plugin.path_of("last.ckpt").split("://", 1)[-1]
-    assert plugin.load_checkpoint(bare)["global_step"] == 16
-    # a new Trainer's fit(ckpt_path="last") finds that checkpoint in the store (remote paths: the
-    # protocol-dropping resolution of Lightning #18261) and restores it: nothing is left to train
+    # a new Trainer's fit(ckpt_path="last") finds that checkpoint and restores it: nothing is left to train
     again, model, train, val, _p, _c = lightning_child.build(url, options, async_io=async_io)
     again.fit(model, train, val, ckpt_path="last")
     assert again.global_step == 16
     for name, tensor in lightning_child.weights(model).items():
         assert torch.equal(loaded["state_dict"][name], tensor), name
+
+
+def test_last_on_s3_through_async_checkpoint_io(s3_backend):
+    """s3:// with AsyncCheckpointIO: one epoch saved, then a new Trainer's fit(ckpt_path="last") finds
+    it in the bucket (Lightning alone drops the protocol and starts from scratch, Lightning #18261),
+    resumes from step 4 and saves on."""
+    url, options = s3_backend.url + "/ckpts", s3_backend.storage_options
+    first, model, train, val, plugin, _c = lightning_child.build(url, options, async_io=True, max_epochs=1)
+    first.fit(model, train, val)
+    saved = lightning_child.weights(model)
+    assert _last(url, options) == (1, 4)
+
+    second, model, train, val, plugin, checkpoint = lightning_child.build(url, options, async_io=True, max_epochs=2)
+    restored = []
+
+    class Restored(lightning_child.pl_callback()):
+        def on_train_start(self, trainer, pl_module):
+            restored.append((trainer.global_step, lightning_child.weights(pl_module)))
+
+    second.callbacks.append(Restored())
+    second.fit(model, train, val, ckpt_path="last")
+    (step, weights), = restored
+    assert step == 4 and all(torch.equal(weights[name], tensor) for name, tensor in saved.items())
+    assert second.global_step == 8 and _last(url, options) == (1, 8)
+    loaded = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+    # Lightning's normalised form of the same path (protocol dropped) reaches the same checkpoint
+    assert plugin.load_checkpoint(plugin.path_of("last.ckpt").split("://", 1)[1])["global_step"] == 8
+    layout = _layout(url, options)
+    assert {plugin.path_of(name) for name in layout if name != "last.ckpt"} == set(checkpoint.best_k_models)
 
 
 def test_unreachable_store_fails_at_construction(monkeypatch):
