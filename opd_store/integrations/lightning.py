@@ -242,7 +242,8 @@ class StoreCheckpointIO(CheckpointIO):
             with store.open(step, PAYLOAD_NAME) as reader, open(target, "wb") as out:
                 shutil.copyfileobj(reader, out, 8 << 20)
         except BaseException:
-            self._drop_fetched()
+            del self._fetched[target]
+            shutil.rmtree(directory, ignore_errors=True)
             raise
         return str(target)
 
