@@ -94,7 +94,7 @@ class StoreCheckpointIO(CheckpointIO):
         self.root.check_reachable()
         self.url = self.root.url
         self.storage_options = dict(storage_options or {})
-        self._bare_root = re.sub(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", "", self.url).rstrip("/")
+        self._bare_root = fsspec.core.split_protocol(self.url)[1].rstrip("/")
         self._local_cache_dir = local_cache_dir
         self._fetched: dict[Path, Path] = {}
         self._saving: dict[str, threading.Lock] = {}
