@@ -1,7 +1,7 @@
-"""Multi-rank saves (issue 7): the same total state saved by 1, 2 and 4 ranks, local and moto S3.
+"""Multi-rank saves: the same total state saved by 1, 2 and 4 ranks, local and moto S3.
 
 Each configuration spawns N ranks in a gloo process group on 127.0.0.1 (``torch.multiprocessing``,
-spawn). A save is :func:`opd_store.opd.distributed.save_collective`, the protocol
+spawn). A save is :func:`opd_store.pipeline.collective.write_and_commit_collective`, the stages
 ``save_opd_checkpoint`` runs with a process group: rank 0 chooses the attempt, every rank
 ``torch.save``-streams its shard (``SIZE/N`` MiB of float32 tensors) into its part, rank 0 commits
 one manifest. The time of a save is the slowest rank's, from a barrier before it to its return;
@@ -14,35 +14,32 @@ single-rank time of the same backend, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench._common import MotoProcess, make_state, median
+from bench._common import make_state, median
+from opd_store.testing.s3 import MotoProcess
+from opd_store.testing.stores import free_port
 
 
-@dataclasses.dataclass
-class _Plan:
-    store: object
-    step: int
-    world_size: int
-    metadata: dict
-    shard: dict
-
-
-def _write(txn, plan: _Plan, shared: bool) -> None:
+def _request(store, step: int, world_size: int, shard: dict):
+    """The pipeline's save request of one rank's shard (and, on rank 0, a small shared payload)."""
     import torch
 
-    with txn.open(f"shard-rank-{txn.rank:02d}.pt") as writer:
-        torch.save(plan.shard, writer)
-    if shared:
-        txn.write_bytes("meta.json", json.dumps({"world_size": plan.world_size}).encode())
+    from opd_store.pipeline import SaveRequest
+
+    def write(txn, shared: bool) -> None:
+        with txn.open(f"shard-rank-{txn.rank:02d}.pt") as writer:
+            torch.save(shard, writer)
+        if shared:
+            txn.write_bytes("meta.json", json.dumps({"world_size": world_size}).encode())
+
+    return SaveRequest(store=store, step=step, world_size=world_size, metadata={}, write=write)
 
 
 def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, size_mib: int, repeats: int,
@@ -53,7 +50,9 @@ def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, s
     import torch.distributed as dist
 
     from opd_store import CheckpointStore
-    from opd_store.opd.distributed import current_group, save_collective
+    from opd_store.opd.distributed import current_group
+    from opd_store.pipeline import write_and_commit
+    from opd_store.pipeline.collective import write_and_commit_collective
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -67,10 +66,9 @@ def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, s
         dist.barrier()
         started = time.perf_counter()
         if group is None:
-            with store.begin(step) as txn:
-                _write(txn, _Plan(store, step, 1, {}, shard), True)
+            write_and_commit(_request(store, step, 1, shard))
         else:
-            save_collective(group, lambda: _Plan(store, step, world_size, {}, shard), _write)
+            write_and_commit_collective(group, lambda: _request(store, step, world_size, shard))
         elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step > 1:
@@ -82,17 +80,11 @@ def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, s
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_one(world_size: int, url: str, options: dict, size_mib: int, repeats: int, tmp: str) -> dict:
     import torch.multiprocessing as mp
 
     out = os.path.join(tmp, f"result-{world_size}.json")
-    mp.start_processes(_rank_main, args=(world_size, _free_port(), url, options, size_mib, repeats, out),
+    mp.start_processes(_rank_main, args=(world_size, free_port(), url, options, size_mib, repeats, out),
                        nprocs=world_size, start_method="spawn", join=True)
     return json.loads(Path(out).read_text())
 

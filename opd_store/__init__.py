@@ -3,6 +3,7 @@
 A checkpoint exists exactly when its manifest object does; see docs/protocol.md.
 """
 
+from ._version import __version__
 from .errors import (
     AmbiguousCommitError,
     CheckpointNotFoundError,
@@ -13,25 +14,27 @@ from .errors import (
     ManifestError,
     OpdStoreError,
     ResumeMismatchError,
+    RetentionError,
     StoreUnreachableError,
     UnsafeCheckpointError,
     UnsupportedBackendError,
     UploadError,
 )
 from .manifest import Manifest, PayloadEntry
-from .store import CheckpointInfo, CheckpointStore, Problem, VerifyReport
+from .payload_writer import PayloadWriter
+from .status import CheckpointInfo, Problem, VerifyReport
+from .store import CheckpointStore
+from .store_api import BaseStore
 from .tiered import TieredStore
-from .transaction import PayloadWriter, Transaction
-
-__version__ = "0.1.0"
+from .transaction import Transaction
 
 # The OPD layer needs torch (and pydantic/yaml for its config); import it on first use so that
 # ``import opd_store`` and store-only tools stay light.
 _LAZY = {
-    "save_opd_checkpoint": "opd_store.opd.checkpoint",
-    "load_opd_checkpoint": "opd_store.opd.checkpoint",
-    "load_adapter": "opd_store.opd.checkpoint",
-    "latest_complete_checkpoint": "opd_store.opd.checkpoint",
+    "save_opd_checkpoint": "opd_store.opd.save",
+    "load_opd_checkpoint": "opd_store.opd.load",
+    "load_adapter": "opd_store.opd.adapter",
+    "latest_complete_checkpoint": "opd_store.opd.load",
     "OPDConfig": "opd_store.opd.config",
     "migrate_legacy": "opd_store.opd.legacy",
     "AsyncCheckpointer": "opd_store.opd.async_save",
@@ -61,6 +64,7 @@ __all__ = [
     "migrate_legacy",
     "save_opd_checkpoint",
     "AmbiguousCommitError",
+    "BaseStore",
     "CheckpointInfo",
     "CheckpointNotFoundError",
     "CheckpointStore",
@@ -75,6 +79,7 @@ __all__ = [
     "PayloadWriter",
     "Problem",
     "ResumeMismatchError",
+    "RetentionError",
     "StoreUnreachableError",
     "TieredStore",
     "Transaction",

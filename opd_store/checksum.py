@@ -7,7 +7,7 @@ converting those to ``bytes`` would copy every tensor once more.
 
 Why this package: on the bench machine it checksums 1 GiB in ~0.15 s against ~0.30 s for the
 ``crc32c`` package (same values; ``python -m bench``'s checksum section measures both), which is the
-difference between ~4% and ~8% of a local 1 GiB save (issue 9's target: under 5%). ``google-crc32c``
+difference between ~4% and ~8% of a local 1 GiB save (the target is under 5%, docs/performance.md). ``google-crc32c``
 was also measured and refuses writable memoryviews, which is what tensor storage is.
 """
 

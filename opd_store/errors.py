@@ -51,27 +51,13 @@ class AmbiguousCommitError(CommitError):
 class StoragePermissionError(OpdStoreError, PermissionError):
     """The backend refused a request for lack of permission (credentials, bucket policy). The
     message names the backend operation that was refused (``CreateMultipartUpload``, ``UploadPart``,
-    ``PutObject`` on S3), the object URL and the step (issue 5, scenario 34)."""
+    ``PutObject`` on S3), the object URL and the step: a policy that allows ``PutObject`` but not
+    the multipart operations fails only for payloads above the upload block size, which is hard to
+    diagnose without the operation's name."""
 
-
-def backend_operation(exc: BaseException) -> str | None:
-    """The name of the backend API operation behind ``exc`` or one of its causes, if it has one.
-
-    botocore's ``ClientError`` carries ``operation_name``; s3fs re-raises it as a builtin
-    (``PermissionError``) with the ``ClientError`` as ``__cause__``.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        name = getattr(current, "operation_name", None)
-        if isinstance(name, str) and name:
-            return name
-        current = current.__cause__ or current.__context__
-    return None
 
 class RankFailedError(OpdStoreError, OSError):
-    """A collective operation of a multi-rank job failed on one or more ranks (issue 7).
+    """A collective operation of a multi-rank job failed on one or more ranks.
 
     Raised with the same message on every rank, so no rank carries on alone. On a failing rank the
     local exception is the ``__cause__``.
@@ -108,9 +94,10 @@ class StoreUnreachableError(OpdStoreError, OSError):
 
 
 class UploadError(OpdStoreError, OSError):
-    """A tiered store's background upload of a locally committed step to the bucket failed
-    (issue 8, item 3). The step stays committed in the local tier and is not durable; the
-    backend's or the copy's error is the ``__cause__``."""
+    """A tiered store's background work failed: the upload of a locally committed step to the
+    bucket, or a retention pass run after one. An upload failure leaves the step committed in the
+    local tier and not durable; the backend's, the copy's or the retention pass's error is the
+    ``__cause__``."""
 
 
 class ResumeMismatchError(OpdStoreError, ValueError):
@@ -122,8 +109,30 @@ class UnsafeCheckpointError(OpdStoreError, ValueError):
 
 
 class BackgroundSaveError(OpdStoreError, OSError):
-    """An asynchronous save failed in the background; reported at the next save or at close
-    (issue 8; the original exception is ``__cause__``). Nothing of that step was committed."""
+    """An asynchronous save failed in the background; reported at the next save, ``wait`` or
+    ``close`` (the original exception is ``__cause__``). Nothing of that step was committed,
+    unless the cause is a :class:`RetentionError` (the step committed; the retention pass after it
+    failed)."""
+
+
+class RetentionError(OpdStoreError, OSError):
+    """A retention pass could not run or failed part-way, after the checkpoint it followed was
+    committed. The committed checkpoint is intact (``url``); steps deleted before the failure stay
+    deleted, and a step whose deletion was interrupted is left ``uncommitted`` at worst (its
+    manifest goes first). The next pass, or ``opd-store gc``, finishes the job. The backend's
+    error is the ``__cause__``.
+
+    Attributes:
+        url (str | None): the committed checkpoint the pass followed, when there is one.
+    """
+
+    url: str | None = None
+
+    @classmethod
+    def after(cls, message: str, *, url: str | None) -> "RetentionError":
+        error = cls(message)  # one argument: OSError would read two as (errno, strerror)
+        error.url = url
+        return error
 
 
 class SaveInFlightError(OpdStoreError, RuntimeError):
@@ -152,9 +161,9 @@ __all__ = [
     "OpdStoreError",
     "RankFailedError",
     "ResumeMismatchError",
+    "RetentionError",
     "StoragePermissionError",
     "StoreUnreachableError",
-    "backend_operation",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
     "UploadError",

@@ -24,7 +24,8 @@ _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _ATTEMPT_RE = re.compile(r"^attempt-(\d{8}T\d{6}Z)-([0-9a-f]{12})$")
 # Characters refused in payload names: path tricks (backslash), glob / URL syntax that some fsspec
 # backends would interpret (field notes: "keys with glob characters misread as patterns"), ":" (a
-# protocol such as "s3://" or "file:", a Windows drive) and every control character (issue 5).
+# protocol such as "s3://" or "file:", a Windows drive) and every control character (a hostile
+# manifest must not name an object outside its attempt prefix).
 _FORBIDDEN_NAME_CHARS = set("\\*?[]{}#:") | {chr(code) for code in range(32)} | {"\x7f"}
 
 
@@ -88,7 +89,7 @@ def check_payload_name(name: str) -> str:
     points 0-31 and 127). This keeps a hostile manifest from naming objects outside its attempt
     prefix: no parent components, no absolute paths, no other protocol (``s3://``, ``file:``), no
     Windows separators or drives, no empty segments (``a//b``), no names a backend would read as
-    a pattern (issue 5).
+    a pattern.
 
     Raises:
         ValueError: the name is not a safe relative name.

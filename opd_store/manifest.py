@@ -21,8 +21,8 @@ MANIFEST_FORMAT = "opd_store.manifest"
 MANIFEST_FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 8 << 20
 """Largest manifest accepted, written or read: 8 MiB. A manifest of 10,000 payloads is about
-2 MiB; the limit keeps a hostile or damaged object from costing unbounded memory and time
-(issue 5). Readers fetch at most this many bytes plus one."""
+2 MiB; the limit keeps a hostile or damaged object from costing unbounded memory and time.
+Readers fetch at most this many bytes plus one."""
 _HEX8 = re.compile(r"^[0-9a-f]{8}$")
 
 

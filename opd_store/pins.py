@@ -1,4 +1,4 @@
-"""Pins: steps that retention and garbage collection never delete (issue 6).
+"""Pins: steps that retention and garbage collection never delete.
 
 A pin is one small JSON object ``pins/step-NNNNNN.json`` beside (not inside) the step prefixes:
 
@@ -20,7 +20,9 @@ import socket
 
 from .errors import CheckpointNotFoundError
 from .layout import parse_step_dirname, step_dirname
-from .store import COMPLETE, CORRUPT, INCOMPLETE, LEGACY, CheckpointStore
+from .status import COMPLETE, CORRUPT, INCOMPLETE, LEGACY
+from .storage.backend_errors import Meaning, classify
+from .store import CheckpointStore
 
 PINS_DIR = "pins"
 _SUFFIX = ".json"
@@ -69,8 +71,10 @@ def pin(store: CheckpointStore, step: int, *, reason: str = "") -> bool:
     }
     try:
         store.storage.create_exclusive(pin_rel(step), (json.dumps(body, indent=1) + "\n").encode("utf-8"))
-    except FileExistsError:
-        return False
+    except Exception as exc:  # noqa: BLE001 - a lost create race means the pin is there already
+        if classify(exc) is Meaning.LOST_RACE:
+            return False
+        raise
     return True
 
 

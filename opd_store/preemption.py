@@ -1,4 +1,4 @@
-"""Preemption notices as a flag the training loop checks (issue 8, item 2).
+"""Preemption notices as a flag the training loop checks.
 
 Spot capacity is taken back with little warning: GCE sends an ACPI shutdown (the guest sees
 SIGTERM) and sets the ``preempted`` metadata value, then stops the VM 30 s later; AWS posts a spot

@@ -1,22 +1,25 @@
-"""Retention policies: which checkpoints to keep, as pure functions over a list of steps (issue 6).
+"""Retention policies: which checkpoints to keep, as pure functions over a list of steps.
 
-Nothing here does I/O. :func:`plan_retention` takes one :class:`StepRecord` per step prefix (built
-from a listing by :mod:`opd_store.gc`) and returns a :class:`RetentionPlan`; the executor in
-:mod:`opd_store.gc` deletes exactly the plan's ``delete`` steps, manifest first.
+Nothing here does I/O. :func:`plan_retention` takes one :class:`StepRecord` per step prefix and the
+steps that must be protected, and returns a :class:`RetentionPlan`; the one executor,
+:func:`opd_store.pruning.apply_retention`, gathers that input from a store and deletes exactly the
+plan's ``delete`` steps, manifest first.
 
-Rules (issue 6, "Retention and garbage collection"):
+Rules (docs/cli.md, "Retention rules"):
 
 * ``keep_last=N`` keeps the N newest **complete** steps. Incomplete, corrupt, legacy or
-  uncommitted steps never count, so damaged newer steps never push a good one out (issue 5,
-  scenario 30).
+  uncommitted steps never count, so damaged newer steps never push a good one out (the bug this
+  prevents: two half-written newest checkpoints making retention delete the last good one).
 * ``keep_every=K`` keeps every complete step whose number is a multiple of K.
 * Both together keep the union. A policy with neither keeps everything.
-* Never deleted, whatever the policy: the step just committed; the newest complete step; pinned
-  steps; the step a run resumed from (its *parent*, recorded in the manifests of the run) until
-  that run has committed a second complete step newer than it (issue 5, scenario 29).
+* Never deleted, whatever the policy (the *protected* steps): the step just committed; the newest
+  complete step; pinned steps; steps that are not durable yet (a tiered store's local steps whose
+  upload has not landed: deleting one would lose its only copy); the step a run resumed from (its
+  *parent*, recorded in the manifests of the run) until that run has committed a second complete
+  step newer than it (a resumed run that dies before its second save must still find its start).
 * Only complete, manifest-committed steps are ever deleted. Damaged steps (``incomplete``,
   ``corrupt``) are kept for inspection and reported; ``legacy`` steps and anything without our
-  manifest (a checkpoint copied in by another tool, issue 5 scenario 31) are never touched.
+  manifest (a checkpoint copied in by another tool) are never touched.
 """
 
 from __future__ import annotations
@@ -24,8 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-# Status names, as in opd_store.store (repeated to keep this module free of imports).
-_COMPLETE = "complete"
+from .status import COMPLETE as _COMPLETE
 
 # Reasons a step is kept (values of RetentionPlan.keep).
 KEEP_LAST = "keep-last"
@@ -34,6 +36,7 @@ KEEP_NEWEST = "newest-complete"
 KEEP_JUST_COMMITTED = "just-committed"
 KEEP_PINNED = "pinned"
 KEEP_PARENT = "resume-parent"
+KEEP_NOT_DURABLE = "not-durable"
 KEEP_ALL = "no-policy"
 
 
@@ -143,7 +146,7 @@ def protected_parents(records: Iterable[StepRecord], *, current_run: tuple[str, 
     A run ``R`` that resumed from step ``P`` records ``run_id=R`` and ``parent_step=P`` in each of
     its manifests. ``P`` stays protected until ``R`` has committed two complete steps newer than
     ``P`` (its first checkpoint after the resume, then a newer one), so a resumed run can always
-    go back to where it started until it has a checkpoint to spare (issue 6).
+    go back to where it started until it has a checkpoint to spare.
 
     Args:
         records (Iterable[StepRecord]): the store's steps.
@@ -176,6 +179,7 @@ def plan_retention(
     pinned: Iterable[int] = (),
     just_committed: int | None = None,
     current_run: tuple[str, int | None] | None = None,
+    not_durable: Iterable[int] = (),
 ) -> RetentionPlan:
     """Decide which steps a policy keeps and deletes. Pure: no I/O, same input, same plan.
 
@@ -184,6 +188,8 @@ def plan_retention(
         policy (RetentionPolicy): keep-last / keep-every.
         pinned (Iterable[int]): pinned steps (never deleted).
         just_committed (int | None): the step the caller has just committed (never deleted).
+        not_durable (Iterable[int]): steps whose only durable copy is not made yet (never
+            deleted; a tiered store's local steps that are not in the bucket).
         current_run (tuple[str, int | None] | None): ``(run_id, parent_step)`` of the calling run;
             see :func:`protected_parents`.
 
@@ -215,6 +221,8 @@ def plan_retention(
         add(just_committed, KEEP_JUST_COMMITTED)
     for step in sorted(set(pinned)):
         add(step, KEEP_PINNED)
+    for step in sorted(set(not_durable)):
+        add(step, KEEP_NOT_DURABLE)
     for step in sorted(protected_parents(by_step.values(), current_run=current_run)):
         add(step, KEEP_PARENT)
 
@@ -234,6 +242,7 @@ __all__ = [
     "KEEP_JUST_COMMITTED",
     "KEEP_LAST",
     "KEEP_NEWEST",
+    "KEEP_NOT_DURABLE",
     "KEEP_PARENT",
     "KEEP_PINNED",
     "RetentionPlan",

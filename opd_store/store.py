@@ -9,116 +9,47 @@ the backend as it is now (see :mod:`opd_store.storage.base`).
 
 from __future__ import annotations
 
-import dataclasses
-import datetime as _dt
 import io
 import logging
 import os
 from typing import Any, BinaryIO
 
-from .checksum import crc32c_hex
-from .errors import (
-    CheckpointNotFoundError,
-    CommitConflictError,
-    IncompleteCheckpointError,
-    IntegrityError,
-    ManifestError,
-    UnsupportedBackendError,
-)
+from .errors import CheckpointNotFoundError, CommitConflictError, UnsupportedBackendError
 from .layout import (
     LEGACY_MARKER,
     MANIFEST_NAME,
     attempt_created_secs,
-    check_payload_name,
     is_attempt_id,
     new_attempt_id,
     parse_step_dirname,
     step_dirname,
 )
-from .manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .manifest import Manifest
+from .status import (
+    COMPLETE,
+    CORRUPT,
+    INCOMPLETE,
+    LEGACY,
+    UNCOMMITTED,
+    CheckpointInfo,
+    Problem,
+    StepState,
+    VerifyReport,
+    checkpoint_info,
+    objects_by_step,
+    read_manifest,
+    step_state,
+)
 from .storage import Storage, open_storage
-from .transaction import PartTransaction, Transaction
+from .store_api import BaseStore, DurableHook, RetentionTier
+from .part_transaction import PartTransaction
+from .transaction import Transaction
+from .verified_reads import open_payload, read_legacy, verify_step
 
 logger = logging.getLogger("opd_store.store")
 
-COMPLETE = "complete"
-INCOMPLETE = "incomplete"
-CORRUPT = "corrupt"
-LEGACY = "legacy"
-UNCOMMITTED = "uncommitted"
 
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One defect found in a checkpoint.
-
-    Attributes:
-        name: payload name (or ``manifest.json``).
-        kind: ``missing``, ``size``, ``checksum``, ``manifest`` or ``legacy``.
-        detail: human-readable description with expected and actual values.
-    """
-
-    name: str
-    kind: str
-    detail: str
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyReport:
-    """Result of :meth:`CheckpointStore.verify`.
-
-    Attributes:
-        url: checkpoint URL.
-        step: its step.
-        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
-        deep: whether checksums were recomputed.
-        checked_objects: number of payload objects examined.
-        problems: every defect found (empty when ``ok``).
-    """
-
-    url: str
-    step: int
-    status: str
-    deep: bool
-    checked_objects: int
-    problems: tuple[Problem, ...]
-
-    @property
-    def ok(self) -> bool:
-        """True when the checkpoint is complete and no problem was found."""
-        return self.status in (COMPLETE, LEGACY) and not self.problems
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """One step of a store as seen by :meth:`CheckpointStore.checkpoints`.
-
-    Attributes:
-        step: the step.
-        url: checkpoint URL (its step prefix).
-        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
-        manifest: the parsed manifest, when there is a readable one.
-        created_at: commit time (UTC) from the manifest, else ``None``.
-        total_size_bytes: bytes of every object under the step prefix.
-        attempts: attempt ids present under the step (committed and leftover).
-        problems: why the step is not complete.
-    """
-
-    step: int
-    url: str
-    status: str
-    manifest: Manifest | None
-    created_at: _dt.datetime | None
-    total_size_bytes: int
-    attempts: tuple[str, ...]
-    problems: tuple[Problem, ...]
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        return dict(self.manifest.metadata) if self.manifest else {}
-
-
-class CheckpointStore:
+class CheckpointStore(BaseStore):
     """Checkpoints under one URL, committed by write-then-commit-manifest.
 
     Args:
@@ -142,15 +73,20 @@ class CheckpointStore:
         allow_check_then_put: bool = False,
     ) -> None:
         self.storage = open_storage(url, storage_options, allow_check_then_put=allow_check_then_put)
-        self.storage_options = dict(storage_options or {})
+        self._storage_options = dict(storage_options or {})
 
     @classmethod
     def from_storage(cls, storage: Storage) -> "CheckpointStore":
         """A store over an already built :class:`~opd_store.storage.Storage` (tests wrap one)."""
         store = cls.__new__(cls)
         store.storage = storage
-        store.storage_options = {}
+        store._storage_options = {}
         return store
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options the store was opened with."""
+        return self._storage_options
 
     @property
     def url(self) -> str:
@@ -195,79 +131,41 @@ class CheckpointStore:
                     steps.add(step)
         return sorted(steps)
 
-    def checkpoints(self) -> list["CheckpointInfo"]:
+    def checkpoints(self) -> list[CheckpointInfo]:
         """Every step prefix with its status, ascending.
 
         One recursive listing plus one manifest read per committed step. Uncommitted prefixes
         (a save in progress, or a killed one) appear with status ``uncommitted``.
         """
         by_step = objects_by_step(self.storage.list_tree(""))
-        return [self._info(step, objects) for step, objects in sorted(by_step.items())]
-
-    def _info(self, step: int, objects: dict[str, int]) -> CheckpointInfo:
-        attempts = tuple(sorted({p.split("/", 1)[0] for p in objects if is_attempt_id(p.split("/", 1)[0])}))
-        status, manifest, problems = self._status(step, objects)
-        return CheckpointInfo(
-            step=step,
-            url=self.step_url(step),
-            status=status,
-            manifest=manifest,
-            created_at=manifest.created_at if manifest else None,
-            total_size_bytes=sum(objects.values()),
-            attempts=attempts,
-            problems=tuple(problems),
-        )
+        return [checkpoint_info(self.storage, step, objects) for step, objects in sorted(by_step.items())]
 
     # -- completeness ------------------------------------------------------------------------
-    def _read_manifest(self, step: int) -> Manifest | None:
-        rel = f"{step_dirname(step)}/{MANIFEST_NAME}"
-        try:
-            data = self.storage.read_bytes(rel, small=True, max_bytes=MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            return None
-        return parse_manifest(data, url=self.storage.url(rel), expected_step=step)
+    def find_manifest(self, step: int) -> Manifest | None:
+        """The parsed manifest of ``step``, or ``None`` when it has none (one small read).
 
-    def _status(
-        self, step: int, objects: dict[str, int] | None = None
-    ) -> tuple[str, Manifest | None, list[Problem]]:
-        """(status, manifest, problems) of one step.
-
-        ``objects`` is the step's listing (relative to the step prefix) when the caller already
-        has it; otherwise the committed attempt's prefix is listed (one request).
+        Raises:
+            ManifestError: the manifest exists but does not parse or names another step.
         """
-        try:
-            manifest = self._read_manifest(step)
-        except ManifestError as exc:
-            return CORRUPT, None, [Problem(MANIFEST_NAME, "manifest", str(exc))]
-        if manifest is None:
-            if objects is not None:
-                legacy = LEGACY_MARKER in objects
-            else:
-                legacy = self.storage.size(f"{step_dirname(step)}/{LEGACY_MARKER}") is not None
-            if legacy:
-                return LEGACY, None, []
-            return UNCOMMITTED, None, [Problem(MANIFEST_NAME, "missing", "no manifest: the step was never committed")]
-        if objects is None:
-            listed = self.storage.list_tree(f"{step_dirname(step)}/{manifest.attempt_id}")
-            objects = {f"{manifest.attempt_id}/{name}": size for name, size in listed.items()}
-        problems = []
-        for entry in manifest.payloads:
-            actual = objects.get(entry.path)
-            if actual is None:
-                problems.append(Problem(entry.name, "missing", f"{entry.path} is listed in the manifest but absent"))
-            elif actual != entry.size_bytes:
-                problems.append(
-                    Problem(entry.name, "size", f"{entry.path}: expected {entry.size_bytes} bytes, found {actual}")
-                )
-        return (INCOMPLETE if problems else COMPLETE), manifest, problems
+        return read_manifest(self.storage, step)
+
+    def step_state(self, step: int, objects: dict[str, int] | None = None) -> StepState:
+        """Status, manifest and problems of one step (see :func:`opd_store.status.step_state`).
+
+        Args:
+            step (int): the step.
+            objects (dict[str, int] | None): the step's listing (paths under the step prefix) when
+                the caller already has it; otherwise the committed attempt is listed (one request).
+        """
+        return step_state(self.storage, step, objects)
 
     def is_complete(self, step: int) -> bool:
         """True when ``step`` has a parseable manifest and every object it lists with its size."""
-        return self._status(step)[0] == COMPLETE
+        return self.step_state(step).status == COMPLETE
 
     def status(self, step: int) -> str:
         """``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted`` (nothing there too)."""
-        return self._status(step)[0]
+        return self.step_state(step).status
 
     def latest_step(self, *, include_legacy: bool = False) -> int:
         """The newest complete step.
@@ -285,7 +183,8 @@ class CheckpointStore:
         """
         skipped: list[str] = []
         for step in reversed(self._step_prefixes()):
-            status, _manifest, problems = self._status(step)
+            state = self.step_state(step)
+            status, problems = state.status, state.problems
             if status == COMPLETE or (include_legacy and status == LEGACY):
                 for line in skipped:
                     logger.warning("latest_step(%s): skipped %s", self.url, line)
@@ -295,6 +194,12 @@ class CheckpointStore:
             f"no complete checkpoint in {self.url}" + (f" (skipped: {', '.join(skipped)})" if skipped else "")
         )
 
+    def holds_step(self, step: int) -> bool:
+        """True when ``step`` has a manifest or a legacy marker, whatever its status (one
+        delimiter listing of the step prefix: one request on S3 and GCS)."""
+        _prefixes, files = self.storage.list_children(step_dirname(step))
+        return MANIFEST_NAME in files or LEGACY_MARKER in files
+
     def manifest(self, step: int) -> Manifest:
         """The parsed manifest of ``step``.
 
@@ -302,7 +207,7 @@ class CheckpointStore:
             CheckpointNotFoundError: ``step`` has no manifest.
             ManifestError: the manifest does not parse or names another step.
         """
-        manifest = self._read_manifest(step)
+        manifest = self.find_manifest(step)
         if manifest is None:
             raise CheckpointNotFoundError(f"no manifest for step {step} at {self.step_url(step)}")
         return manifest
@@ -315,7 +220,7 @@ class CheckpointStore:
             CheckpointNotFoundError: neither a manifest nor a legacy checkpoint at ``step``.
             ManifestError: unreadable manifest.
         """
-        manifest = self._read_manifest(step)
+        manifest = self.find_manifest(step)
         if manifest is not None:
             return [entry.name for entry in manifest.payloads]
         objects = self.storage.list_tree(step_dirname(step))
@@ -346,76 +251,23 @@ class CheckpointStore:
         with self.open(step, name, manifest=manifest) as reader:
             return reader.read()
 
-    def _read_legacy(self, step: int, name: str) -> bytes:
-        check_payload_name(name)  # no manifest to look the name up in: never leave the step prefix
-        prefix = step_dirname(step)
-        if self.storage.size(f"{prefix}/{LEGACY_MARKER}") is None:
-            raise CheckpointNotFoundError(f"no checkpoint at {self.step_url(step)} (no manifest, no {LEGACY_MARKER})")
-        try:
-            return self.storage.read_bytes(f"{prefix}/{name}")
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"legacy step {step} at {self.step_url(step)} has no file {name!r}") from exc
-
     def open(self, step: int, name: str, *, manifest: Manifest | None = None) -> BinaryIO:
-        """A seekable binary reader over the verified bytes of a payload (see :meth:`read`).
-
-        The whole object is checked against the manifest before the reader is returned, which is
-        what ``torch.load`` needs (it seeks around the zip archive). Remote objects are fetched
-        whole in one request (ranged reads through s3fs fetched 2.7x the bytes, field notes) and
-        served from memory; local files are checksummed through a read-only memory map and the
-        file itself is returned, so a load reads the page cache once more instead of copying.
-        Payload objects are never rewritten after their commit (each attempt has its own prefix).
+        """A seekable binary reader over the verified bytes of a payload (see :meth:`read` and
+        :func:`opd_store.verified_reads.open_payload`).
 
         Raises:
             CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, ManifestError:
                 as :meth:`read`.
         """
         if manifest is None:
-            manifest = self._read_manifest(step)
+            manifest = self.find_manifest(step)
             if manifest is None:
-                return io.BytesIO(self._read_legacy(step, name))
-        elif manifest.step != step:
-            raise ValueError(f"the manifest given for step {step} is the manifest of step {manifest.step}")
-        entry = manifest.entry(name)
-        if entry is None:
-            raise CheckpointNotFoundError(f"step {step} at {self.step_url(step)} has no payload {name!r}")
-        rel = f"{step_dirname(step)}/{entry.path}"
-        url = self.storage.url(rel)
-        try:
-            reader, size_bytes, crc = self.storage.open_checked(rel)
-        except FileNotFoundError as exc:
-            raise IncompleteCheckpointError(f"step {step}: payload {name!r} listed in the manifest is missing at {url}") from exc
-        if size_bytes != entry.size_bytes or crc != entry.crc32c:
-            reader.close()
-            what = (f"has {size_bytes} bytes, manifest says {entry.size_bytes}" if size_bytes != entry.size_bytes
-                    else f"has crc32c {crc}, manifest says {entry.crc32c}")
-            raise IntegrityError(f"step {step}: payload {name!r} at {url} {what}")
-        return reader
+                return io.BytesIO(read_legacy(self.storage, step, name))
+        return open_payload(self.storage, step, name, manifest)
 
     def verify(self, step: int, *, deep: bool = False) -> VerifyReport:
         """Check one step: sizes of every listed object, and with ``deep`` their CRC32C too."""
-        status, manifest, problems = self._status(step)
-        checked = len(manifest.payloads) if manifest else 0
-        if deep and manifest is not None:
-            prefix = step_dirname(step)
-            for entry in manifest.payloads:
-                if any(p.name == entry.name for p in problems):
-                    continue
-                rel = f"{prefix}/{entry.path}"
-                try:
-                    actual = crc32c_hex(self.storage.read_bytes(rel))
-                except FileNotFoundError:
-                    problems.append(Problem(entry.name, "missing", f"{entry.path} vanished while verifying"))
-                    continue
-                if actual != entry.crc32c:
-                    problems.append(
-                        Problem(entry.name, "checksum", f"{entry.path}: expected crc32c {entry.crc32c}, found {actual}")
-                    )
-            if problems and status == COMPLETE:
-                status = CORRUPT
-        return VerifyReport(
-            url=self.step_url(step), step=step, status=status, deep=deep, checked_objects=checked, problems=tuple(problems)
-        )
+        return verify_step(self.storage, step, self.step_state(step), deep=deep)
 
     # -- writes ------------------------------------------------------------------------------
     def begin(
@@ -467,10 +319,10 @@ class CheckpointStore:
         )
 
     def begin_part(self, step: int, *, attempt_id: str, rank: int, world_size: int) -> PartTransaction:
-        """Start one rank's part of a multi-rank save under the committing rank's attempt (issue 7).
+        """Start one rank's part of a multi-rank save under the committing rank's attempt.
 
         The part writes payloads under ``step-NNNNNN/<attempt_id>/`` and never a manifest; its
-        :meth:`~opd_store.transaction.PartTransaction.seal` returns the entries the committing rank
+        :meth:`~opd_store.part_transaction.PartTransaction.seal` returns the entries the committing rank
         passes to :meth:`~opd_store.transaction.Transaction.add_entry` before it commits.
 
         Args:
@@ -504,47 +356,45 @@ class CheckpointStore:
         created = attempt_created_secs(attempt_id)
         return None if created is None else now_secs - created
 
+    # -- durability: a committed step of a plain store is durable --------------------------------
+    def durable_steps(self) -> list[int]:
+        """Complete steps, ascending (committed is durable here)."""
+        return [info.step for info in self.checkpoints() if info.status == COMPLETE]
 
-def objects_by_step(tree: dict[str, int]) -> dict[int, dict[str, int]]:
-    """Group a recursive listing of the store root (relative path -> size in bytes) by step:
-    ``{step: {path under step-NNNNNN/: size_bytes}}``; objects outside step prefixes are left out.
-    """
-    by_step: dict[int, dict[str, int]] = {}
-    for path, size in tree.items():
-        head, _, tail = path.partition("/")
-        step = parse_step_dirname(head)
-        if step is not None and tail:
-            by_step.setdefault(step, {})[tail] = size
-    return by_step
+    def latest_durable_step(self) -> int:
+        """:meth:`latest_step` (committed is durable here).
 
+        Raises:
+            CheckpointNotFoundError: no complete step.
+        """
+        return self.latest_step()
 
-def as_store(
-    target: "CheckpointStore | str | os.PathLike", storage_options: dict[str, Any] | None = None
-) -> CheckpointStore:
-    """Return ``target`` if it is a store, else open a store at that path or URL."""
-    if isinstance(target, CheckpointStore):
-        return target
-    return CheckpointStore(target, storage_options=storage_options)
+    def is_durable(self, step: int) -> bool:
+        """:meth:`is_complete` (committed is durable here)."""
+        return self.is_complete(step)
 
+    def when_durable(self, step: int, hook: DurableHook) -> None:
+        """Run ``hook(self)`` now, in the calling thread: a committed step is durable here. Its
+        exception propagates to the caller."""
+        hook(self)
 
-def split_checkpoint_url(
-    checkpoint: str | os.PathLike, storage_options: dict[str, Any] | None = None
-) -> tuple[CheckpointStore, int]:
-    """Split a checkpoint URL (``.../step-000042``) into its store and step.
+    def upload_pending(self) -> list[int]:
+        """Nothing: a plain store uploads nothing in the background. Returns ``[]``."""
+        return []
 
-    Raises:
-        ValueError: the last component is not a canonical ``step-NNNNNN`` name.
-    """
-    text = os.fspath(checkpoint).rstrip("/")
-    if "://" not in text:
-        text = os.path.abspath(text)  # a local path, relative or at "/", as the seed's Path allowed
-    parent, _, last = text.rpartition("/")
-    step = parse_step_dirname(last)
-    if step is None:
-        raise ValueError(f"not a checkpoint URL (expected .../step-NNNNNN): {text}")
-    if parent.endswith(":/") or parent.endswith(":"):
-        raise ValueError(f"not a checkpoint URL (no store root): {text}")
-    return CheckpointStore(parent or "/", storage_options=storage_options), step
+    def flush(self, timeout_secs: float | None = None) -> None:
+        """Nothing to wait for: every commit of a plain store is durable when it returns."""
+
+    def close(self, timeout_secs: float | None = None) -> None:
+        """Nothing to release: a plain store holds no background work (reads and saves go on)."""
+
+    def retention_tiers(self, policy: Any) -> list[RetentionTier]:
+        """One tier: this store, with ``policy``."""
+        return [RetentionTier(self, policy)]
+
+    def check_save_retention(self, policy: Any) -> None:
+        """Accept any policy: a plain store applies no retention of its own."""
+
 
 
 __all__ = [
@@ -553,11 +403,11 @@ __all__ = [
     "INCOMPLETE",
     "LEGACY",
     "UNCOMMITTED",
+    "BaseStore",
     "CheckpointInfo",
     "CheckpointStore",
     "Problem",
+    "StepState",
     "VerifyReport",
-    "as_store",
     "objects_by_step",
-    "split_checkpoint_url",
 ]

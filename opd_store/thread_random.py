@@ -2,7 +2,7 @@
 
 A synchronous save protects the global generators with
 :func:`~opd_store.opd.rng.preserve_global_rng`: the caller is blocked, so whatever the save draws
-is undone before the caller draws again. An asynchronous save (issue 8) writes while training runs,
+is undone before the caller draws again. An asynchronous save (or a tier upload) writes while training runs,
 so undoing is impossible; instead the draws must not reach the caller's generator at all.
 
 The known drawers during a write are retry back-offs that call ``random.random()`` through the
@@ -85,8 +85,9 @@ def route_background_random() -> Iterator[None]:
     Re-entrant and safe with several concurrent writers (reference counted). Threads other than
     these two, the training thread included, keep drawing from the shared instance unchanged.
 
-    Rule source: issue 3, item 1 (a save never moves the training's random streams) and issue 8
-    (it must hold for the caller's thread while the save runs in the background).
+    Rule source: the seed's exact-resume contract (a save never moves the training's random
+    streams, or a resumed run diverges from an uninterrupted one), which must hold for the
+    caller's thread while a save runs in the background too.
     """
     global _depth
     fsspec_thread = _fsspec_loop_thread()

@@ -2,7 +2,7 @@
 
 ``torch.save`` writes a zip archive and, by default, computes a CRC-32 of every record with a
 software routine that runs at about 0.4 GiB/s on the benchmark machine: 2.5 s of CPU per GiB, a
-third or more of a local 1 GiB save (issue 2, ``bench/results/``). A store payload already gets a
+third or more of a local 1 GiB save (docs/performance.md, ``bench/results/``). A store payload already gets a
 CRC32C computed while it streams (hardware, ~3.5 GiB/s) and checked on every read through the
 store, so the zip CRC-32 adds no protection there. ``torch.load`` does not check the zip CRC-32
 (PyTorch documents that archives written without it still load); generic zip tools (``unzip -t``,

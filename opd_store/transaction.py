@@ -18,22 +18,21 @@ import datetime as _dt
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from .checksum import Crc32c
 from .errors import (
     AmbiguousCommitError,
     CommitConflictError,
     CommitError,
     IncompleteCheckpointError,
     ManifestError,
-    OpdStoreError,
-    StoragePermissionError,
     UnsupportedBackendError,
-    backend_operation,
 )
-from .layout import MANIFEST_NAME, check_payload_name, step_dirname
+from .attempt import Attempt
+from .layout import MANIFEST_NAME
 from .manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, parse_manifest
+from .payload_writer import PayloadWriter
+from .storage.backend_errors import Meaning, classify, is_missing
 
 if TYPE_CHECKING:
     from .storage import Storage
@@ -41,157 +40,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("opd_store.transaction")
 
 
-class PayloadWriter:
-    """A write-only binary file for one payload; checksums bytes as they stream through.
-
-    ``torch.save(obj, writer)`` streams straight into the backend object: no full serialised copy
-    is held in memory (s3fs/gcsfs buffer one upload block, local files write through).
-
-    Use as a context manager: a clean exit publishes the object and records its manifest entry; an
-    exception discards it.
-    """
-
-    def __init__(self, txn: "Transaction", name: str, rel: str, handle) -> None:
-        self._txn = txn
-        self.name = name
-        self._rel = rel
-        self._handle = handle
-        self._crc = Crc32c()
-        self._state = "open"
-        # The first backend error of a write(), raised by close(). torch.save cannot report an
-        # exception from write(): its zip writer then fails its own position check while writing
-        # the end records and raises "RuntimeError: unexpected pos", hiding the cause (found with
-        # a 403 on S3 multipart uploads, issue 5). So write() records the error and drops every
-        # later byte; close() discards the object and raises the error; nothing can publish.
-        self._write_error: Exception | None = None
-
-    # file protocol ------------------------------------------------------------------------
-    def write(self, data) -> int:
-        """Write a buffer (``bytes``, ``bytearray`` or ``memoryview``); return its byte count.
-
-        A backend failure (after the backend's own retries) is not raised here but by
-        :meth:`close` (or the ``with`` block's exit): ``torch.save`` cannot pass an exception from
-        ``write`` through its zip writer (it would report ``RuntimeError: unexpected pos``
-        instead). Bytes written after a failure are dropped; the payload is never published.
-
-        Raises:
-            ValueError: the writer is closed, aborted or failed.
-        """
-        if self._state != "open":
-            raise ValueError(f"write to a {self._state} payload writer {self.name!r}")
-        if self._write_error is not None:
-            return memoryview(data).nbytes  # dropped: this payload already failed (see __init__)
-        view = data if isinstance(data, memoryview) else memoryview(data)
-        if not view.c_contiguous:
-            view = memoryview(view.tobytes())
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        count = self._crc.update(view)
-        slice_bytes = self._txn.storage.write_slice_bytes  # zero-copy slices (see Storage)
-        try:
-            for offset in range(0, count, slice_bytes):
-                self._handle.write(view[offset:offset + slice_bytes])
-        except Exception as exc:  # noqa: BLE001 - raised by close(), see __init__
-            # A remote writer uploads as it goes (S3: CreateMultipartUpload, UploadPart).
-            self._write_error = exc
-            logger.debug("payload %s: write failed (%r); raised at close", self._rel, exc)
-        return count
-
-    def _denied(self, exc: PermissionError) -> PermissionError:
-        if isinstance(exc, OpdStoreError):
-            return exc
-        operation = backend_operation(exc) or "the write"
-        return StoragePermissionError(
-            f"{self._txn.storage.url(self._rel)}: permission denied: the backend refused {operation} while "
-            f"writing payload {self.name!r} of step {self._txn.step} ({exc}); step {self._txn.step} is not committed"
-        )
-
-    def tell(self) -> int:
-        return self._crc.size_bytes
-
-    def flush(self) -> None:
-        if self._state == "open" and self._write_error is None:
-            self._handle.flush()
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return self._state != "open"
-
-    @property
-    def size_bytes(self) -> int:
-        return self._crc.size_bytes
-
-    def close(self) -> None:
-        """Publish the object and record its entry (size_bytes, crc32c) in the transaction.
-
-        Raises:
-            StoragePermissionError: the backend refused an upload request, now or during an
-                earlier :meth:`write` (S3: the credentials may not ``CreateMultipartUpload`` or
-                ``UploadPart``); names the operation (issue 5, scenario 34).
-            OSError: any other backend failure, now or during an earlier :meth:`write`; the object
-                is discarded (no open multipart upload is left).
-        """
-        if self._state != "open":
-            return
-        if self._write_error is not None:
-            failed = self._write_error
-            self.abort()
-            if isinstance(failed, PermissionError):
-                raise self._denied(failed) from failed
-            raise failed
-        try:
-            self._txn.storage.finish_write(self._handle, self._rel)
-        except BaseException as exc:
-            self._state = "failed"
-            self._txn._writer_failed(self)
-            # A failed publish must leave nothing that could publish later or keep costing (an
-            # open S3 multipart upload whose completion failed): discard the handle, best effort.
-            try:
-                self._txn.storage.abort_write(self._handle, self._rel)
-            except Exception:  # noqa: BLE001 - the close error is the one to report
-                logger.warning("could not discard the failed payload writer %s", self._rel, exc_info=True)
-            if isinstance(exc, PermissionError) and not isinstance(exc, OpdStoreError):
-                raise self._denied(exc) from exc
-            raise
-        self._state = "closed"
-        self._txn._record(
-            PayloadEntry(
-                name=self.name,
-                path=f"{self._txn.attempt_id}/{self.name}",
-                size_bytes=self._crc.size_bytes,
-                crc32c=self._crc.hexdigest(),
-            ),
-            self,
-        )
-
-    def abort(self) -> None:
-        """Discard the object without publishing it."""
-        if self._state != "open":
-            return
-        self._state = "aborted"
-        self._txn.storage.abort_write(self._handle, self._rel)
-        self._txn._writer_failed(self)
-
-    def __enter__(self) -> "PayloadWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
-class Transaction:
-    """A save attempt of one step. Created by :meth:`CheckpointStore.begin`.
+class Transaction(Attempt):
+    """A save attempt of one step that commits with a manifest. Created by :meth:`CheckpointStore.begin`.
 
     ``with store.begin(step) as txn:`` commits on a clean exit and aborts on an exception (the
     exception propagates; nothing is committed; committed steps are untouched).
@@ -215,44 +65,28 @@ class Transaction:
         metadata: dict[str, Any] | None = None,
         rank: int = 0,
     ) -> None:
-        self.storage = storage
-        self.step = step
-        self.attempt_id = attempt_id
-        self.world_size = world_size
+        super().__init__(storage, step, attempt_id, world_size=world_size, rank=rank)
         self.metadata: dict[str, Any] = dict(metadata or {})
-        self.rank = rank
-        self._step_rel = step_dirname(step)
-        self.url = storage.url(self._step_rel)
-        self._entries: dict[str, PayloadEntry] = {}
-        self._open: dict[str, PayloadWriter] = {}
-        self._failed: list[str] = []
-        self._state = "open"
+        self._before_commit: list[Callable[[], None]] = []
+        self._after_commit: list[Callable[[str], None]] = []
         self.committed_url: str | None = None
 
-    # payloads -----------------------------------------------------------------------------
-    def _payload_rel(self, name: str) -> str:
-        return f"{self._step_rel}/{self.attempt_id}/{name}"
+    def on_commit(self, *, before: Callable[[], None] | None = None,
+                  after: Callable[[str], None] | None = None) -> None:
+        """Register work around the commit (a tiered store's bucket check and upload).
 
-    def open(self, name: str) -> PayloadWriter:
-        """Open a writer for the payload ``name`` (relative, ``/``-separated).
-
-        Raises:
-            ValueError: unsafe name, a name already written or open, or the transaction is over.
+        Args:
+            before (Callable[[], None] | None): runs after the last payload, before the manifest
+                create; an exception it raises aborts the attempt (payloads deleted) and
+                propagates from :meth:`commit`.
+            after (Callable[[str], None] | None): runs with the committed URL once the manifest
+                landed; an exception it raises propagates from :meth:`commit` (the step stays
+                committed).
         """
-        self._require_open()
-        check_payload_name(name)
-        if name in self._entries or name in self._open:
-            raise ValueError(f"payload {name!r} is already part of {self.url} ({self.attempt_id})")
-        rel = self._payload_rel(name)
-        writer = PayloadWriter(self, name, rel, self.storage.open_write(rel))
-        self._open[name] = writer
-        return writer
-
-    def write_bytes(self, name: str, data) -> PayloadEntry:
-        """Write a whole payload from a buffer and return its entry."""
-        with self.open(name) as writer:
-            writer.write(data)
-        return self._entries[name]
+        if before is not None:
+            self._before_commit.append(before)
+        if after is not None:
+            self._after_commit.append(after)
 
     def add_entry(self, entry: PayloadEntry) -> None:
         """Record a payload written by another process under this attempt (multi-rank saves).
@@ -266,23 +100,6 @@ class Transaction:
         if entry.name in self._entries or entry.name in self._open:
             raise ValueError(f"payload {entry.name!r} is already part of {self.url}")
         self._entries[entry.name] = entry
-
-    @property
-    def entries(self) -> tuple[PayloadEntry, ...]:
-        """Entries of the payloads closed so far, in write order."""
-        return tuple(self._entries.values())
-
-    def _record(self, entry: PayloadEntry, writer: PayloadWriter) -> None:
-        self._open.pop(writer.name, None)
-        self._entries[entry.name] = entry
-
-    def _writer_failed(self, writer: PayloadWriter) -> None:
-        self._open.pop(writer.name, None)
-        self._failed.append(writer.name)
-
-    def _require_open(self) -> None:
-        if self._state != "open":
-            raise ValueError(f"transaction for {self.url} ({self.attempt_id}) is {self._state}")
 
     # commit -------------------------------------------------------------------------------
     def commit(self) -> str:
@@ -299,8 +116,18 @@ class Transaction:
             UnsupportedBackendError: no create-only write and no opt-in to check-then-put.
             CommitError: the create failed and the read-back found no manifest (payloads kept).
             AmbiguousCommitError: the create and the read-back both failed (payloads kept).
+            SaveAbandonedError: the attempt was cancelled (:meth:`cancel_when`); payloads deleted.
+            Whatever a ``before`` hook of :meth:`on_commit` raises (payloads deleted), or an
+            ``after`` hook raises (committed).
         """
         self._require_open()
+        self._check_cancelled()
+        for check in self._before_commit:
+            try:
+                check()
+            except BaseException:
+                self.abort()
+                raise
         if self._open or self._failed:
             names = sorted(self._open) + sorted(self._failed)
             self.abort()
@@ -333,19 +160,21 @@ class Transaction:
             self._state = "failed"
             self._discard_payloads()
             raise
-        except FileExistsError as exc:
-            self._settle(manifest_rel, exc, lost_race=True)
-        except Exception as exc:  # noqa: BLE001 - any other outcome is ambiguous until read back
-            self._settle(manifest_rel, exc, lost_race=False)
+        except Exception as exc:  # noqa: BLE001 - decided by the table of backend failures, then read back
+            # A refused create-only write (S3 412/409, GCS 412, EEXIST) is a lost race; any other
+            # failure may or may not have landed (a lost response, a retry into a 412).
+            self._settle(manifest_rel, exc, lost_race=classify(exc) is Meaning.LOST_RACE)
         self._state = "committed"
         self.committed_url = self.url
+        for hook in self._after_commit:
+            hook(self.url)
         return self.url
 
     def _check_stored_sizes(self) -> None:
         """Refuse to name a payload whose stored size differs from the bytes written to it.
 
         A backend (or a proxy, a FUSE mount, a buggy S3-compatible server) can report success for
-        a write yet store nothing or a short object (issue 5, scenario 37). Readers would find the
+        a write yet store nothing or a short object. Readers would find the
         step incomplete forever, while the save had reported success. One listing of the attempt
         prefix, just before the manifest is created, compares every entry's ``size_bytes`` with
         what the backend holds. Cost: one LIST request per 1,000 payloads on S3/GCS (one in
@@ -377,8 +206,6 @@ class Transaction:
             found = parse_manifest(
                 self.storage.read_bytes(manifest_rel, small=True, max_bytes=MAX_MANIFEST_BYTES), url=url, expected_step=self.step
             )
-        except FileNotFoundError:
-            found = None
         except ManifestError as bad:
             # Whatever that object is, it does not name this attempt's payloads.
             self._state = "failed"
@@ -387,12 +214,15 @@ class Transaction:
                 f"{self.url}: step {self.step} already holds an unreadable manifest ({bad}); "
                 f"attempt {self.attempt_id} was not committed"
             ) from exc
-        except Exception as read_exc:  # noqa: BLE001
-            self._state = "failed"
-            raise AmbiguousCommitError(
-                f"{self.url}: the manifest create for attempt {self.attempt_id} failed ({exc!r}) and "
-                f"reading it back failed too ({read_exc!r}); the step may or may not be committed"
-            ) from exc
+        except Exception as read_exc:  # noqa: BLE001 - no manifest is an answer; anything else is not
+            if is_missing(read_exc):
+                found = None
+            else:
+                self._state = "failed"
+                raise AmbiguousCommitError(
+                    f"{self.url}: the manifest create for attempt {self.attempt_id} failed ({exc!r}) and "
+                    f"reading it back failed too ({read_exc!r}); the step may or may not be committed"
+                ) from exc
         if found is not None and found.attempt_id == self.attempt_id:
             logger.warning("commit of %s reported %r but the manifest of attempt %s landed", self.url, exc, self.attempt_id)
             return
@@ -414,26 +244,6 @@ class Transaction:
             f"no manifest is there, so step {self.step} is not committed"
         ) from exc
 
-    # abort --------------------------------------------------------------------------------
-    def abort(self) -> None:
-        """Discard open writers and delete this attempt's payloads. Safe to call twice."""
-        if self._state in ("committed", "aborted"):
-            return
-        for writer in list(self._open.values()):
-            writer.abort()
-        self._state = "aborted"
-        self._discard_payloads()
-
-    def _discard_payloads(self) -> None:
-        # Only ever this attempt's own prefix, and only when no manifest names it.
-        try:
-            self.storage.delete_tree(f"{self._step_rel}/{self.attempt_id}")
-        except Exception:  # noqa: BLE001 - leftovers are harmless; gc removes them
-            logger.warning("could not delete payloads of aborted attempt %s at %s", self.attempt_id, self.url, exc_info=True)
-
-    def __enter__(self) -> "Transaction":
-        return self
-
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.commit()
@@ -441,70 +251,4 @@ class Transaction:
             self.abort()
 
 
-class PartTransaction(Transaction):
-    """One rank's part of a multi-rank save: payloads under a shared attempt, never a manifest.
-
-    Created by :meth:`CheckpointStore.begin_part` on every rank but the committing one (issue 7).
-    The payloads stream exactly as in a :class:`Transaction`; :meth:`seal` (a clean ``with`` exit)
-    makes them durable and returns their entries, which the rank sends to the committing rank; that
-    rank records them with :meth:`Transaction.add_entry` and creates the manifest. An exception
-    (or :meth:`abort`) deletes only this part's own payloads, never the other ranks'.
-
-    Rank obligations: the committing rank chose ``attempt_id`` (``store.begin``) and shares it;
-    payload names must not collide across ranks (``rng-rank-XX.pt`` does not).
-    """
-
-    def commit(self) -> str:  # noqa: D102 - refused: a part never commits
-        raise TypeError(
-            f"a part transaction of {self.url} ({self.attempt_id}, rank {self.rank}) cannot commit; "
-            "seal() it and send the entries to the committing rank"
-        )
-
-    def seal(self) -> tuple[PayloadEntry, ...]:
-        """Make this part's payloads durable (local stores fsync) and return their entries.
-
-        Raises:
-            IncompleteCheckpointError: a payload writer is still open or failed (the part's
-                payloads are deleted).
-            OSError: the durability sync failed (the part's payloads are deleted).
-        """
-        self._require_open()
-        if self._open or self._failed:
-            names = sorted(self._open) + sorted(self._failed)
-            self.abort()
-            raise IncompleteCheckpointError(
-                f"{self.url}: rank {self.rank} payloads {names} were never closed cleanly; its part is discarded"
-            )
-        try:
-            self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
-        except BaseException:
-            self.abort()
-            raise
-        self._state = "sealed"
-        return self.entries
-
-    def abort(self) -> None:
-        """Discard open writers and delete this part's own payloads. Safe to call twice."""
-        if self._state in ("aborted",):
-            return
-        for writer in list(self._open.values()):
-            writer.abort()
-        self._state = "aborted"
-        self._discard_payloads()
-
-    def _discard_payloads(self) -> None:
-        for entry in self._entries.values():
-            try:
-                self.storage.delete(f"{self._step_rel}/{entry.path}")
-            except Exception:  # noqa: BLE001 - leftovers are harmless; gc removes them
-                logger.warning("could not delete payload %s of rank %d at %s", entry.path, self.rank, self.url,
-                               exc_info=True)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.seal()
-        else:
-            self.abort()
-
-
-__all__ = ["PartTransaction", "PayloadWriter", "Transaction"]
+__all__ = ["PayloadWriter", "Transaction"]  # PayloadWriter: from opd_store.payload_writer

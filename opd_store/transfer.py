@@ -1,6 +1,6 @@
 """Copy one committed checkpoint between stores, committed at the destination with the same protocol.
 
-Used by ``opd-store cp`` and by tiered stores (issue 6). The copy streams payload by payload (never
+Used by ``opd-store cp`` and by the tiered store's uploads. The copy streams payload by payload (never
 a whole payload in memory): each source object is read in chunks straight into a destination
 payload writer, which checksums the bytes as they pass; a size or CRC32C that differs from the
 source manifest aborts the attempt before anything is committed. After the commit, the destination
@@ -11,13 +11,16 @@ fails that check is deleted again (manifest first) and reported.
 from __future__ import annotations
 
 import logging
+import threading
 
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
 from .checksum import Crc32c
-from .errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
+from .errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, SaveAbandonedError
 from .layout import step_dirname
-from .store import COMPLETE, LEGACY, CheckpointStore
+from .status import COMPLETE, LEGACY
+from .storage.backend_errors import is_missing
+from .store import CheckpointStore
 
 logger = logging.getLogger("opd_store.transfer")
 
@@ -31,6 +34,7 @@ def copy_checkpoint(
     *,
     callback: Callback | None = None,
     verify_deep: bool = True,
+    cancelled: threading.Event | None = None,
 ) -> str:
     """Copy the committed checkpoint ``step`` of ``src`` into ``dst`` and commit it there.
 
@@ -48,6 +52,9 @@ def copy_checkpoint(
             CRC32C (``opd-store cp``; default). ``False`` relies on the checks made while streaming
             (source CRC32C, the destination writer's own CRC32C and the commit's stored-size
             listing) and saves a second transfer of every byte: the local tier's uploads use it.
+        cancelled (threading.Event | None): once set, the copy stops before its commit (between
+            chunks at the latest) and raises :class:`~opd_store.errors.SaveAbandonedError`; the
+            destination attempt is deleted (the background worker's exit deadline).
 
     Returns:
         str: the committed destination checkpoint URL (``dst.step_url(step)``).
@@ -60,6 +67,7 @@ def copy_checkpoint(
             committed), or the committed destination copy fails deep verification (it is deleted).
         CommitConflictError: ``dst`` already holds ``step`` (``FileExistsError``); nothing written.
         ManifestError: the source manifest is unreadable.
+        SaveAbandonedError: ``cancelled`` was set; nothing committed at ``dst``.
         OSError: a backend failure; the destination step is then not committed.
     """
     callback = callback or DEFAULT_CALLBACK
@@ -81,11 +89,15 @@ def copy_checkpoint(
     callback.set_size(manifest.total_size_bytes)
     prefix = step_dirname(step)
     with dst.begin(step, world_size=manifest.world_size, metadata=dict(manifest.metadata)) as txn:
+        if cancelled is not None:
+            txn.cancel_when(cancelled)
         for entry in manifest.payloads:
             source_url = src.storage.url(f"{prefix}/{entry.path}")
             try:
                 reader = src.storage.open_read(f"{prefix}/{entry.path}")
-            except FileNotFoundError as exc:
+            except Exception as exc:  # noqa: BLE001 - a missing payload is named; anything else propagates
+                if not is_missing(exc):
+                    raise
                 raise IncompleteCheckpointError(
                     f"step {step}: payload {entry.name!r} listed in the manifest is missing at {source_url}"
                 ) from exc
@@ -98,6 +110,10 @@ def copy_checkpoint(
                     crc.update(chunk)
                     writer.write(chunk)
                     callback.relative_update(len(chunk))
+                    if cancelled is not None and cancelled.is_set():
+                        raise SaveAbandonedError(
+                            f"copy of step {step} to {dst.url} abandoned before its commit (exit deadline passed); "
+                            "nothing committed there")
                     if crc.size_bytes > entry.size_bytes:
                         break
                 if crc.size_bytes != entry.size_bytes or crc.hexdigest() != entry.crc32c:

@@ -23,6 +23,7 @@ Use it through ``CheckpointStore.from_storage(FaultyStorage(store.storage, ...))
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import threading
 from typing import Any, Callable
@@ -262,6 +263,7 @@ def _delegate(name: str):
 for _name, _value in list(vars(Storage).items()):
     if callable(_value) and not _name.startswith("__") and _name not in FaultyStorage.__dict__:
         setattr(FaultyStorage, _name, _delegate(_name))
+abc.update_abstractmethods(FaultyStorage)  # the seam's abstract verbs are the delegates set above
 
 
 __all__ = ["Fault", "FaultyStorage", "InjectedFault", "MUTATING", "Op"]

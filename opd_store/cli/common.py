@@ -133,7 +133,7 @@ def print_json(value: Any) -> None:
 def progress_callback(desc: str, *, unit: str = "B"):
     """A tqdm progress bar through an fsspec ``TqdmCallback`` on a terminal, else ``None`` (quiet).
 
-    The bar goes to stderr and only when stderr is a terminal (issue 6: quiet when not).
+    The bar goes to stderr and only when stderr is a terminal (quiet in logs and pipes).
     """
     if not sys.stderr.isatty():
         return None

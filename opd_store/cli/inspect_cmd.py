@@ -1,4 +1,4 @@
-"""Read commands: ``opd-store ls``, ``latest``, ``show`` and ``verify`` (issue 6)."""
+"""Read commands: ``opd-store ls``, ``latest``, ``show`` and ``verify``."""
 
 from __future__ import annotations
 
@@ -68,9 +68,9 @@ def _iso(value) -> str | None:
 
 def run_ls(args: argparse.Namespace) -> int:
     """``opd-store ls``: one row per step (exit 0; 2 when the store is unreachable)."""
-    from ..gc import find_orphans
+    from ..orphans import find_orphans
     from ..pins import pinned_steps
-    from ..store import UNCOMMITTED
+    from ..status import UNCOMMITTED
 
     store = open_store(args.url, args)
     infos = [info for info in store.checkpoints() if args.all or info.status != UNCOMMITTED]
@@ -138,7 +138,7 @@ def run_show(args: argparse.Namespace) -> int:
 
     from ..errors import CheckpointNotFoundError, OpdStoreError
     from ..pins import pinned_steps
-    from ..store import LEGACY
+    from ..status import LEGACY
 
     store = open_store(args.url, args)
     status = store.status(args.step)
@@ -189,7 +189,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     """``opd-store verify``: sizes or checksums of one or all steps (exit 4 when any is bad, 3 when none)."""
-    from ..store import UNCOMMITTED
+    from ..status import UNCOMMITTED
 
     store = open_store(args.url, args)
     if args.step is not None:

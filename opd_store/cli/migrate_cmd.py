@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
     destination = CheckpointStore(args.dst, storage_options=options)
     destination.check_reachable()
-    # A bucket source (a seed checkpoint copied in by another tool, issue 5 scenario 31) is read
+    # A bucket source (a seed checkpoint copied into a bucket by another tool) is read
     # with the same options as the destination.
     source = CheckpointStore(args.src, storage_options=options) if "://" in args.src else args.src
     callback = progress_callback("migrate", unit="step")
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 def _migrate_with_progress(source, destination, steps, callback):
     """One ``migrate_legacy`` call per step, advancing a progress bar (a terminal only)."""
     from ..opd.legacy import MigrationResult, migrate_legacy
-    from ..store import LEGACY, as_store
+    from ..status import LEGACY
+    from ..store_refs import as_store
 
     source_store = as_store(source)
     if steps is None:

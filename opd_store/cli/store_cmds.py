@@ -1,4 +1,4 @@
-"""Write commands: ``opd-store cp``, ``pin``, ``unpin`` and ``gc`` (issue 6)."""
+"""Write commands: ``opd-store cp``, ``pin``, ``unpin`` and ``gc``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ def add_parsers(subparsers) -> None:
     gc.add_argument("--deep", action="store_true",
                     help="recompute checksums of the newest complete steps so a corrupt one never counts as kept")
     gc.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
+    gc.add_argument("--local-tier", default=None, metavar="DIR",
+                    help="URL is the bucket of a tiered store whose local tier is DIR (opd-store train --local-tier): "
+                    "collect both; the local tier keeps its newest two and every step not yet in the bucket")
     add_json_option(gc)
     add_store_options(gc)
     gc.set_defaults(handler=run_gc)
@@ -122,36 +125,58 @@ def run_unpin(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    """``opd-store gc``: retention, orphans and stale uploads; a dry run unless ``--yes``."""
-    from ..gc import collect_garbage
+    """``opd-store gc``: retention, orphans and stale uploads; a dry run unless ``--yes``. With
+    ``--local-tier`` every tier of the tiered store is collected (the bucket first)."""
+    from ..orphans import collect_garbage_tiers
     from ..retention import RetentionPolicy
 
     store = open_store(args.url, args)
+    if args.local_tier is not None:
+        from ..tiered import TieredStore
+
+        store = TieredStore(args.local_tier, store)
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
-    report = collect_garbage(
+    reports = collect_garbage_tiers(
         store, policy, orphans_older_than_secs=args.orphans_older_than, deep=args.deep, dry_run=not args.yes
     )
-    plan = report.plan
     if args.json:
-        print_json({
-            "url": store.url,
-            "dry_run": report.dry_run,
-            "policy": {"keep_last": policy.keep_last, "keep_every": policy.keep_every},
-            "delete_steps": [{"step": s, "size_bytes": report.sizes.get(s, 0), "url": store.step_url(s)} for s in plan.delete],
-            "deleted_steps": report.deleted_steps,
-            "keep_steps": {str(s): list(why) for s, why in plan.keep.items()},
-            "untouched_steps": {str(s): status for s, status in plan.untouched.items()},
-            "orphans": [{"url": o.url, "step": o.step, "attempt_id": o.attempt_id, "size_bytes": o.size_bytes,
-                         "age_secs": round(o.age_secs, 1)} for o in report.orphans],
-            "stale_uploads": [{"key": u.rel, "upload_id": u.upload_id, "age_secs": round(u.age_secs, 1)}
-                              for u in report.uploads],
-            "freed_bytes": report.freed_bytes,
-        })
+        documents = [_gc_json(report) for report in reports]
+        if len(documents) > 1:
+            documents[0]["local_tier"] = documents[1]
+        print_json(documents[0])
         return EXIT_OK
+    for index, report in enumerate(reports):
+        if index:
+            print(f"local tier {report.url}:")
+        _print_gc(report)
+    return EXIT_OK
+
+
+def _gc_json(report) -> dict:
+    plan = report.plan
+    return {
+        "url": report.url,
+        "dry_run": report.dry_run,
+        "policy": {"keep_last": report.policy.keep_last, "keep_every": report.policy.keep_every},
+        "delete_steps": [{"step": s, "size_bytes": report.sizes.get(s, 0), "url": report.store.step_url(s)}
+                         for s in plan.delete],
+        "deleted_steps": report.deleted_steps,
+        "keep_steps": {str(s): list(why) for s, why in plan.keep.items()},
+        "untouched_steps": {str(s): status for s, status in plan.untouched.items()},
+        "orphans": [{"url": o.url, "step": o.step, "attempt_id": o.attempt_id, "size_bytes": o.size_bytes,
+                     "age_secs": round(o.age_secs, 1)} for o in report.orphans],
+        "stale_uploads": [{"key": u.rel, "upload_id": u.upload_id, "age_secs": round(u.age_secs, 1)}
+                          for u in report.uploads],
+        "freed_bytes": report.freed_bytes,
+    }
+
+
+def _print_gc(report) -> None:
+    plan = report.plan
     verb = "would delete" if report.dry_run else "deleted"
     for step in plan.delete:
         if report.dry_run or step in report.deleted_steps:
-            print(f"{verb} step {step} ({report.sizes.get(step, 0)} bytes) {store.step_url(step)}")
+            print(f"{verb} step {step} ({report.sizes.get(step, 0)} bytes) {report.store.step_url(step)}")
     for step, why in plan.keep.items():
         print(f"keep step {step} ({', '.join(why)})")
     for step, status in plan.untouched.items():
@@ -165,4 +190,3 @@ def run_gc(args: argparse.Namespace) -> int:
         print(f"would free {report.freed_bytes} bytes (dry run: pass --yes to delete)")
     else:
         print(f"freed {report.freed_bytes} bytes")
-    return EXIT_OK

@@ -14,25 +14,23 @@ import math
 import os
 import random
 import sys
-import time
 from typing import Any, Callable, TextIO
 
 import numpy as np
 import torch
 
-from .. import __version__
+from .._version import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
-from ..opd.checkpoint import latest_complete_checkpoint, load_adapter, load_opd_checkpoint, save_opd_checkpoint
-from ..opd.async_save import AsyncCheckpointer, SaveHandle
+from ..opd.adapter import load_adapter
 from ..opd.config import OPDConfig
-from ..gc import TierRetention
+from ..opd.distributed import current_group, decide_on_rank0
+from ..opd.load import latest_complete_checkpoint, load_opd_checkpoint
 from ..preemption import PreemptionWatcher
 from ..retention import RetentionPolicy, RunLineage
-from ..opd.distributed import current_group, decide_on_rank0
-from ..store import CheckpointStore
-from ..tiered import TieredStore
+from ..store_api import BaseStore
 from .corpus import CORPUS, prompts_for
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
+from .saving import JobSaves, emit
 from .update import run_update
 
 STUDENT_NAME = "opd-store/tiny-llama-2x64-lora"
@@ -137,14 +135,9 @@ class TeacherState:
         self.update_count = int(state["update_count"])
 
 
-def _emit(stream: TextIO, record: dict[str, Any]) -> None:
-    stream.write(json.dumps(record) + "\n")
-    stream.flush()
-
-
 def train(
     *,
-    store: CheckpointStore,
+    store: BaseStore,
     updates: int,
     checkpoint_every: int,
     resume: str = "auto",
@@ -160,11 +153,12 @@ def train(
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
     Args:
-        store (CheckpointStore): where checkpoints go; checked for reachability first. A
+        store (BaseStore): where checkpoints go; checked for reachability first. A
             :class:`~opd_store.tiered.TieredStore` (``--local-tier``) commits each save to local
             disk and uploads it in the background; steps committed locally by an earlier process
-            and never uploaded are queued at the start, and every upload is waited for (and a
-            failure raised as :class:`~opd_store.errors.UploadError`) before this returns.
+            and never uploaded are queued at the start (``upload_pending``), and every upload is
+            waited for (``flush``; a failure raised as :class:`~opd_store.errors.UploadError`)
+            before this returns.
         updates (int): successful updates to reach (``successful_updates`` at the end).
         checkpoint_every (int): save after every ``checkpoint_every`` successful updates.
         resume (str): ``auto`` (latest complete checkpoint if any), ``never``, or a step number.
@@ -172,30 +166,29 @@ def train(
         log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
             ``step``, ``ok``, ``loss``, ``lr``); losses are written with full float precision.
         events (TextIO | None): receives one JSON line per event (``resumed``, ``update``,
-            ``save_begin``, ``save_snapshot`` (async), ``saved``, ``save_failed``, ``preempted``);
-            the demo uses these to time its kills.
+            ``save_begin``, ``save_snapshot`` (async), ``saved``, ``save_failed``, ``preempted``,
+            and last ``flushed`` with the newest durable step); the demo uses these to time its
+            kills.
         resume_mode (str): the config's ``checkpoint.resume_mode``.
         final_state_path (str | None): where to ``torch.save`` the final adapter weights
             (``adapter``: name -> float32 tensor) and optimizer ``state_dict`` for comparison.
         preemption (PreemptionWatcher | None): checked before every update; on a notice the run
             saves the current state synchronously, waits for the commit, emits ``preempted``
-            (``source``, ``step``, ``url``, ``action``, ``deadline_secs_left``) and returns
-            (issue 8). The final state is not written then.
+            (``source``, ``step``, ``url``, ``action``, ``deadline_secs_left``) and returns. The
+            final state is not written then.
         async_save (bool): periodic checkpoints through an
             :class:`~opd_store.opd.async_save.AsyncCheckpointer` (training blocked only for the
             snapshot; ``save_snapshot`` then ``saved`` events); the last one is waited for before
             returning, and a background failure is raised.
-        retention (RetentionPolicy | None): checkpoints to keep (issue 6), recorded in the config's
-            checkpoint section; ``None`` keeps every step. On a plain store each save applies it
-            after its commit (never deleting the step it just committed). On a
-            :class:`~opd_store.tiered.TieredStore` it is the bucket's retention for the run
-            (:class:`~opd_store.gc.TierRetention`, after each upload; the store's
-            ``bucket_retention`` is reset to ``None`` before returning); the local tier keeps its
-            own (``local_keep_last``). Either way the step the run resumed from is kept until the
-            run has a second checkpoint: every manifest records the run's ``run_id`` and
+        retention (RetentionPolicy | None): checkpoints to keep, recorded in the config's
+            checkpoint section; ``None`` keeps every step. Every save passes it to the pipeline,
+            which applies it once the step is durable: after the commit on a plain store, after
+            the upload (to the bucket) on a :class:`~opd_store.tiered.TieredStore`, whose local
+            tier keeps its own (``local_keep_last``). The step the run resumed from is kept until
+            the run has a second checkpoint: every manifest records the run's ``run_id`` and
             ``parent_step`` (:class:`~opd_store.retention.RunLineage`).
 
-    Rank obligations (issue 7): with a ``torch.distributed`` process group initialised, every rank
+    Rank obligations: with a ``torch.distributed`` process group initialised, every rank
     calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
     update cursor ``query_update * N + r``'s prompts, and the ranks average their gradients; only
     rank 0 writes ``log``, ``events`` and ``final_state_path``. Checkpoints are multi-rank saves
@@ -205,16 +198,17 @@ def train(
         StoreUnreachableError: the store cannot be used (before any training).
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
         ResumeMismatchError: the checkpoint was saved under another config, provenance or world size.
-        UploadError: a tiered store's background upload failed (at the next save or at the end).
-        ValueError: ``updates`` or ``checkpoint_every`` < 1, or ``retention`` given for a
-            :class:`~opd_store.tiered.TieredStore` that already has a bucket retention hook.
+        UploadError: a tiered store's background upload (or the retention after one) failed (at
+            the next save or at the end).
+        RetentionError: a retention pass after a save to a plain store failed (the step committed).
+        ValueError: ``updates`` or ``checkpoint_every`` < 1, or ``retention`` given for a store
+            that applies its own (a :class:`~opd_store.tiered.TieredStore` with ``bucket_retention``).
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
     retention = None if retention is None or retention.keeps_all else retention
-    if retention is not None and isinstance(store, TieredStore) and store.bucket_retention is not None:
-        raise ValueError(f"{store!r} already has bucket retention {store.bucket_retention!r}; "
-                         f"pass retention={retention!r} to one of them, not both")
+    if retention is not None:
+        store.check_save_retention(retention)  # before anything is built or written
     store.check_reachable()
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
@@ -222,8 +216,7 @@ def train(
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
         final_state_path = None
-    if isinstance(store, TieredStore):
-        store.upload_pending()  # a local step an earlier process committed but never uploaded
+    store.upload_pending()  # a tiered store: local steps an earlier process committed, never uploaded
     log = log or sys.stdout
     events = events or open(os.devnull, "w")  # noqa: SIM115
     torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
@@ -264,29 +257,22 @@ def train(
             storage_options=store.storage_options,
         )
         resumed_step = int(trainer["successful_updates"])
-        _emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step})
+        emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step})
 
     # Every manifest records this run's id and the step it resumed from, so retention (here or an
-    # operator's `opd-store gc`) keeps that step until the run has a second checkpoint (issue 6).
+    # operator's `opd-store gc`) keeps that step until the run has a second checkpoint.
     lineage = (decide_on_rank0(group, lambda: RunLineage.new(parent_step=resumed_step)) if group is not None
                else RunLineage.new(parent_step=resumed_step))
     save_kwargs = dict(
         checkpoints_dir=store, model=student, processor=tokenizer, optimizer=optimizer, scheduler=scheduler,
-        config=config, provenance_fingerprints=provenance, lineage=lineage,
+        config=config, provenance_fingerprints=provenance, lineage=lineage, retention=retention,
     )
-    if retention is not None and isinstance(store, TieredStore):
-        store.bucket_retention = TierRetention(retention, lineage=lineage)  # restored before returning
-    elif retention is not None:
-        save_kwargs["retention"] = retention
-    saves: list[dict[str, Any]] = []
-    checkpointer = AsyncCheckpointer() if async_save else None
-    pending: list[tuple[SaveHandle, float]] = []  # the async save in flight and when it began
+    saves = JobSaves(store, events, save_kwargs, async_save=async_save)
     preempted: dict[str, Any] | None = None
     try:
         while trainer["successful_updates"] < updates:
             if preemption is not None and preemption.should_checkpoint_now():
-                preempted = _save_on_notice(store, preemption, checkpointer, pending, saves, events, trainer,
-                                            teacher_state, save_kwargs)
+                preempted = saves.on_notice(preemption, trainer, teacher_state.state_dict())
                 break
             prompts = prompts_for(trainer["query_update"] * world_size + rank, config.training.queries_per_update)
             outcome = run_update(
@@ -306,7 +292,7 @@ def train(
             if outcome.ok:
                 trainer["successful_updates"] += 1
                 teacher_state.update_count = trainer["successful_updates"]
-            _emit(
+            emit(
                 log,
                 {
                     "attempted_update": trainer["attempted_updates"],
@@ -318,116 +304,28 @@ def train(
                     "rejected": outcome.rejected,
                 },
             )
-            _emit(events, {"event": "update", "attempted_update": trainer["attempted_updates"], "ok": outcome.ok})
-            _report_finished(store, pending, saves, events)
+            emit(events, {"event": "update", "attempted_update": trainer["attempted_updates"], "ok": outcome.ok})
+            saves.report_finished()
             if outcome.ok and trainer["successful_updates"] % checkpoint_every == 0:
-                step = trainer["successful_updates"]
-                _emit(events, {"event": "save_begin", "step": step})
-                if checkpointer is None:
-                    _save_now(store, saves, events, trainer, teacher_state, save_kwargs)
-                else:
-                    started = time.perf_counter()
-                    handle = checkpointer.save(trainer_state=dict(trainer), teacher_state=teacher_state.state_dict(),
-                                               **save_kwargs)
-                    _emit(events, {"event": "save_snapshot", "step": step, "blocked_seconds": handle.blocked_secs})
-                    pending.append((handle, started))
-        if checkpointer is not None and preempted is None:
-            checkpointer.wait()
-            _report_finished(store, pending, saves, events)
-    except BaseException:
-        if retention is not None and isinstance(store, TieredStore):
-            store.bucket_retention = None  # the caller's store as it was given
-        raise
+                saves.periodic(trainer, teacher_state.state_dict())
+        if preempted is None:
+            saves.finish()
     finally:
-        if checkpointer is not None:
-            checkpointer.close()
-    if isinstance(store, TieredStore):
-        try:
-            store.flush()  # the last checkpoint (the preemption save too) is durable in the bucket before the job reports success
-        finally:
-            if retention is not None:
-                store.bucket_retention = None  # the caller's store as it was given
-        try:
-            durable = store.latest_durable_step()
-        except CheckpointNotFoundError:
-            durable = None
-        _emit(events, {"event": "flushed", "durable_step": durable})
+        saves.close()
+    store.flush()  # the last checkpoint (the preemption save too) is durable before the job reports success
+    try:
+        durable = store.latest_durable_step()
+    except CheckpointNotFoundError:
+        durable = None
+    emit(events, {"event": "flushed", "durable_step": durable})
     if final_state_path is not None and preempted is None:
         adapter = {name: p.detach().clone() for name, p in student.named_parameters() if p.requires_grad}
         torch.save({"adapter": adapter, "optimizer": optimizer.state_dict(), "trainer": dict(trainer)}, final_state_path)
-    return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"], saves,
-                       preempted)
+    return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"],
+                       saves.saves, preempted)
 
 
-def _save_now(store, saves, events, trainer, teacher_state, save_kwargs) -> dict[str, Any]:
-    """A synchronous save of the current state; records and emits ``saved``."""
-    step = trainer["successful_updates"]
-    started = time.perf_counter()
-    url = save_opd_checkpoint(trainer_state=dict(trainer), teacher_state=teacher_state.state_dict(), **save_kwargs)
-    record = _saved_record(store, step, url, time.perf_counter() - started)
-    saves.append(record)
-    _emit(events, {"event": "saved", **record})
-    return record
-
-
-def _saved_record(store: CheckpointStore, step: int, url: str, seconds: float) -> dict[str, Any]:
-    """The ``saved`` record; ``size_bytes`` is ``None`` when retention has already deleted the step
-    (an asynchronous save reported after the next one committed, with ``keep_last=1``)."""
-    try:
-        size_bytes = store.manifest(step).total_size_bytes
-    except CheckpointNotFoundError:
-        size_bytes = None
-    return {"step": step, "url": url, "seconds": seconds, "size_bytes": size_bytes}
-
-
-def _report_finished(store, pending, saves, events) -> None:
-    """Record the asynchronous save once it committed (raises its failure: never only logged)."""
-    while pending and pending[0][0].done():
-        handle, started = pending.pop(0)
-        url = handle.result()
-        record = _saved_record(store, handle.step, url, time.perf_counter() - started)
-        record["blocked_seconds"] = handle.blocked_secs
-        saves.append(record)
-        _emit(events, {"event": "saved", **record})
-
-
-def _save_on_notice(store, preemption, checkpointer, pending, saves, events, trainer, teacher_state,
-                    save_kwargs) -> dict[str, Any]:
-    """The preemption path: the update in progress has finished; wait for an asynchronous save in
-    flight, then save the current state synchronously (unless its step is already committed:
-    that checkpoint is this state's, or one the run replays exactly) and report it (issue 8)."""
-    notice = preemption.notice
-    started = time.perf_counter()
-    if checkpointer is not None:
-        try:
-            checkpointer.wait()
-            _report_finished(store, pending, saves, events)
-        except OSError as exc:  # the periodic save failed: the save below covers its step and more
-            pending.clear()
-            _emit(events, {"event": "save_failed", "error": f"{type(exc).__name__}: {exc}"})
-    step = trainer["successful_updates"]
-    if store.is_complete(step):
-        url, action = store.step_url(step), "already committed"
-    else:
-        _emit(events, {"event": "save_begin", "step": step})
-        url, action = _save_now(store, saves, events, trainer, teacher_state, save_kwargs)["url"], "committed"
-    secs_left = notice.secs_left()
-    record = {
-        "event": "preempted",
-        "source": notice.source,
-        "detail": notice.detail,
-        "step": step,
-        "url": url,
-        "action": action,
-        "attempted_updates": trainer["attempted_updates"],
-        "seconds": time.perf_counter() - started,
-        "deadline_secs_left": secs_left,
-    }
-    _emit(events, record)
-    return record
-
-
-def _resume_target(store: CheckpointStore, resume: str, group=None) -> str | None:
+def _resume_target(store: BaseStore, resume: str, group=None) -> str | None:
     """The checkpoint to resume; with a process group, one decision (rank 0's) for every rank."""
     if resume == "never":
         return None
@@ -445,7 +343,7 @@ def _resume_target(store: CheckpointStore, resume: str, group=None) -> str | Non
     return _complete_step_url(store, step)
 
 
-def _complete_step_url(store: CheckpointStore, step: int) -> str:
+def _complete_step_url(store: BaseStore, step: int) -> str:
     if not store.is_complete(step):
         complete = [info.step for info in store.checkpoints() if info.status == "complete"]
         raise CheckpointNotFoundError(

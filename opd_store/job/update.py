@@ -108,7 +108,7 @@ def run_update(*, student, teacher, tokenizer, optimizer, scheduler, prompts: li
                temperature: float, grad_clip: float, world_size: int = 1) -> UpdateOutcome:
     """Attempt one update. The update-local failure queue (refused rollouts) lives and dies here.
 
-    With ``world_size > 1`` (an initialised ``torch.distributed`` group, issue 7) every rank samples
+    With ``world_size > 1`` (an initialised ``torch.distributed`` group) every rank samples
     its own ``prompts``; the update succeeds when any rank accepted a rollout, and the adapter's
     gradients (float32, the parameters' shapes) and the loss are averaged over the ranks that
     accepted one, so every replica takes the same optimizer step. Rank obligations: every rank

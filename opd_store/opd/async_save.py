@@ -1,18 +1,19 @@
-"""Asynchronous OPD saves: snapshot now, serialise, upload and commit in the background (issue 8, item 1).
+"""Asynchronous OPD saves: the snapshot now, the rest of the save pipeline on the background worker.
 
-:class:`AsyncCheckpointer.save` takes the arguments of
-:func:`~opd_store.opd.checkpoint.save_opd_checkpoint` and splits the save in two:
+:meth:`AsyncCheckpointer.save` takes the arguments of
+:func:`~opd_store.opd.save.save_opd_checkpoint` and runs the same pipeline stages
+(:mod:`opd_store.pipeline.save`); only where they run differs:
 
 1. **Snapshot** (on the caller's thread, inside :func:`~opd_store.opd.rng.preserve_global_rng`):
    the seed's rules are checked, this process's RNG state, the trainer, optimizer, scheduler and
    teacher states and the adapter's trainable tensors are captured and every tensor is copied into
-   a staging buffer (CPU; pinned host memory when the source is on CUDA, followed by one stream
-   synchronisation). Buffers are kept and reused by the next save of the same shapes, so a
-   steady-state snapshot is one ``copy_`` per tensor and no allocation. When it returns, training
-   may change anything: parameters, optimizer state, RNG.
-2. **Write** (on a daemon thread): :func:`~opd_store.opd.checkpoint.write_opd_checkpoint` streams the
-   payloads and creates the manifest, with background ``random`` draws routed away from the
-   caller's generator (:mod:`opd_store.thread_random`).
+   a staging buffer (:class:`~opd_store.opd.staging.StagingBuffers`: CPU; pinned host memory when
+   the source is on CUDA, followed by one stream synchronisation). Buffers are kept and reused by
+   the next save of the same shapes, so a steady-state snapshot is one ``copy_`` per tensor and no
+   allocation. When it returns, training may change anything: parameters, optimizer state, RNG.
+2. **Write, commit, after-commit hooks** (on the :class:`~opd_store.pipeline.worker.BackgroundWorker`):
+   the payloads stream, the manifest is created, retention runs; background ``random`` draws are
+   routed away from the caller's generator (:mod:`opd_store.thread_random`).
 
 Guarantees:
 
@@ -21,118 +22,38 @@ Guarantees:
 * a failure in the background is raised by :meth:`SaveHandle.result`, else by the next
   :meth:`AsyncCheckpointer.save`, :meth:`~AsyncCheckpointer.wait` or
   :meth:`~AsyncCheckpointer.close` (as :class:`~opd_store.errors.BackgroundSaveError`), once;
-  it is never only logged (issue 5, scenario 15);
-* at interpreter exit (``atexit``) an in-flight save is given ``exit_timeout_secs`` to commit;
-  past that it is abandoned: the manifest is not created (the step stays uncommitted, invisible
-  to readers) and one line on stderr says so.
+  it is never only logged;
+* at interpreter exit an in-flight save is given ``exit_timeout_secs`` to commit; past that it is
+  abandoned: the manifest is not created (the step stays uncommitted, invisible to readers) and
+  one line on stderr says so (the worker's exit sequence, :mod:`opd_store.pipeline.worker`). It
+  runs as the interpreter starts to exit, while remote stores still work, and before the upload
+  worker of a tiered store the save goes to is closed;
+* the worker thread has ended before :meth:`AsyncCheckpointer.close` returns and before the
+  interpreter finalizes (the worker's module docstring says why a thread that touched the
+  snapshot's tensors must not outlive the exit hooks).
 """
 
 from __future__ import annotations
 
-import atexit
-import collections
 import logging
 import sys
 import threading
 import time
-import weakref
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
-import torch
-
-from ..errors import BackgroundSaveError, SaveAbandonedError, SaveInFlightError
-from ..thread_random import route_background_random
-from .checkpoint import snapshot_opd_checkpoint, write_opd_checkpoint
+from ..errors import BackgroundSaveError, SaveInFlightError
+from ..pipeline.save import run_save
+from ..pipeline.worker import EXIT_STAGE_SAVES, BackgroundTask, BackgroundWorker
 from .distributed import current_group
 from .rng import preserve_global_rng
+from .save import save_request
+from .snapshot import snapshot_opd_checkpoint
+from .staging import StagingBuffers
 
 logger = logging.getLogger("opd_store.opd.async_save")
 
 DEFAULT_EXIT_TIMEOUT_SECS = 60.0
 WHEN_BUSY = ("wait", "raise")
-
-
-class StagingBuffers:
-    """Copies of a state's tensors in reusable host buffers (the snapshot's copy).
-
-    :meth:`stage` maps a state tree (dict, ``OrderedDict``, ``Counter``, list, tuple, set; as
-    produced by :func:`~opd_store.opd.safe_load.sanitize_state`) to an equal tree whose tensors are
-    private copies on the CPU. The n-th tensor staged since :meth:`begin` reuses the n-th buffer of
-    the previous snapshot when dtype and shape match, so a steady-state save allocates nothing.
-    Only reuse buffers after the write of the previous snapshot has finished (the checkpointer
-    has at most one in flight).
-
-    Args:
-        pin_memory (bool | None): allocate pinned host memory for tensors that come from CUDA
-            (``None``: when CUDA is available).
-    """
-
-    def __init__(self, pin_memory: bool | None = None) -> None:
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self._buffers: list[torch.Tensor] = []
-        self._cursor = 0
-        self._cuda_sources = False
-        self.staged_bytes = 0
-
-    def begin(self) -> None:
-        """Start a new snapshot (rewind to the first buffer)."""
-        self._cursor = 0
-        self._cuda_sources = False
-        self.staged_bytes = 0
-
-    def finish(self) -> None:
-        """Wait for the device-to-host copies of this snapshot (no-op without CUDA sources)."""
-        if self._cuda_sources:
-            torch.cuda.synchronize()
-        del self._buffers[self._cursor:]
-
-    def stage(self, value: Any) -> Any:
-        """An equal tree with every tensor copied into a staging buffer (containers rebuilt)."""
-        kind = type(value)
-        if isinstance(value, torch.Tensor):
-            return self._stage_tensor(value)
-        if kind in (dict, collections.OrderedDict, collections.Counter):
-            copy = kind()
-            for key, item in value.items():
-                copy[key] = self.stage(item)
-            return copy
-        if kind is list:
-            return [self.stage(item) for item in value]
-        if kind is tuple:
-            return tuple(self.stage(item) for item in value)
-        if kind is set:
-            return {self.stage(item) for item in value}
-        return value
-
-    def _buffer(self, source: torch.Tensor) -> torch.Tensor:
-        index = self._cursor
-        self._cursor += 1
-        pinned = self.pin_memory and source.is_cuda
-        if index < len(self._buffers):
-            buffer = self._buffers[index]
-            if buffer.dtype == source.dtype and buffer.shape == source.shape and buffer.is_pinned() == pinned:
-                return buffer
-        buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)
-        if index < len(self._buffers):
-            self._buffers[index] = buffer
-        else:
-            self._buffers.append(buffer)
-        return buffer
-
-    def _stage_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        source = tensor.detach()
-        if source.layout != torch.strided or source.device.type not in ("cpu", "cuda"):
-            copy = source.to("cpu", copy=True)  # sparse or exotic: a plain private copy
-        else:
-            copy = self._buffer(source)
-            copy.copy_(source, non_blocking=source.is_cuda)
-            self._cuda_sources = self._cuda_sources or source.is_cuda
-        self.staged_bytes += copy.numel() * copy.element_size()
-        if isinstance(tensor, torch.nn.Parameter):
-            return torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-        return copy
 
 
 class SaveHandle:
@@ -144,23 +65,20 @@ class SaveHandle:
         staged_bytes (int): bytes of tensors copied by the snapshot.
     """
 
-    def __init__(self, step: int, blocked_secs: float, staged_bytes: int) -> None:
+    def __init__(self, step: int, blocked_secs: float, staged_bytes: int, task: BackgroundTask) -> None:
         self.step = step
         self.blocked_secs = blocked_secs
         self.staged_bytes = staged_bytes
-        self._future: Future[str] = Future()
-        self._delivered = False
+        self.task = task
 
     def done(self) -> bool:
         """Whether the save has finished (committed, failed or abandoned)."""
-        return self._future.done()
+        return self.task.done()
 
     @property
     def url(self) -> str | None:
         """The committed checkpoint's URL, or ``None`` while in flight or when it failed."""
-        if not self._future.done() or self._future.exception() is not None:
-            return None
-        return self._future.result()
+        return self.task.value
 
     def result(self, timeout_secs: float | None = None) -> str:
         """Wait for the commit; return the checkpoint's URL (as ``save_opd_checkpoint`` does).
@@ -170,31 +88,19 @@ class SaveHandle:
 
         Raises:
             TimeoutError: still in flight after ``timeout_secs``.
-            Exception: the background failure itself (the exception ``write_opd_checkpoint``
-                raised: ``CommitConflictError``, ``CommitError``, an ``OSError`` of the backend,
-                or :class:`~opd_store.errors.SaveAbandonedError`); it counts as reported, so
-                the next save does not raise it again.
+            Exception: the background failure itself (``CommitConflictError``, ``CommitError``,
+                an ``OSError`` of the backend, :class:`~opd_store.errors.SaveAbandonedError`, or
+                :class:`~opd_store.errors.RetentionError` when the step committed and the
+                retention pass after it failed); it counts as reported, so the next save does not
+                raise it again.
         """
-        try:
-            url = self._future.result(timeout=timeout_secs)
-        except FutureTimeoutError as exc:
-            raise TimeoutError(f"asynchronous save of step {self.step} still in flight after {timeout_secs} s") from exc
-        except BaseException:
-            self._delivered = True
-            raise
-        return url
-
-    def _undelivered_failure(self) -> BaseException | None:
-        if not self._future.done() or self._delivered:
-            return None
-        return self._future.exception()
-
-
-_live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+        if not self.task.wait(timeout_secs):
+            raise TimeoutError(f"asynchronous save of step {self.step} still in flight after {timeout_secs} s")
+        return self.task.result()
 
 
 class AsyncCheckpointer:
-    """Saves OPD checkpoints asynchronously, at most one in flight (issue 8, item 1).
+    """Saves OPD checkpoints asynchronously, at most one in flight.
 
     Use one per training process, from the training thread::
 
@@ -227,16 +133,14 @@ class AsyncCheckpointer:
     ) -> None:
         if when_busy not in WHEN_BUSY:
             raise ValueError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
-        if exit_timeout_secs < 0:
-            raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
         self.when_busy = when_busy
-        self.exit_timeout_secs = float(exit_timeout_secs)
+        self.worker = BackgroundWorker(f"opd-async-save-{id(self):x}", exit_timeout_secs=exit_timeout_secs,
+                                       on_exit=self._report_exit, exit_stage=EXIT_STAGE_SAVES)
+        self.exit_timeout_secs = self.worker.exit_timeout_secs
         self._staging = StagingBuffers(pin_memory)
         self._pending: SaveHandle | None = None
-        self._abandon = threading.Event()
         self._closed = False
         self._lock = threading.Lock()
-        _live.add(self)
 
     @property
     def in_flight(self) -> SaveHandle | None:
@@ -245,15 +149,14 @@ class AsyncCheckpointer:
         return pending if pending is not None and not pending.done() else None
 
     def save(self, **save_kwargs: Any) -> SaveHandle:
-        """Snapshot the state now and write it in the background.
+        """Snapshot the state now and run the rest of the save in the background.
 
-        Takes exactly the keyword arguments of
-        :func:`~opd_store.opd.checkpoint.save_opd_checkpoint` (same rules, same rank obligations:
-        rank 0 only, in single-writer mode). Returns once the snapshot is taken: tensors are
-        copied to host buffers and every other value captured, so training may change the model,
-        optimizer, scheduler, states and RNGs at once without changing what is saved. Every
-        global RNG is left as found (snapshot under ``preserve_global_rng``; background draws
-        routed away from the caller's thread).
+        Takes exactly the keyword arguments of :func:`~opd_store.opd.save.save_opd_checkpoint`
+        (same rules, same rank obligations: rank 0 only, in single-writer mode). Returns once the
+        snapshot is taken: tensors are copied to host buffers and every other value captured, so
+        training may change the model, optimizer, scheduler, states and RNGs at once without
+        changing what is saved. Every global RNG is left as found (snapshot under
+        ``preserve_global_rng``; background draws routed away from the caller's thread).
 
         Returns:
             SaveHandle: ``result(timeout_secs)``, ``done()``, ``url``.
@@ -274,8 +177,8 @@ class AsyncCheckpointer:
             if save_kwargs.get("rank_rng_states") is None and current_group() is not None:
                 raise ValueError(
                     "AsyncCheckpointer saves from one writer: with a torch.distributed process group of "
-                    "several ranks use save_opd_checkpoint on every rank (issue 7), or pass rank_rng_states "
-                    "on rank 0 (single-writer mode)"
+                    "several ranks use save_opd_checkpoint on every rank (multi-rank saves), or pass "
+                    "rank_rng_states on rank 0 (single-writer mode)"
                 )
             self._wait_for_pending(for_what="a new save")
             started = time.perf_counter()
@@ -283,30 +186,12 @@ class AsyncCheckpointer:
             with preserve_global_rng():
                 snapshot = snapshot_opd_checkpoint(**save_kwargs, stage=self._staging.stage)
             self._staging.finish()
-            handle = SaveHandle(snapshot.step, time.perf_counter() - started, self._staging.staged_bytes)
+            request = save_request(snapshot)
+            task = self.worker.submit(f"asynchronous save of step {snapshot.step}", snapshot.step,
+                                      lambda: run_save(request, cancelled=self.worker.cancelled))
+            handle = SaveHandle(snapshot.step, time.perf_counter() - started, self._staging.staged_bytes, task)
             self._pending = handle
-            thread = threading.Thread(
-                target=self._write, args=(snapshot, handle), name=f"opd-async-save-{snapshot.step:06d}", daemon=True
-            )
-            thread.start()
             return handle
-
-    def _write(self, snapshot: Any, handle: SaveHandle) -> None:
-        try:
-            with route_background_random():
-                url = write_opd_checkpoint(snapshot, before_commit=lambda: self._check_abandoned(snapshot))
-        except BaseException as exc:  # noqa: BLE001 - every failure goes to the caller through the handle
-            logger.info("asynchronous save of step %d failed: %r", snapshot.step, exc)
-            handle._future.set_exception(exc)  # noqa: SLF001
-        else:
-            handle._future.set_result(url)  # noqa: SLF001
-
-    def _check_abandoned(self, snapshot: Any) -> None:
-        if self._abandon.is_set():
-            raise SaveAbandonedError(
-                f"asynchronous save of step {snapshot.step} to {snapshot.store.url} abandoned before its "
-                "commit (exit deadline passed); the step stays uncommitted"
-            )
 
     def _wait_for_pending(self, *, for_what: str, timeout_secs: float | None = None) -> SaveHandle | None:
         pending = self._pending
@@ -318,17 +203,12 @@ class AsyncCheckpointer:
                     f"the asynchronous save of step {pending.step} is still in flight; wait for it "
                     "(handle.result()) before saving again, or use when_busy='wait'"
                 )
-            try:
-                pending._future.exception(timeout=timeout_secs)  # noqa: SLF001 - waits, raises nothing
-            except FutureTimeoutError as exc:
-                raise TimeoutError(
-                    f"asynchronous save of step {pending.step} still in flight after {timeout_secs} s"
-                ) from exc
-        failure = pending._undelivered_failure()  # noqa: SLF001
-        if failure is not None:
-            pending._delivered = True  # noqa: SLF001
+            if not pending.task.wait(timeout_secs):
+                raise TimeoutError(f"asynchronous save of step {pending.step} still in flight after {timeout_secs} s")
+        for task in self.worker.take_unreported():
+            failure = task.failure()
             raise BackgroundSaveError(
-                f"the asynchronous save of step {pending.step} failed in the background (reported at "
+                f"the asynchronous save of step {task.key} failed in the background (reported at "
                 f"{for_what}): {type(failure).__name__}: {failure}"
             ) from failure
         return pending
@@ -345,7 +225,8 @@ class AsyncCheckpointer:
         return None if pending is None else pending.url
 
     def close(self, timeout_secs: float | None = None) -> str | None:
-        """Wait for the save in flight, then refuse further saves.
+        """Wait for the save in flight, then refuse further saves and stop the worker (its thread
+        has ended when this returns, unless the save timed out: the exit sequence ends it then).
 
         Args:
             timeout_secs (float | None): seconds to wait; past that the save is abandoned
@@ -355,6 +236,7 @@ class AsyncCheckpointer:
             str | None: the last save's committed URL, or ``None`` when none committed.
 
         Raises:
+            TimeoutError: still in flight after ``timeout_secs`` (abandoned).
             BackgroundSaveError: the last save failed (or was abandoned) and the failure was not
                 reported yet.
         """
@@ -362,12 +244,14 @@ class AsyncCheckpointer:
             if self._closed:
                 return None
             self._closed = True
-            _live.discard(self)
             try:
                 pending = self._wait_for_pending(for_what="close()", timeout_secs=timeout_secs)
             except TimeoutError:
-                self._abandon.set()
+                self.worker.cancelled.set()
                 raise
+            finally:
+                if self.in_flight is None:
+                    self.worker.close()
         return None if pending is None else pending.url
 
     def __enter__(self) -> AsyncCheckpointer:
@@ -382,46 +266,25 @@ class AsyncCheckpointer:
             except BackgroundSaveError as failure:
                 logger.error("%s (while handling %r)", failure, exc)
 
-    def _finish_at_exit(self) -> None:
-        """atexit: give the save in flight ``exit_timeout_secs`` to commit, else abandon it."""
+    def _report_exit(self, event: str, tasks: list[BackgroundTask]) -> None:
+        """The worker's exit sequence, told on stderr (nobody is left to raise to)."""
         pending = self._pending
-        if self._closed or pending is None:
+        if pending is None or self._closed:
             return
-        self._closed = True
-        if not pending.done():
-            print(
-                f"opd_store: waiting up to {self.exit_timeout_secs:g} s for the asynchronous save of step "
-                f"{pending.step} to commit",
-                file=sys.stderr,
-                flush=True,
-            )
-        try:
-            pending._future.exception(timeout=self.exit_timeout_secs)  # noqa: SLF001
-        except FutureTimeoutError:
-            self._abandon.set()
-            print(
-                f"opd_store: abandoned the asynchronous save of step {pending.step} after "
-                f"{self.exit_timeout_secs:g} s; it stays uncommitted",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        failure = pending._undelivered_failure()  # noqa: SLF001
-        if failure is not None:
-            print(
-                f"opd_store: the asynchronous save of step {pending.step} failed: {type(failure).__name__}: {failure}",
-                file=sys.stderr,
-                flush=True,
-            )
-        elif pending.url is not None:
-            print(f"opd_store: asynchronous save of step {pending.step} committed: {pending.url}", file=sys.stderr,
-                  flush=True)
-
-
-@atexit.register
-def _finish_in_flight_saves() -> None:
-    for checkpointer in list(_live):
-        checkpointer._finish_at_exit()  # noqa: SLF001
+        if event == "waiting" and not pending.done():
+            print(f"opd_store: waiting up to {self.exit_timeout_secs:g} s for the asynchronous save of step "
+                  f"{pending.step} to commit", file=sys.stderr, flush=True)
+        elif event == "abandoned" and not pending.done():
+            print(f"opd_store: abandoned the asynchronous save of step {pending.step} after "
+                  f"{self.exit_timeout_secs:g} s; it stays uncommitted", file=sys.stderr, flush=True)
+        elif event == "finished" and pending.done():
+            failure = pending.task.failure()
+            if failure is not None and not pending.task.reported:
+                print(f"opd_store: the asynchronous save of step {pending.step} failed: "
+                      f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+            elif failure is None:
+                print(f"opd_store: asynchronous save of step {pending.step} committed: {pending.url}",
+                      file=sys.stderr, flush=True)
 
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "StagingBuffers"]

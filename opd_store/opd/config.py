@@ -1,9 +1,10 @@
 """The OPD training config: a pydantic schema that knows which of its fields change the math.
 
-Issue 3, item 5: ``OPDConfig`` has nested sections, loads from YAML, and offers ``fingerprint()``
-(SHA-256 of the canonical JSON of the fields that change the math) and ``as_dict()`` (what the
-checkpoint writes to ``config.yaml``). Issue 3, item 4 needs the schema to say which fields are
-execution-only, so that ``execution_change`` resumes can tell an allowed change from a refused one.
+``OPDConfig`` has nested sections, loads from YAML, and offers the seed's config contract:
+``fingerprint()`` (SHA-256 of the canonical JSON of the fields that change the math) and
+``as_dict()`` (what the checkpoint writes to ``config.yaml``). The schema also says which fields are
+execution-only, so that ``execution_change`` resumes (:mod:`opd_store.opd.resume`) can tell an
+allowed change from a refused one.
 
 Markings live in pydantic field metadata (``json_schema_extra``), so they sit next to the field they
 describe and show up in the JSON schema:
@@ -194,7 +195,7 @@ class CheckpointSection(_Section):
     resume_mode: ResumeMode = "exact"
 
     def retention_policy(self) -> "RetentionPolicy":
-        """The retention policy of this section, for ``save_opd_checkpoint(retention=...)`` (issue 6)."""
+        """The retention policy of this section, for ``save_opd_checkpoint(retention=...)``."""
         from ..retention import RetentionPolicy
 
         return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
@@ -209,9 +210,9 @@ class OPDConfig(_Section):
 
     Attributes:
         execution_only_provenance (ClassVar[tuple[str, ...]]): provenance keys that may differ
-            under ``execution_change`` and ``rollout_limit_change`` resumes (issue 3, item 4:
-            "provenance entries likewise only where marked execution-only (for example code
-            revision)"). A class variable, so YAML cannot widen it; subclass to change it.
+            under ``execution_change`` and ``rollout_limit_change`` resumes (provenance entries,
+            like config fields, change only where marked execution-only, for example the code
+            revision). A class variable, so YAML cannot widen it; subclass to change it.
     """
 
     execution_only_provenance: ClassVar[tuple[str, ...]] = ("code_revision",)
@@ -253,7 +254,7 @@ class OPDConfig(_Section):
     def as_dict(self) -> dict[str, Any]:
         """All fields as plain JSON types (tuples become lists), in declaration order.
 
-        This is what the checkpoint writes to ``config.yaml`` (issue 3, item 1).
+        This is what the checkpoint writes to ``config.yaml`` (the seed's contract).
 
         Returns:
             dict[str, Any]: nested dicts of str, int, float, bool, None and lists.
@@ -261,7 +262,7 @@ class OPDConfig(_Section):
         return self.model_dump(mode="json")
 
     def fingerprint(self) -> str:
-        """SHA-256 of the canonical JSON of the fields that change the math (issue 3, item 5).
+        """SHA-256 of the canonical JSON of the fields that change the math (the seed's contract).
 
         Canonical JSON: sorted keys, no whitespace, ASCII only. Execution-only fields are left out,
         so changing them keeps the fingerprint; the rollout limit is included.

@@ -1,4 +1,4 @@
-"""Resuming a shuffled ``torch.utils.data.DataLoader`` mid-epoch (issue 5, scenario 22).
+"""Resuming a shuffled ``torch.utils.data.DataLoader`` mid-epoch.
 
 What decides which batches a shuffled loader hands out in an epoch is the state of the loader's
 ``generator`` when the epoch's iterator is created: ``iter(loader)`` draws the workers' base seed

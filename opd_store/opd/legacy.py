@@ -1,4 +1,4 @@
-"""Import seed-layout OPD checkpoints into any store as manifest-committed checkpoints (issue 3, item 7).
+"""Import seed-layout OPD checkpoints into any store as manifest-committed checkpoints.
 
 The seed wrote ``step-NNNNNN/`` directories holding ``COMPLETE``, ``training_state.pt``, ``rng.pt``
 or ``rng-rank-XX.pt``, ``adapter/`` and ``config.yaml``. Those directories already load in place
@@ -22,8 +22,10 @@ from typing import Any
 
 from ..checksum import crc32c_hex
 from ..errors import CheckpointNotFoundError, CommitConflictError, IntegrityError, UnsafeCheckpointError
-from ..store import COMPLETE, LEGACY, UNCOMMITTED, CheckpointStore, as_store
-from .checkpoint import TRAINING_STATE
+from ..status import COMPLETE, LEGACY, UNCOMMITTED
+from ..store import CheckpointStore
+from ..store_refs import as_store
+from .names import TRAINING_STATE
 from .safe_load import find_unsafe_globals, load_payload
 
 logger = logging.getLogger("opd_store.opd.legacy")

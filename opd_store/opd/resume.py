@@ -1,4 +1,4 @@
-"""Resume modes: may this run resume that checkpoint? (issue 3, item 4)
+"""Resume modes: may this run resume that checkpoint?
 
 The seed checked the config fingerprint, the provenance fingerprints and the world size one key at
 a time and called a ``validate_execution_change`` it never defined, once per differing key, keeping
@@ -34,14 +34,25 @@ mode, and the error says so. This module uses only the standard library and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from opd_store.errors import ResumeMismatchError
 
-RESUME_MODES = ("exact", "execution_change", "rollout_limit_change")
+from .config_diff import (
+    Difference,
+    Markings,
+    classify_differences,
+    covers,
+    diff,
+    markings_of,
+    plain,
+    provenance_diff,
+    refusal,
+    unmarked_reason,
+)
 
-_MAX_SHOWN = 200
+RESUME_MODES = ("exact", "execution_change", "rollout_limit_change")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +63,7 @@ class ResumeDecision:
         mode (str): the resume mode used, one of :data:`RESUME_MODES`.
         rollout_limit_changed (bool): True only under ``rollout_limit_change`` when the rollout
             limit differs from the parent's; the loader then drops the validation baseline and
-            records ``rollout_limit_changed_at_update`` (issue 3, item 4, after the seed).
+            records ``rollout_limit_changed_at_update`` (the seed's rule).
         accepted_changes (tuple[str, ...]): dotted config paths and ``"provenance.<key>"`` entries
             that differed but were allowed. The config is diffed only when its fingerprint
             differs, so execution-only config changes are listed only then; empty when
@@ -62,171 +73,6 @@ class ResumeDecision:
     mode: str
     rollout_limit_changed: bool
     accepted_changes: tuple[str, ...]
-
-
-class _Absent:
-    """Stands for a key present on only one side of a comparison."""
-
-    def __repr__(self) -> str:
-        return "<absent>"
-
-
-_ABSENT = _Absent()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Difference:
-    path: str
-    saved: Any
-    current: Any
-
-    def describe(self) -> str:
-        return f"{self.path}: saved {_show(self.saved)}, current {_show(self.current)}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Markings:
-    declared: bool
-    execution_only_paths: tuple[str, ...]
-    rollout_limit_path: str | None
-    execution_only_provenance: frozenset[str]
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
-
-
-def _names(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    return tuple(str(item) for item in value)
-
-
-def _markings_of(config: Any) -> _Markings:
-    """Read the config's execution-only markings through the duck-typed hooks."""
-    paths_hook = getattr(config, "execution_only_paths", None)
-    limit_hook = getattr(config, "rollout_limit_path", None)
-    provenance = getattr(config, "execution_only_provenance", None)
-    if callable(provenance):
-        provenance = provenance()
-    return _Markings(
-        declared=callable(paths_hook) or callable(limit_hook) or provenance is not None,
-        execution_only_paths=_names(paths_hook()) if callable(paths_hook) else (),
-        rollout_limit_path=limit_hook() if callable(limit_hook) else None,
-        execution_only_provenance=frozenset(_names(provenance)),
-    )
-
-
-def _plain(value: Any) -> Any:
-    """Normalise containers the way a YAML round trip does: mappings to dicts, tuples to lists."""
-    if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    return value
-
-
-def _diff(saved: Any, current: Any, path: str = "") -> list[_Difference]:
-    """Leaf-level differences by dotted path, including keys present on one side only."""
-    saved_is_map = isinstance(saved, Mapping)
-    current_is_map = isinstance(current, Mapping)
-    if (saved_is_map or saved is _ABSENT) and (current_is_map or current is _ABSENT) and (
-        saved_is_map or current_is_map
-    ):
-        saved_map = saved if saved_is_map else {}
-        current_map = current if current_is_map else {}
-        keys = sorted(set(saved_map) | set(current_map), key=str)
-        if not keys and saved_is_map != current_is_map:
-            return [_Difference(path, saved, current)]  # an empty section on one side only
-        differences: list[_Difference] = []
-        for key in keys:
-            child = f"{path}.{key}" if path else str(key)
-            differences.extend(
-                _diff(saved_map.get(key, _ABSENT), current_map.get(key, _ABSENT), child)
-            )
-        return differences
-    if saved != current:
-        return [_Difference(path, saved, current)]
-    return []
-
-
-def _provenance_diff(saved: Mapping | None, current: Mapping | None) -> list[_Difference]:
-    saved_map = _plain(saved or {})
-    current_map = _plain(current or {})
-    return [
-        _Difference(f"provenance.{key}", saved_map.get(key, _ABSENT), current_map.get(key, _ABSENT))
-        for key in sorted(set(saved_map) | set(current_map))
-        if saved_map.get(key, _ABSENT) != current_map.get(key, _ABSENT)
-    ]
-
-
-def _covers(marked: str, path: str) -> bool:
-    return path == marked or path.startswith(marked + ".")
-
-
-def _unmarked_reason(config: Any) -> str:
-    return (
-        f"config type {type(config).__name__} declares no execution-only markings (it offers no "
-        "execution_only_paths(), rollout_limit_path() or execution_only_provenance, only "
-        "fingerprint() and as_dict()), so no field or provenance entry may change under any "
-        "resume mode"
-    )
-
-
-def _classify(
-    config_diffs: list[_Difference],
-    provenance_diffs: list[_Difference],
-    markings: _Markings,
-    *,
-    allow_rollout_limit_change: bool,
-) -> tuple[list[str], list[tuple[_Difference, str]], bool]:
-    """Decide every difference at once: (accepted paths, refused with reasons, limit changed)."""
-    accepted: list[str] = []
-    refused: list[tuple[_Difference, str]] = []
-    rollout_limit_changed = False
-    limit = markings.rollout_limit_path
-    for difference in config_diffs:
-        if limit is not None and _covers(limit, difference.path):
-            if allow_rollout_limit_change:
-                accepted.append(difference.path)
-                rollout_limit_changed = True
-            else:
-                refused.append(
-                    (difference, "the rollout limit may change only under resume_mode "
-                     "'rollout_limit_change'")
-                )
-        elif any(_covers(marked, difference.path) for marked in markings.execution_only_paths):
-            accepted.append(difference.path)
-        else:
-            refused.append((difference, "not marked execution-only"))
-    for difference in provenance_diffs:
-        key = difference.path.removeprefix("provenance.")
-        if key in markings.execution_only_provenance:
-            accepted.append(difference.path)
-        else:
-            refused.append((difference, "provenance key not marked execution-only"))
-    return accepted, refused, rollout_limit_changed
-
-
-def _refusal(
-    checkpoint_url: str,
-    mode: str,
-    refused: list[tuple[_Difference, str]],
-    *,
-    header: str = "",
-    accepted: Sequence[str] = (),
-    notes: Sequence[str] = (),
-) -> ResumeMismatchError:
-    lines = [f"cannot resume OPD checkpoint {checkpoint_url or '<unnamed>'} under resume_mode "
-             f"{mode!r}: {len(refused)} refused difference(s)" + (f"; {header}" if header else "")]
-    lines.extend(f"  - {difference.describe()} ({reason})" for difference, reason in refused)
-    if accepted:
-        lines.append("  accepted (execution-only): " + ", ".join(accepted))
-    lines.extend(f"  {note}" for note in notes)
-    return ResumeMismatchError("\n".join(lines))
 
 
 def resume_mode_of(config: Any) -> str:
@@ -266,7 +112,7 @@ def validate_execution_change(
 ) -> tuple[tuple[str, ...], bool]:
     """Check that only execution-only fields (and maybe the rollout limit) changed.
 
-    The seed called this function without defining it; this is our definition (issue 3, item 4).
+    The seed called this function without defining it; this is our definition.
     Nested dicts are compared leaf by leaf by dotted path, keys present on one side only included;
     tuples and lists compare equal, as they do after the YAML round trip of ``config.yaml``.
     Provenance is compared key by key; an added or removed key is a difference. Every difference is
@@ -299,8 +145,8 @@ def validate_execution_change(
             f"cannot resume OPD checkpoint {checkpoint_url or '<unnamed>'} under resume_mode "
             f"{mode!r}: its config.yaml is a {type(saved_config_dict).__name__}, not a mapping"
         )
-    config_diffs = _diff(_plain(saved_config_dict), _plain(config.as_dict()))
-    provenance_diffs = _provenance_diff(saved_provenance, provenance_fingerprints)
+    config_diffs = diff(plain(saved_config_dict), plain(config.as_dict()))
+    provenance_diffs = provenance_diff(saved_provenance, provenance_fingerprints)
     return _decide(
         config_diffs,
         provenance_diffs,
@@ -312,24 +158,24 @@ def validate_execution_change(
 
 
 def _decide(
-    config_diffs: list[_Difference],
-    provenance_diffs: list[_Difference],
+    config_diffs: list[Difference],
+    provenance_diffs: list[Difference],
     config: Any,
     *,
     allow_rollout_limit_change: bool,
     checkpoint_url: str,
     mode: str,
 ) -> tuple[tuple[str, ...], bool]:
-    markings = _markings_of(config)
+    markings = markings_of(config)
     if not markings.declared and (config_diffs or provenance_diffs):
         refused = [(d, "no execution-only markings") for d in config_diffs + provenance_diffs]
-        raise _refusal(checkpoint_url, mode, refused, header=_unmarked_reason(config))
-    accepted, refused, rollout_limit_changed = _classify(
+        raise refusal(checkpoint_url, mode, refused, header=unmarked_reason(config))
+    accepted, refused, rollout_limit_changed = classify_differences(
         config_diffs, provenance_diffs, markings,
         allow_rollout_limit_change=allow_rollout_limit_change,
     )
     if refused:
-        raise _refusal(checkpoint_url, mode, refused, accepted=accepted)
+        raise refusal(checkpoint_url, mode, refused, accepted=accepted)
     return tuple(accepted), rollout_limit_changed
 
 
@@ -348,12 +194,12 @@ def validate_resume(
 
     Order of the rules:
 
-    1. World size must match, under every mode (issue 3, item 4; each rank restores its own RNG).
+    1. World size must match, under every mode (each rank restores its own RNG).
     2. Fingerprint and provenance both match: accepted without diffing (the seed's ``exact`` rule;
        the fingerprint stands for the config).
     3. ``exact``: any mismatch is refused (the seed). The message lists the differing config fields
        when ``saved_config_dict`` is given, and says which other mode would accept the change.
-    4. Other modes with a config that declares no markings: refused, saying why (issue 3, item 4).
+    4. Other modes with a config that declares no markings: refused, saying why.
     5. Fingerprint matches, provenance differs: only provenance is judged (the config is unchanged
        as far as its fingerprint can tell).
     6. Fingerprint differs and no ``config.yaml``: refused, nothing to diff.
@@ -390,21 +236,21 @@ def validate_resume(
     mode = resume_mode_of(config)
     current_fingerprint = config.fingerprint()
     fingerprint_matches = saved_config_fingerprint == current_fingerprint
-    provenance_diffs = _provenance_diff(saved_provenance, provenance_fingerprints)
+    provenance_diffs = provenance_diff(saved_provenance, provenance_fingerprints)
     if fingerprint_matches and not provenance_diffs:
         return ResumeDecision(mode=mode, rollout_limit_changed=False, accepted_changes=())
 
-    fingerprint_diff = _Difference(
+    fingerprint_diff = Difference(
         "config_fingerprint", saved_config_fingerprint, current_fingerprint
     )
-    config_diffs: list[_Difference] | None = None
+    config_diffs: list[Difference] | None = None
     if not fingerprint_matches:
         config_diffs = (
-            _diff(_plain(saved_config_dict), _plain(config.as_dict()))
+            diff(plain(saved_config_dict), plain(config.as_dict()))
             if isinstance(saved_config_dict, Mapping)
             else None
         )
-    markings = _markings_of(config)
+    markings = markings_of(config)
 
     if mode == "exact":
         raise _exact_refusal(
@@ -415,7 +261,7 @@ def validate_resume(
         refused = [] if fingerprint_matches else [(fingerprint_diff, "config changed")]
         refused += [(d, "no execution-only markings") for d in (config_diffs or [])]
         refused += [(d, "no execution-only markings") for d in provenance_diffs]
-        raise _refusal(url, mode, refused, header=_unmarked_reason(config))
+        raise refusal(url, mode, refused, header=unmarked_reason(config))
 
     allow = mode == "rollout_limit_change"
     if fingerprint_matches:
@@ -424,7 +270,7 @@ def validate_resume(
             allow_rollout_limit_change=allow, checkpoint_url=url, mode=mode,
         )
     elif saved_config_dict is None:
-        raise _refusal(
+        raise refusal(
             url, mode, [(fingerprint_diff, "config changed")],
             header="the checkpoint has no config.yaml, so the changed fields cannot be told apart "
             "from execution-only ones",
@@ -440,13 +286,13 @@ def validate_resume(
 def _exact_refusal(
     url: str,
     fingerprint_matches: bool,
-    fingerprint_diff: _Difference,
-    config_diffs: list[_Difference] | None,
-    provenance_diffs: list[_Difference],
-    markings: _Markings,
+    fingerprint_diff: Difference,
+    config_diffs: list[Difference] | None,
+    provenance_diffs: list[Difference],
+    markings: Markings,
     config: Any,
 ) -> ResumeMismatchError:
-    refused: list[tuple[_Difference, str]] = []
+    refused: list[tuple[Difference, str]] = []
     notes: list[str] = []
     if not fingerprint_matches:
         refused.append((fingerprint_diff, "config changed"))
@@ -458,8 +304,8 @@ def _exact_refusal(
         execution_only = [
             d for d in config_diffs or []
             if markings.declared
-            and not (markings.rollout_limit_path and _covers(markings.rollout_limit_path, d.path))
-            and any(_covers(marked, d.path) for marked in markings.execution_only_paths)
+            and not (markings.rollout_limit_path and covers(markings.rollout_limit_path, d.path))
+            and any(covers(marked, d.path) for marked in markings.execution_only_paths)
         ]
         refused.extend(
             (d, "resume_mode 'exact'") for d in config_diffs or [] if d not in execution_only
@@ -469,15 +315,15 @@ def _exact_refusal(
                          + ", ".join(d.path for d in execution_only))
     refused.extend((d, "resume_mode 'exact'") for d in provenance_diffs)
     if not markings.declared:
-        notes.append(_unmarked_reason(config))
+        notes.append(unmarked_reason(config))
     elif fingerprint_matches or config_diffs is not None:
-        _, still_refused, changed = _classify(
+        _, still_refused, changed = classify_differences(
             config_diffs or [], provenance_diffs, markings, allow_rollout_limit_change=True
         )
         if not still_refused:
             better = "rollout_limit_change" if changed else "execution_change"
             notes.append(f"resume_mode {better!r} would accept these changes")
-    return _refusal(url, "exact", refused, notes=notes)
+    return refusal(url, "exact", refused, notes=notes)
 
 
 __all__ = [

@@ -2,13 +2,13 @@
 
 An OPD update draws from four global generators: Python's :mod:`random`, numpy's legacy global
 generator (``np.random.*``, a ``RandomState``), torch's CPU generator and, where CUDA is available,
-one generator per CUDA device. Exact resume needs all of them back (issue 3, item 1; field notes:
-"rank 1 restored with rank 0's RNG"), and a save must not move any of them: botocore's retry
+one generator per CUDA device. Exact resume needs all of them back (the seed's contract; field
+notes: "rank 1 restored with rank 0's RNG"), and a save must not move any of them: botocore's retry
 back-off draws from Python's ``random``, so an S3 retry during a save would shift the training's
-random stream (issue 3, item 1).
+random stream.
 
 State format (``opd_rng_v1``), chosen so that ``torch.load(weights_only=True)`` restores it with no
-allow-list at all (issue 3, item 6)::
+allow-list at all (a checkpoint from a bucket never runs code on load)::
 
     {
         "format": "opd_rng_v1",
@@ -157,7 +157,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 def preserve_global_rng() -> Iterator[None]:
     """Snapshot every global RNG on entry and put it back on exit, even when the body raises.
 
-    Wraps every OPD save (issue 3, item 1): botocore's retry back-off draws from Python's
+    Wraps every synchronous OPD save: botocore's retry back-off draws from Python's
     ``random`` (``random.random()`` in both its legacy and standard retry modes), and third-party
     code run during a save (``save_pretrained``, fsspec) may draw from numpy or torch. CUDA
     generators are snapshotted when CUDA is already initialised in this process; when it is not,

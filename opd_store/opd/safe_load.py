@@ -1,6 +1,6 @@
 """Loading checkpoint payloads without running code, and keeping unloadable state out of them.
 
-Loading (issue 3, item 6): every payload goes through ``torch.load(weights_only=True)`` with
+Loading: every payload goes through ``torch.load(weights_only=True)`` with
 ``map_location="cpu"``. Besides what torch allows by default (tensors, containers, numbers,
 strings, ``torch.Size``/``dtype``/``device``, ``OrderedDict``, ``set``, ``Counter``), exactly this
 is allow-listed, because seed checkpoints store numpy's RNG state (a ``uint32`` ndarray):
@@ -22,10 +22,10 @@ progress; they are data-only constructors.
 
 ``allow_pickle=True`` is the explicit opt-in for old payloads that only plain pickle can read: the
 weights-only load is tried first, and only when it refuses is ``torch.load(weights_only=False)``
-used. Callers decide where the opt-in may apply; :mod:`opd_store.opd.checkpoint` refuses it for
+used. Callers decide where the opt-in may apply; :mod:`opd_store.opd.names` refuses it for
 anything but a local store, so a checkpoint from a bucket never runs code on load.
 
-Saving (issue 3, item 6): :func:`sanitize_state` converts what weights-only loading cannot take but
+Saving: :func:`sanitize_state` converts what weights-only loading cannot take but
 has an exact plain equivalent (numpy scalars, numeric ndarrays) and refuses everything else with
 :class:`~opd_store.errors.UnsafeCheckpointError` naming the key path, so nothing unloadable is ever
 written, let alone discovered at resume (field notes: "weights-only loading rejects
@@ -180,7 +180,7 @@ def _path_key(key: Any) -> str:
 def conversion_hint(value: Any) -> str:
     """How to turn a config-like or framework object into checkpointable plain values.
 
-    Covers the kinds training state tends to hold (issue 5, scenario 36): dataclasses, pydantic
+    Covers the kinds training state tends to hold: dataclasses, pydantic
     models, OmegaConf-style mappings and sequences, dict subclasses and ``defaultdict``, enums,
     ``pathlib`` paths, namedtuples, ``torch.Generator`` and tensor subclasses. Empty for others.
     """
@@ -311,7 +311,7 @@ def plain_config_dict(value: Any, *, path: str = "config.as_dict()") -> Any:
     """Return ``value`` as plain YAML data for ``config.yaml``, or refuse it naming the key.
 
     ``config.yaml`` is written with ``yaml.safe_dump``, which raises an untyped
-    ``RepresenterError`` naming no key for anything but plain data (issue 5, scenario 36). Kept:
+    ``RepresenterError`` naming no key for anything but plain data. Kept:
     ``None``, ``bool``, ``int``, ``float``, ``str``; ``dict`` with ``str`` keys, ``list`` and
     ``tuple`` (as lists) rebuilt with converted contents. Converted: numpy scalars to the equal
     Python value.

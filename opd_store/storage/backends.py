@@ -33,7 +33,8 @@ import fsspec
 
 from ..checksum import Crc32c
 from ..errors import UnsupportedBackendError
-from .base import Storage
+from .base import NoMultipartUploads, Storage
+from .fsspec_storage import FsspecStorage
 
 _MEMORY_LOCK = threading.Lock()
 
@@ -81,7 +82,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LocalStorage(Storage):
+class LocalStorage(NoMultipartUploads, FsspecStorage):
     """A local directory. Payloads are fsynced at close; the manifest is linked into place."""
 
     # Payload writes reach the kernel 512 KiB at a time. On this project's VMs (Linux 6.18 with
@@ -163,7 +164,7 @@ class LocalStorage(Storage):
             _fsync_dir(directory)
 
 
-class MemoryStorage(Storage):
+class MemoryStorage(NoMultipartUploads, FsspecStorage):
     """fsspec's process-global ``memory://`` store."""
 
     commit_primitive = "exists check + put under a process-wide lock"
@@ -184,7 +185,7 @@ class MemoryStorage(Storage):
             self.fs.pipe_file(path, data)
 
 
-class _BucketStorage(Storage):
+class _BucketStorage(FsspecStorage):
     """An object store whose fsspec ``pipe_file(mode="create")`` is one conditional request."""
 
     atomic_create = True
@@ -201,7 +202,7 @@ class S3Storage(_BucketStorage):
     """Amazon S3 (or an S3-compatible server) through s3fs."""
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
-    # Only requests inside the store's prefix (issue 10: deploy/iam/s3-policy.json grants
+    # Only requests inside the store's prefix (least privilege: deploy/iam/s3-policy.json grants
     # s3:ListBucket only for the run's prefix). HeadBucket needs s3:ListBucket without a prefix,
     # and s3fs's ls() of an empty prefix lists the parent prefix to see whether the name is an
     # object: both are denied by that policy. The root listing alone tells a missing bucket
@@ -222,7 +223,6 @@ class S3Storage(_BucketStorage):
             # is one GET.
             return self.fs.cat_file(self.path(rel), max_concurrency=1)
         return self.fs.cat_file(self.path(rel))
-
 
     def _bucket_and_prefix(self) -> tuple[str, str]:
         bucket, _, prefix = self.root.partition("/")
@@ -252,13 +252,13 @@ class S3Storage(_BucketStorage):
         self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
 
 
-class GCSStorage(_BucketStorage):
+class GCSStorage(NoMultipartUploads, _BucketStorage):
     """Google Cloud Storage through gcsfs."""
 
     commit_primitive = "single-request upload with ifGenerationMatch=0 (412 when the object exists)"
 
 
-class CheckThenPutStorage(Storage):
+class CheckThenPutStorage(NoMultipartUploads, FsspecStorage):
     """Any other fsspec backend. Refuses to commit unless check-then-put was opted into."""
 
     commit_primitive = "exists check, then plain put (NOT atomic: racing writers can both win)"
@@ -339,8 +339,8 @@ def _keep_scheme(text: str, fs, url_root: str) -> str:
 
     fsspec's ``unstrip_protocol`` spells every URL with the filesystem's first protocol, so a store
     opened as ``gcs://bucket/run`` (an alias of ``gs``) or ``s3a://bucket/run`` would hand back
-    ``gs://``/``s3://`` URLs. Every URL the API returns keeps the caller's protocol (issue 5,
-    scenario 32): tools that match on the prefix, or configs that compare URLs, see what they gave.
+    ``gs://``/``s3://`` URLs. Every URL the API returns keeps the caller's protocol: tools that
+    match on the prefix, or configs that compare URLs, see what they gave.
     """
     scheme, sep, _rest = text.partition("://")
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)

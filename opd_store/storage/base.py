@@ -1,35 +1,53 @@
-"""The storage seam: a handful of verbs over one fsspec filesystem and a root prefix.
+"""The storage seam: the few verbs opd_store needs from a backend, declared abstract.
 
-Everything above this module speaks in paths relative to the store root (``step-000001/manifest.json``)
-and never touches fsspec. Every verb that can decide a checkpoint's state (list, size, read) sees the
-backend as it is now: s3fs and gcsfs cache listings and object sizes per instance (field notes: a
-stale cached size made s3fs return a truncated body without error), so each such verb drops the
-instance's caches first. Stores get a private filesystem instance (``skip_instance_cache=True``), so
-dropping its caches costs other code nothing.
+Everything above this package speaks in paths relative to the store root
+(``step-000001/manifest.json``) and never touches a backend client. :class:`Storage` declares the
+verbs with :mod:`abc`, so a backend that forgets one fails when it is constructed (``TypeError``
+naming the missing verbs), not when a commit first needs it:
+
+==========================  =========================================================================
+reads                       :meth:`~Storage.list_children`, :meth:`~Storage.list_tree`,
+                            :meth:`~Storage.size`, :meth:`~Storage.read_bytes`
+writes, overwrite mode      :meth:`~Storage.open_write` (a streaming writer; published by
+                            :meth:`~Storage.finish_write`, discarded by :meth:`~Storage.abort_write`)
+writes, create-only mode    :meth:`~Storage.create_exclusive` (the commit point of every checkpoint)
+deletes                     :meth:`~Storage.delete`, :meth:`~Storage.delete_tree`
+multipart uploads           :meth:`~Storage.list_uploads`, :meth:`~Storage.abort_upload` (a backend
+                            without them says so with :class:`NoMultipartUploads`)
+==========================  =========================================================================
+
+The other verbs have defaults built on these. Every verb that can decide a checkpoint's state
+(list, size, read) must answer from the backend as it is now (see
+:class:`~opd_store.storage.fsspec_storage.FsspecStorage`). ``tests/core/test_storage_conformance.py``
+checks every verb of every backend against the backend's own client.
 """
 
 from __future__ import annotations
 
+import abc
+import io
 import logging
 import posixpath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 logger = logging.getLogger("opd_store.storage")
 
 
-class Storage:
-    """One fsspec filesystem rooted at a prefix.
+class Storage(abc.ABC):
+    """One backend rooted at a prefix.
 
-    Subclasses provide the create-only primitive (:meth:`create_exclusive`) of their backend and
-    may override the streaming writer.
+    Args:
+        fs (Any): the backend client (an ``fsspec.AbstractFileSystem`` for every backend here).
+        root (str): the root in the client's own path spelling; a trailing ``/`` is dropped.
+        url_root (str): the root as a URL (a plain absolute path for local stores).
 
     Attributes:
-        fs (fsspec.AbstractFileSystem): the filesystem (private instance).
-        root (str): the root in the filesystem's own path spelling, no trailing ``/``.
-        url_root (str): the root as a URL (plain absolute path for local stores).
-        commit_primitive (str): one line naming how the manifest is made create-only.
+        commit_primitive (str): one line naming how :meth:`create_exclusive` is create-only.
+        atomic_create (bool): :meth:`create_exclusive` is atomic (two racing creates: one wins).
         write_slice_bytes (int): the largest single ``write()`` a payload writer hands this
-            backend's file object (zero-copy slices of larger buffers).
+            backend's writer (zero-copy slices of larger buffers).
+        bucketed (bool): the root's first component is a bucket.
+        probe_bucket (bool): :meth:`check_reachable` asks for the bucket before listing the root.
     """
 
     commit_primitive = "none"
@@ -37,8 +55,10 @@ class Storage:
     # fsspec's buffered files copy each whole write() into their part buffer before uploading: one
     # 1 GiB tensor would cost ~3 GiB of RSS. 8 MiB slices keep it to one part.
     write_slice_bytes = 8 << 20
+    bucketed = False
+    probe_bucket = True
 
-    def __init__(self, fs, root: str, url_root: str) -> None:
+    def __init__(self, fs: Any, root: str, url_root: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
@@ -47,7 +67,7 @@ class Storage:
 
     # -- names -------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
-        """Filesystem path of ``rel`` (relative to the root)."""
+        """The backend path of ``rel`` (relative to the root)."""
         if not rel:
             return self.root
         return self.root + rel if self.root.endswith("/") else f"{self.root}/{rel}"
@@ -58,181 +78,91 @@ class Storage:
             return self.url_root
         return self.url_root + rel if self.url_root.endswith("/") else f"{self.url_root}/{rel}"
 
-    def _rel(self, full: str, base: str) -> str:
-        full = self.fs._strip_protocol(full).rstrip("/")
-        base = base.rstrip("/")
-        if full == base:
-            return ""
-        prefix = base + "/" if not base.endswith("/") else base
-        if not full.startswith(prefix):
-            raise ValueError(f"listing returned {full!r} outside {base!r}")
-        return full[len(prefix):]
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.url_root})"
 
-    def refresh(self) -> None:
-        """Drop every listing and size cached by the filesystem instance."""
-        self.fs.invalidate_cache()
+    __repr__ = describe
 
-    # -- reads (always fresh) -------------------------------------------------------------
+    # -- reads (abstract; always fresh) --------------------------------------------------------
+    @abc.abstractmethod
     def list_children(self, rel: str = "") -> tuple[list[str], dict[str, int]]:
-        """Immediate children of ``rel``: (sub-prefix names, {file name: size_bytes}).
+        """Immediate children of ``rel``: (sub-prefix names, {object name: size_bytes}).
 
         One delimiter listing (paginated by the backend). A missing prefix lists as empty.
         """
-        self.refresh()
-        base = self.path(rel)
-        try:
-            entries = self._list_dir(base)
-        except FileNotFoundError:
-            return [], {}
-        dirs: list[str] = []
-        files: dict[str, int] = {}
-        for entry in entries:
-            name = self._rel(entry["name"], base)
-            if not name or "/" in name:
-                continue
-            if entry.get("type") == "directory":
-                dirs.append(name)
-            else:
-                files[name] = int(entry.get("size") or 0)
-        return dirs, files
 
-    def _list_dir(self, base: str) -> list[dict]:
-        """One fresh delimiter listing of the filesystem path ``base`` (fsspec ``ls`` entries).
-
-        Raises:
-            FileNotFoundError: ``base`` (or its bucket) does not exist.
-        """
-        return self.fs.ls(base, detail=True, refresh=True)
-
+    @abc.abstractmethod
     def list_tree(self, rel: str = "") -> dict[str, int]:
         """Every object below ``rel``, recursively: {path relative to ``rel``: size_bytes}.
 
         One flat listing (no per-object request). A missing prefix lists as empty.
         """
-        self.refresh()
-        base = self.path(rel)
-        try:
-            found = self.fs.find(base, detail=True)
-        except FileNotFoundError:
-            return {}
-        out: dict[str, int] = {}
-        for full, info in found.items():
-            if info.get("type") == "directory":
-                continue
-            name = self._rel(full, base)
-            if name:
-                out[name] = int(info.get("size") or 0)
-        return out
 
+    @abc.abstractmethod
     def size(self, rel: str) -> int | None:
         """Size in bytes of the object ``rel``, or ``None`` when it does not exist (or is a prefix)."""
-        self.refresh()
-        try:
-            info = self.fs.info(self.path(rel))
-        except FileNotFoundError:
-            return None
-        if info.get("type") == "directory":
-            return None
-        return int(info.get("size") or 0)
 
+    @abc.abstractmethod
     def read_bytes(self, rel: str, *, small: bool = False, max_bytes: int | None = None) -> bytes:
         """The whole object ``rel``, or its first ``max_bytes + 1`` bytes.
 
         Args:
             rel (str): object path relative to the root.
-            small (bool): the object is known to be small (a manifest): backends that would first
-                ask for its size to plan a parallel download skip that request.
+            small (bool): the object is known to be small (a manifest): a backend that would first
+                ask for its size to plan a parallel download skips that request.
             max_bytes (int | None): fetch at most ``max_bytes + 1`` bytes (one ranged request), so
                 a caller with a size limit sees that the object is over it without fetching it all.
 
         Raises:
             FileNotFoundError: no such object.
         """
-        self.refresh()
-        if max_bytes is not None:
-            return self.fs.cat_file(self.path(rel), start=0, end=max_bytes + 1)
-        return self.fs.cat_file(self.path(rel))
 
-    def check_reachable(self) -> None:
-        """Fail fast when the store cannot be used: missing bucket, credentials or connection.
+    # -- writes (abstract) ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def open_write(self, rel: str) -> BinaryIO:
+        """A new binary writer for the object ``rel`` (overwrite mode); the object appears when
+        :meth:`finish_write` publishes it. Callers discard it with :meth:`abort_write` instead
+        when anything went wrong."""
 
-        Raises:
-            StoreUnreachableError: naming the store URL and the backend's cause.
-        """
-        from ..errors import StoreUnreachableError
-
-        self.refresh()
-        bucket = self.root.split("/", 1)[0] if self.bucketed else None
-        missing_bucket = f"{self.url_root}: bucket {bucket!r} does not exist"
-        try:
-            if bucket is not None and self.probe_bucket:
-                try:
-                    self.fs.info(bucket)
-                except FileNotFoundError as exc:
-                    raise StoreUnreachableError(missing_bucket) from exc
-            try:
-                self._list_dir(self.root)
-            except FileNotFoundError as exc:
-                if bucket is not None and not self.probe_bucket:
-                    # The listing is the probe: it raises only when the bucket is missing.
-                    raise StoreUnreachableError(missing_bucket) from exc
-                # else: an empty store; the first save creates it
-        except StoreUnreachableError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every backend failure is reported the same way
-            cause = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-            raise StoreUnreachableError(f"{self.url_root}: cannot reach the store ({cause})") from exc
-
-    bucketed = False
-    # Ask for the bucket itself before listing the root (False: the root listing tells).
-    probe_bucket = True
-
-    def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
-        """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.
-
-        The default fetches the object whole (one request where the backend allows) and serves it
-        from memory; the CRC is computed over exactly the bytes the reader returns.
-
-        Returns:
-            tuple[BinaryIO, int, str]: (reader positioned at 0, size_bytes, crc32c as 8 hex digits).
+    @abc.abstractmethod
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        """Create the small object ``rel`` holding ``data`` only if it does not exist (create-only
+        mode: the commit point of a checkpoint, and of a pin).
 
         Raises:
-            FileNotFoundError: no such object.
+            OSError: the create failed; :func:`~opd_store.storage.backend_errors.classify` gives
+                ``LOST_RACE`` when the object exists (or another create of it is in flight) and
+                anything else for an outcome that is unknown until the object is read back.
+            UnsupportedBackendError: the backend has no create-only write.
         """
-        import io
 
-        from ..checksum import crc32c_hex
+    @abc.abstractmethod
+    def delete(self, rel: str) -> None:
+        """Delete the object ``rel``; a missing object is not an error."""
 
-        data = self.read_bytes(rel)
-        return io.BytesIO(data), len(data), crc32c_hex(data)
+    @abc.abstractmethod
+    def delete_tree(self, rel: str) -> None:
+        """Delete every object below ``rel``; a missing prefix is not an error."""
 
-    def open_read(self, rel: str) -> BinaryIO:
-        """A streaming binary reader of the object ``rel`` (for copies: nothing is held whole).
-
-        Raises:
-            FileNotFoundError: no such object.
-        """
-        self.refresh()
-        return self.fs.open(self.path(rel), "rb")
-
+    # -- multipart uploads (abstract) ----------------------------------------------------------
+    @abc.abstractmethod
     def list_uploads(self) -> list[tuple[str, str, float]]:
         """Unfinished multipart uploads under the root: ``(rel, upload_id, initiated_secs)``.
 
-        Only object stores with multipart uploads have any (S3); the default has none.
+        They are invisible to listings but billed (S3), so garbage collection aborts old ones.
         """
-        return []
 
+    @abc.abstractmethod
     def abort_upload(self, rel: str, upload_id: str) -> None:
         """Abort one unfinished multipart upload from :meth:`list_uploads`."""
-        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
 
-    # -- writes ------------------------------------------------------------------------------
-    def open_write(self, rel: str) -> BinaryIO:
-        """A new binary writer for the object ``rel``; the object appears at ``close()``.
+    # -- defaults built on the verbs above -----------------------------------------------------
+    def refresh(self) -> None:
+        """Drop whatever the backend client cached (listings, sizes); nothing by default."""
 
-        Callers abort with :meth:`abort_write` instead of closing when anything went wrong.
-        """
-        return self.fs.open(self.path(rel), "wb")
+    def finish_write(self, handle: BinaryIO, rel: str) -> None:
+        """Publish a writer from :meth:`open_write` (durably, where the backend needs a flush)."""
+        handle.close()
 
     def abort_write(self, handle: BinaryIO, rel: str) -> None:
         """Throw away a writer from :meth:`open_write` without publishing it (best effort)."""
@@ -249,45 +179,67 @@ class Storage:
         except Exception:  # noqa: BLE001 - cleanup of an already failing save
             logger.warning("could not discard partial object %s", self.url(rel), exc_info=True)
 
-    def finish_write(self, handle: BinaryIO, rel: str) -> None:
-        """Publish a writer from :meth:`open_write` (durably, where the backend needs a flush)."""
-        handle.close()
+    def sync_prefix(self, rel: str) -> None:
+        """Make the names of objects written under ``rel`` durable (local: fsync the directories);
+        nothing to do on backends whose writes are durable when published."""
 
-    def create_exclusive(self, rel: str, data: bytes) -> None:
-        """Create the small object ``rel`` holding ``data`` only if it does not exist.
+    def open_read(self, rel: str) -> BinaryIO:
+        """A binary reader of the object ``rel`` (for copies; backends that can stream override it).
 
         Raises:
-            FileExistsError: the object exists (the create lost).
-            UnsupportedBackendError: the backend has no create-only write.
-            OSError: any other failure; the create may or may not have landed.
+            FileNotFoundError: no such object.
         """
-        raise NotImplementedError
+        return io.BytesIO(self.read_bytes(rel))
 
-    def sync_prefix(self, rel: str) -> None:
-        """Make the names of objects written under ``rel`` durable (local: fsync the directories)."""
+    def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
+        """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.
 
-    def delete(self, rel: str) -> None:
-        """Delete the object ``rel``; a missing object is not an error."""
+        The default fetches the object whole (one request where the backend allows) and serves it
+        from memory; the CRC is computed over exactly the bytes the reader returns.
+
+        Returns:
+            tuple[BinaryIO, int, str]: (reader positioned at 0, size_bytes, crc32c as 8 hex digits).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        from ..checksum import crc32c_hex
+
+        data = self.read_bytes(rel)
+        return io.BytesIO(data), len(data), crc32c_hex(data)
+
+    def check_reachable(self) -> None:
+        """Fail fast when the store cannot be used: missing bucket, credentials or connection.
+
+        The default lists the root once.
+
+        Raises:
+            StoreUnreachableError: naming the store URL and the backend's cause.
+        """
+        from ..errors import StoreUnreachableError
+        from .backend_errors import describe
+
         try:
-            self.fs.rm_file(self.path(rel))
-        except FileNotFoundError:
-            pass
-        finally:
-            self.refresh()
+            self.list_children("")
+        except Exception as exc:  # noqa: BLE001 - every backend failure is reported the same way
+            raise StoreUnreachableError(f"{self.url_root}: cannot reach the store ({describe(exc)})") from exc
 
-    def delete_tree(self, rel: str) -> None:
-        """Delete every object below ``rel``; a missing prefix is not an error."""
-        try:
-            self.fs.rm(self.path(rel), recursive=True)
-        except FileNotFoundError:
-            pass
-        finally:
-            self.refresh()
 
-    def describe(self) -> str:
-        return f"{type(self).__name__}({self.url_root})"
+class NoMultipartUploads:
+    """Mixin of a backend without multipart uploads to list or abort (local, memory, GCS: gcsfs
+    completes or cancels its resumable uploads itself, and GCS lists none)."""
 
-    __repr__ = describe
+    def list_uploads(self) -> list[tuple[str, str, float]]:
+        """None: this backend has no unfinished multipart uploads."""
+        return []
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Refused: there are no multipart uploads on this backend.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
 
 
 def join(*parts: str) -> str:
@@ -295,4 +247,4 @@ def join(*parts: str) -> str:
     return posixpath.join(*[p for p in parts if p])
 
 
-__all__ = ["Storage", "join"]
+__all__ = ["NoMultipartUploads", "Storage", "join"]

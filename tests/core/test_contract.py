@@ -25,7 +25,7 @@ from opd_store import (
     IntegrityError,
     ManifestError,
 )
-from opd_store.store import split_checkpoint_url
+from opd_store.store_refs import split_checkpoint_url
 
 from proc_writer import make_bytes
 from .helpers import crc_hex, open_store, save

@@ -122,7 +122,7 @@ def _inject(spec: dict, rank: int) -> None:
     """Make ``fail_rank``'s write of one payload fail (or block) after some bytes went out."""
     if spec.get("fail_rank") != rank:
         return
-    from opd_store.opd import checkpoint
+    from opd_store.opd import save as checkpoint  # where the payload writes live
 
     victim = "training_state.pt" if rank == 0 else f"rng-rank-{rank:02d}.pt"
     original = checkpoint._save_torch

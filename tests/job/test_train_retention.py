@@ -12,7 +12,7 @@ from opd_store import CheckpointStore
 from opd_store.cli import main
 from opd_store.job.train import train
 from opd_store.retention import RetentionPolicy
-from opd_store.tiered import KeepLastN, TieredStore
+from opd_store.tiered import TieredStore
 
 
 def _config(store: CheckpointStore, step: int) -> dict:
@@ -95,8 +95,8 @@ def test_async_saves_with_keep_last_1_report_every_save(tmp_path):
 
 
 def test_retention_for_a_tiered_store_that_has_a_bucket_hook_is_refused_before_training(tmp_path):
-    store = TieredStore(tmp_path / "local", tmp_path / "bucket", bucket_retention=KeepLastN(1))
-    with store, pytest.raises(ValueError, match="already has bucket retention KeepLastN\\(1\\)"):
+    store = TieredStore(tmp_path / "local", tmp_path / "bucket", bucket_retention=RetentionPolicy(keep_last=1))
+    with store, pytest.raises(ValueError, match="already has bucket retention RetentionPolicy\\(keep_last=1"):
         train(store=store, updates=2, checkpoint_every=1, retention=RetentionPolicy(keep_last=2))
     assert store.local_steps() == [] and store.durable_steps() == []
 

@@ -1,33 +1,23 @@
 """Retention applied by ``save_opd_checkpoint`` after its own commit (issue 6; issue 5 scenario 29).
 
-Real saves and loads of the OPD layer (small real torch objects from tests/opd/conftest.py), on
+Real saves and loads of the OPD layer (small real torch objects from opd_store.testing.opd), on
 local disk and S3 (moto server). Crashes are injected with tests/faults.py: a ``KeyboardInterrupt``
 raised by the storage stands for the process dying at that operation.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
-from pathlib import Path
-
 import pytest
 
-from faults import Fault, FaultyStorage
-from opd_store import CheckpointStore
-from opd_store.gc import collect_garbage
+from faults import Fault, FaultyStorage, InjectedFault
+from opd_store import CheckpointStore, RetentionError
+from opd_store.orphans import collect_garbage
 from opd_store.opd.checkpoint import load_opd_checkpoint, save_opd_checkpoint
 from opd_store.opd.config import OPDConfig
 from opd_store.pins import pin
 from opd_store.retention import RetentionPolicy, RunLineage
-
-_spec = importlib.util.spec_from_file_location("opd_test_helpers", Path(__file__).parents[1] / "opd" / "conftest.py")
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
-
-
-def open_store(backend) -> CheckpointStore:
-    return CheckpointStore(backend.url, storage_options=backend.storage_options)
+from opd_store.testing import opd as helpers
+from opd_store.testing.stores import open_store
 
 
 def save(store, step: int, **kwargs) -> str:
@@ -155,16 +145,16 @@ def test_crash_mid_delete_in_the_retention_pass_leaves_no_false_complete(backend
     assert [info.step for info in fresh.checkpoints()] == [6]
 
 
-def test_a_failing_retention_pass_does_not_fail_the_committed_save(backend, caplog):
+def test_a_failing_retention_pass_is_raised_and_the_save_stays_committed(backend):
     store = open_store(backend)
     for step in (2, 4):
         save(store, step)
     faulty = CheckpointStore.from_storage(
         FaultyStorage(store.storage, Fault(when=lambda op: op.kind == "delete"))
     )
-    with caplog.at_level(logging.WARNING, logger="opd_store.gc"):
-        url = save(faulty, 6, retention=RetentionPolicy(keep_last=1))
-    assert url == store.step_url(6)
-    assert "retention after committing step 6" in caplog.text
+    with pytest.raises(RetentionError, match="after committing step 6") as caught:
+        save(faulty, 6, retention=RetentionPolicy(keep_last=1))
+    assert caught.value.url == store.step_url(6) and isinstance(caught.value, OSError)
+    assert isinstance(caught.value.__cause__, InjectedFault)
     fresh = open_store(backend)
     assert fresh.steps() == [2, 4, 6] and load(fresh, 6)["successful_updates"] == 6

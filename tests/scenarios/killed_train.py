@@ -26,7 +26,7 @@ def _install(kill_step: int, kill_after: int) -> None:
     def close(self) -> None:
         was_open = not self.closed
         original(self)
-        if was_open and self._txn.step == kill_step:
+        if was_open and self.step == kill_step:
             closed.append(self.name)
             if len(closed) >= kill_after:
                 print(f"KILLING {kill_step} {len(closed)} {','.join(closed)}", file=sys.stderr, flush=True)

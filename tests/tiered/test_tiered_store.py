@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from backends import Backend
+from opd_store.testing.stores import Backend
 from faults import Fault, FaultyStorage, InjectedFault
 from fsspec.callbacks import Callback
 from proc_writer import payloads_for
 
 from opd_store import CheckpointStore, latest_complete_checkpoint, load_opd_checkpoint, save_opd_checkpoint
 from opd_store.errors import CommitConflictError, CommitError, IntegrityError, UploadError
-from opd_store.tiered import KeepLastN, TieredStore, same_payloads
+from opd_store.retention import RetentionPolicy
+from opd_store.tiered import TieredStore, same_payloads
 from opd_store.transfer import copy_checkpoint
 
 
@@ -180,14 +181,8 @@ def test_upload_failure_is_raised_at_wait_next_save_flush_and_close(bucket_backe
 
 def test_retention_per_tier_never_drops_a_step_that_is_not_durable(bucket_backend, tmp_path):
     fault = Fault(when=lambda op: op.kind == "create" and op.rel.startswith("step-000003/"), once=False)
-    bucket, _faulty = wrapped(bucket_backend, faults=fault)
-    calls = []
-
-    def bucket_keep_two(tier: CheckpointStore, protected: frozenset) -> None:
-        calls.append((tier.url, tuple(sorted(protected))))
-        KeepLastN(2)(tier, protected)
-
-    store = TieredStore(tmp_path / "local", bucket, local_keep_last=1, bucket_retention=bucket_keep_two)
+    bucket, faulty = wrapped(bucket_backend, faults=fault)
+    store = TieredStore(tmp_path / "local", bucket, local_keep_last=1, bucket_retention=RetentionPolicy(keep_last=2))
     for step in (1, 2, 3):
         save(store, step)
         wait_idle(store)
@@ -198,9 +193,10 @@ def test_retention_per_tier_never_drops_a_step_that_is_not_durable(bucket_backen
         save(store, step)
         store.flush()
     assert store.local_steps() == [3, 5]  # 2 and 4 dropped (durable); 3 still the only copy
-    assert store.durable_steps() == [4, 5]  # the bucket hook kept the newest two
-    assert calls == [(bucket.url, ())] * 4  # after each successful upload (1, 2, 4, 5)
-    assert KeepLastN(1)(store.local, frozenset({3})) == []
+    assert store.durable_steps() == [4, 5]  # the bucket's retention kept the newest two
+    # The bucket's pass deleted step 1, then 2 (after the uploads of 4 and 5); step 3 never landed.
+    deleted = [op.rel for op in faulty.ops if op.kind == "delete" and op.rel.endswith("/manifest.json")]
+    assert deleted == ["step-000001/manifest.json", "step-000002/manifest.json"]
 
 
 def test_wait_uploaded_of_a_step_from_an_earlier_process(bucket_backend, tmp_path):
@@ -311,13 +307,13 @@ def test_opd_save_latest_and_load_through_a_tiered_store(bucket_backend, tmp_pat
 
 
 def test_every_public_store_method_is_tiered():
-    """A method added to CheckpointStore must get a tiered meaning, not silently act on one tier."""
-    inherited_ok = {"attempt_age_secs"}
-    public = {name for name in vars(CheckpointStore) if not name.startswith("_")}
-    missing = sorted(name for name in public - inherited_ok if name not in vars(TieredStore))
-    assert missing == []
-    with pytest.raises(TypeError, match="two storages"):
-        TieredStore("/tmp/a", "memory://b").storage
+    """The tiered store composes two stores: it offers the whole store API itself, inherits no
+    method it would have to refuse, and has no single storage."""
+    from opd_store.store_api import BaseStore
+
+    api = {name for name in dir(BaseStore) if not name.startswith("_")}
+    assert api <= set(vars(TieredStore)) and not issubclass(TieredStore, CheckpointStore)
+    assert not hasattr(TieredStore("/tmp/a", "memory://b"), "storage")
 
 
 def test_bucket_down_local_reads_and_saves_go_on_upload_failure_raised(bucket_backend, tmp_path):

@@ -1,0 +1,132 @@
+"""``Attempt``: the payloads of one save attempt, streamed under the attempt's private prefix.
+
+Every payload of a save goes to ``step-NNNNNN/<attempt_id>/<name>`` through a
+:class:`~opd_store.payload_writer.PayloadWriter`, which records its size and CRC32C. Two kinds of
+attempt build on this: a :class:`~opd_store.transaction.Transaction` commits the attempt with a
+manifest; a :class:`~opd_store.part_transaction.PartTransaction` (one rank of a multi-rank save)
+seals its part and hands the entries to the committing rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from .errors import SaveAbandonedError
+from .layout import check_payload_name, step_dirname
+from .manifest import PayloadEntry
+from .payload_writer import PayloadWriter
+
+if TYPE_CHECKING:
+    from .storage import Storage
+
+logger = logging.getLogger("opd_store.transaction")
+
+
+class Attempt:
+    """The payloads of one save attempt of ``step``.
+
+    Attributes:
+        storage (Storage): the store's storage.
+        step (int): the step being saved.
+        attempt_id (str): the attempt's prefix name under the step.
+        url (str): the checkpoint URL (the step prefix).
+        world_size (int): ranks writing the checkpoint.
+        rank (int): the writing rank.
+    """
+
+    def __init__(self, storage: "Storage", step: int, attempt_id: str, *, world_size: int = 1, rank: int = 0) -> None:
+        self.storage = storage
+        self.step = step
+        self.attempt_id = attempt_id
+        self.world_size = world_size
+        self.rank = rank
+        self._step_rel = step_dirname(step)
+        self.url = storage.url(self._step_rel)
+        self._entries: dict[str, PayloadEntry] = {}
+        self._open: dict[str, PayloadWriter] = {}
+        self._failed: list[str] = []
+        self._state = "open"
+        self._cancelled: threading.Event | None = None
+
+    def cancel_when(self, event: threading.Event) -> None:
+        """Abandon this attempt once ``event`` is set: later payload writes fail without I/O and a
+        commit refuses with :class:`~opd_store.errors.SaveAbandonedError` (the background worker's
+        exit deadline). Set it before opening payloads."""
+        self._cancelled = event
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled is not None and self._cancelled.is_set():
+            self.abort()
+            raise SaveAbandonedError(
+                f"{self.url}: the save of step {self.step} (attempt {self.attempt_id}) was abandoned before its "
+                "commit (exit deadline passed); the step stays uncommitted"
+            )
+
+    # payloads -----------------------------------------------------------------------------
+    def _payload_rel(self, name: str) -> str:
+        return f"{self._step_rel}/{self.attempt_id}/{name}"
+
+    def open(self, name: str) -> PayloadWriter:
+        """Open a writer for the payload ``name`` (relative, ``/``-separated).
+
+        Raises:
+            ValueError: unsafe name, a name already written or open, or the attempt is over.
+        """
+        self._require_open()
+        check_payload_name(name)
+        if name in self._entries or name in self._open:
+            raise ValueError(f"payload {name!r} is already part of {self.url} ({self.attempt_id})")
+        rel = self._payload_rel(name)
+        writer = PayloadWriter(self.storage, name, rel, f"{self.attempt_id}/{name}", self.step,
+                               self.storage.open_write(rel), on_closed=self._record, on_failed=self._writer_failed,
+                               cancelled=self._cancelled)
+        self._open[name] = writer
+        return writer
+
+    def write_bytes(self, name: str, data) -> PayloadEntry:
+        """Write a whole payload from a buffer and return its entry."""
+        with self.open(name) as writer:
+            writer.write(data)
+        return self._entries[name]
+
+    @property
+    def entries(self) -> tuple[PayloadEntry, ...]:
+        """Entries of the payloads closed so far, in write order."""
+        return tuple(self._entries.values())
+
+    def _record(self, entry: PayloadEntry) -> None:
+        self._open.pop(entry.name, None)
+        self._entries[entry.name] = entry
+
+    def _writer_failed(self, name: str) -> None:
+        self._open.pop(name, None)
+        self._failed.append(name)
+
+    def _require_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"transaction for {self.url} ({self.attempt_id}) is {self._state}")
+
+    # abort --------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Discard open writers and delete this attempt's payloads. Safe to call twice."""
+        if self._state in ("committed", "aborted"):
+            return
+        for writer in list(self._open.values()):
+            writer.abort()
+        self._state = "aborted"
+        self._discard_payloads()
+
+    def _discard_payloads(self) -> None:
+        # Only ever this attempt's own prefix, and only when no manifest names it.
+        try:
+            self.storage.delete_tree(f"{self._step_rel}/{self.attempt_id}")
+        except Exception:  # noqa: BLE001 - leftovers are harmless; gc removes them
+            logger.warning("could not delete payloads of aborted attempt %s at %s", self.attempt_id, self.url, exc_info=True)
+
+    def __enter__(self):
+        return self
+
+
+__all__ = ["Attempt"]

@@ -1,0 +1,116 @@
+"""The one table of backend failures (:mod:`opd_store.storage.backend_errors`): what each backend
+really raises, produced by the real clients against the real emulators (moto behind a fault proxy,
+fake-gcs-server, the local filesystem), and what opd_store does with each meaning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from gcsfs.retry import HttpError, validate_response
+
+from faults import Fault, FaultyStorage
+from opd_store import CheckpointStore, CommitConflictError
+from opd_store.errors import StoragePermissionError
+from opd_store.pins import pin
+from opd_store.storage.backend_errors import Meaning, backend_operation, classify, describe
+
+from core.helpers import boto3_client, open_store, save
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the exception is what is examined
+        return exc
+    raise AssertionError("no exception was raised")
+
+
+def test_s3_412_precondition_failed_is_a_lost_race(s3_backend, moto_s3):
+    client = boto3_client(moto_s3)
+    bucket, _, prefix = s3_backend.url[len("s3://"):].partition("/")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/m.json", Body=b"1", IfNoneMatch="*")
+    exc = _raised(lambda: client.put_object(Bucket=bucket, Key=f"{prefix}/m.json", Body=b"2", IfNoneMatch="*"))
+    assert exc.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert classify(exc) is Meaning.LOST_RACE
+    storage = open_store(s3_backend).storage  # the same through s3fs's own translation
+    exc = _raised(lambda: storage.create_exclusive("m.json", b"3"))
+    assert classify(exc) is Meaning.LOST_RACE and storage.read_bytes("m.json") == b"1"
+
+
+def test_s3_409_conditional_request_conflict_is_a_lost_race_and_never_commits(s3_proxy):
+    backend, proxy = s3_proxy
+    store = open_store(backend)
+    proxy.add(ops=("PutObject",), match=lambda r: r.path.endswith("/manifest.json"), status=409,
+              code="ConditionalRequestConflict", times=None)
+    exc = _raised(lambda: store.storage.create_exclusive("step-000009/manifest.json", b"{}"))
+    assert classify(exc) is Meaning.LOST_RACE and "ConditionalRequestConflict" in describe(exc)
+    with pytest.raises(CommitConflictError, match="refused but no manifest is there now"):
+        save(store, 1, {"model.bin": b"m"})
+    assert store.steps() == [] and store.storage.list_tree("step-000001") == {}  # the attempt was deleted
+
+
+def test_s3_403_404_and_throttling(s3_proxy):
+    backend, proxy = s3_proxy
+    store = CheckpointStore(backend.url, storage_options=dict(
+        backend.storage_options, config_kwargs={"retries": {"max_attempts": 1, "mode": "legacy"}}))
+    save(store, 1, {"model.bin": b"m"})
+    rel = f"step-000001/{store.manifest(1).attempt_id}/model.bin"
+    assert classify(_raised(lambda: store.storage.read_bytes("step-000001/none.bin"))) is Meaning.NOT_FOUND
+    proxy.add(ops=("GetObject",), status=403, code="AccessDenied", times=1)
+    denied = _raised(lambda: store.storage.read_bytes(rel))
+    assert classify(denied) is Meaning.DENIED and backend_operation(denied) == "GetObject"
+    proxy.add(ops=("GetObject",), status=503, code="SlowDown", times=None)
+    throttled = _raised(lambda: store.storage.read_bytes(rel))
+    assert classify(throttled) is Meaning.THROTTLED and "SlowDown" in describe(throttled)
+
+
+def test_gcs_412_is_a_lost_race(gcs_backend):
+    storage = open_store(gcs_backend).storage
+    storage.create_exclusive("m.json", b"1")
+    exc = _raised(lambda: storage.create_exclusive("m.json", b"2"))
+    assert classify(exc) is Meaning.LOST_RACE and storage.read_bytes("m.json") == b"1"
+    assert classify(_raised(lambda: storage.read_bytes("none.json"))) is Meaning.NOT_FOUND
+
+
+@pytest.mark.parametrize("status,meaning", [(412, Meaning.LOST_RACE), (404, Meaning.NOT_FOUND),
+                                            (403, Meaning.DENIED), (401, Meaning.DENIED),
+                                            (429, Meaning.THROTTLED), (503, Meaning.THROTTLED),
+                                            (500, Meaning.OTHER)])
+def test_gcs_statuses_as_gcsfs_raises_them(status, meaning):
+    # gcsfs's own response check turns each status into what its callers see (a 403 becomes a
+    # plain OSError("Forbidden: ..."), a 412 a FileExistsError, a 429 an HttpError).
+    exc = _raised(lambda: validate_response(status, b'{"error": {"message": "m"}}', "b/o"))
+    assert classify(exc) is meaning
+
+
+def test_local_lost_race_and_missing(tmp_path):
+    storage = CheckpointStore(tmp_path / "store").storage
+    storage.create_exclusive("a/m.json", b"1")
+    assert classify(_raised(lambda: storage.create_exclusive("a/m.json", b"2"))) is Meaning.LOST_RACE
+    assert classify(_raised(lambda: storage.read_bytes("a/none.json"))) is Meaning.NOT_FOUND
+    assert classify(_raised(lambda: os.open(tmp_path / "nowhere" / "x", os.O_RDONLY))) is Meaning.NOT_FOUND
+    assert classify(PermissionError(13, "Permission denied")) is Meaning.DENIED
+    assert classify(ValueError("bad")) is Meaning.OTHER and classify(KeyboardInterrupt()) is Meaning.OTHER
+
+
+def test_a_denied_payload_upload_is_a_permission_error_on_gcs_too(tmp_path):
+    # gcsfs reports a 403 as OSError("Forbidden: ..."), not PermissionError: the table still names it.
+    forbidden = _raised(lambda: validate_response(403, b'{"error": {"message": "denied"}}', "b/o"))
+    assert not isinstance(forbidden, PermissionError)
+    store = CheckpointStore(tmp_path / "store")
+    faulty = CheckpointStore.from_storage(
+        FaultyStorage(store.storage, Fault(when=lambda op: op.kind == "write", exc=forbidden)))
+    with pytest.raises(StoragePermissionError, match="permission denied.*payload 'model.bin' of step 1"):
+        save(faulty, 1, {"model.bin": b"m"})
+    assert store.steps() == []
+
+
+def test_a_pin_that_lost_the_create_race_is_already_there(s3_backend):
+    store = open_store(s3_backend)
+    save(store, 1, {"model.bin": b"m"})
+    assert pin(store, 1) is True and pin(store, 1) is False  # the second create got S3's 412
+
+
+def test_unknown_http_errors_are_other():
+    assert classify(HttpError({"code": 500, "message": "boom"})) is Meaning.OTHER
