@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pipeline", ("opd_store.pipeline", "opd_store.pipeline.*")),
     ("tiered", ("opd_store.tier_routing", "opd_store.tier_uploads", "opd_store.tiered")),
     ("opd", ("opd_store.opd", "opd_store.opd.*")),
+    ("integrations", ("opd_store.integrations", "opd_store.integrations.*")),
     ("job", ("opd_store.job", "opd_store.job.*")),
     ("cli", ("opd_store.cli", "opd_store.cli.*", "opd_store.__main__")),
     ("api", ("opd_store",)),

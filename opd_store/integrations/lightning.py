@@ -14,10 +14,13 @@ it). Here every such name is a store of its own, ``<url>/<name>/``, whose steps 
 numbered in save order: a save commits version ``N + 1`` after the highest version ``N`` listed
 (committed or not) as ``<url>/<name>/step-(N+1)/`` (payload ``checkpoint.ckpt``, created with
 ``torch.save`` straight into the object, manifest created only if absent, ``global_step`` and
-``epoch`` in its metadata) and only then deletes the name's older versions. So a name that was ever
-saved always has a complete version, also across a kill mid-save, and the newest save is the one a
-load reads (size and CRC32C checked), as with Lightning's overwritten file. ``remove`` deletes every
-version, manifest first.
+``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline.save.run_save`),
+and only then, as its after-commit hooks, deletes the name's older versions: the complete ones by
+the retention policy :data:`NEWEST_VERSION_ONLY` (the one retention executor; a pinned version
+stays), the uncommitted attempts of killed saves after them. So a name that was ever saved always
+has a complete version, also across a kill mid-save, and the newest save is the one a load reads
+(size and CRC32C checked), as with Lightning's overwritten file. ``remove`` deletes every version,
+manifest first.
 
 Order with ``AsyncCheckpointIO``: its thread runs the saves in order, but ``ModelCheckpoint``
 removes an evicted top-k checkpoint on the training thread, possibly before that checkpoint's
@@ -51,7 +54,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from ..errors import CheckpointNotFoundError
-from ..store import COMPLETE, CheckpointInfo, CheckpointStore
+from ..pipeline.save import SaveRequest, run_save
+from ..retention import RetentionPolicy
+from ..store import COMPLETE, UNCOMMITTED, CheckpointInfo, CheckpointStore
 from ..thread_random import route_background_random
 
 logger = logging.getLogger("opd_store.integrations.lightning")
@@ -62,6 +67,9 @@ REMOVAL_REQUEST_KEY = "opd_store_removal_request"
 REMOVAL_REQUEST: dict[str, bool] = {REMOVAL_REQUEST_KEY: True}
 """What :class:`StoreModelCheckpoint` hands to ``save_checkpoint`` (through ``AsyncCheckpointIO``'s
 queue) to remove a checkpoint after the saves queued before it."""
+NEWEST_VERSION_ONLY = RetentionPolicy(keep_last=1)
+"""The retention of every name's store: a save replaces the name's older versions (as Lightning
+overwrites its file), through the one retention executor after the commit (pinned versions stay)."""
 
 
 class StoreCheckpointIO(CheckpointIO):
@@ -169,17 +177,24 @@ class StoreCheckpointIO(CheckpointIO):
         name = self.name_of(path)
         store = self.store_of(path)
         global_step = int(checkpoint.get("global_step", 0))
+
+        def write(txn, shared: bool) -> None:
+            with txn.open(PAYLOAD_NAME) as writer:
+                torch.save(checkpoint, writer)
+
+        def drop_leftovers(request: SaveRequest, url: str) -> None:
+            for step in leftovers:  # attempts of killed saves of this name: no manifest names them
+                store.delete(step)
+
         with self._name_lock(name), route_background_random():
-            listed = [info.step for info in store.checkpoints()]
-            version = max(listed, default=0) + 1
+            listed = store.checkpoints()
+            version = max((info.step for info in listed), default=0) + 1
+            leftovers = [info.step for info in listed if info.status == UNCOMMITTED]
             metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"),
                         "global_step": global_step}
-            with store.begin(version, metadata=metadata) as txn:
-                with txn.open(PAYLOAD_NAME) as writer:
-                    torch.save(checkpoint, writer)
-            for step in listed:
-                store.delete(step)
-        logger.info("saved %s (global_step %d) as version %d (%s)", name, global_step, version, txn.url)
+            url = run_save(SaveRequest(store=store, step=version, world_size=1, metadata=metadata, write=write,
+                                       retention=NEWEST_VERSION_ONLY, on_commit=[drop_leftovers]))
+        logger.info("saved %s (global_step %d) as version %d (%s)", name, global_step, version, url)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The newest complete version of the checkpoint at ``path`` (size and CRC32C checked), or
