@@ -129,6 +129,9 @@ def run_start(
 ) -> dict[str, Any]:
     """One process start: resume from the store if it holds a checkpoint, train to the end.
 
+    Sets torch to one intra-op thread for the process (as ``opd-store train`` does), so a start on
+    a machine with another core count computes the same bits.
+
     ``store_url=None`` trains without the callback (the reference). ``events`` receives
     ``{"event": "resumed", "step": N}``, ``{"event": "step", "step": N}`` after every update and
     ``{"event": "saved", "step": N}`` after every commit.
@@ -150,6 +153,7 @@ def run_start(
             if store_callback is not None and state.global_step in store_callback.committed_steps:
                 emit({"event": "saved", "step": state.global_step})
 
+    torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
     store_callback = None
     callbacks: list = []
     if store_url is not None:

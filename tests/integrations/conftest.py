@@ -1,28 +1,23 @@
-"""tests/integrations: one forkserver preload for every child process these tests start.
+"""tests/integrations: every test trains with one torch intra-op thread.
 
-The trainer children (``trl_child``, ``lightning_child``, ``rank_child``) are forked from the
-shared forkserver of ``tests/proc_writer.py``. Its preload list counts only when it is set before
-the server starts, and in a full (xdist) run a core process test usually starts it first. Setting
-the union of what every child imports here, when this directory is collected (before any test
-runs), makes each child start cost a fork instead of 5-15 s of torch/transformers/TRL/Lightning
-imports, whichever test starts the server. Modules that are not installed are skipped by the
-forkserver (``ImportError`` is ignored there).
+The trainers here are tiny: their matrix products gain nothing from a second thread, and on a
+loaded 2-core machine (one pytest-xdist worker per core) OpenMP threads waiting for each other cost
+5-10x the wall time and CPU of one thread (a 4-step GKD run: 5-10 s and 2-3 CPU-seconds with 2
+threads, 0.7 s and 0.4 CPU-seconds with 1). The trainer programs the tests start set the same
+(``opd_store.job.trl_demo.run_start``, ``lightning_child.py``, ``rank_child.py``), so in-process
+and child runs compute the same bits. The worker's own setting is restored after each test; the
+shared runs (session fixtures, set up before this one) use
+:func:`opd_store.testing.machines.torch_threads` themselves.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from opd_store.testing.machines import torch_threads
 
-import proc_writer  # noqa: E402
 
-PRELOAD = [
-    *proc_writer.PRELOAD, "torch", "transformers", "accelerate", "peft", "datasets", "trl", "trl.experimental.gkd",
-    "lightning", "lightning.pytorch", "opd_store.job.trl_demo", "opd_store.integrations.transformers",
-    "opd_store.integrations.lightning", "trl_child", "lightning_child", "rank_child",
-]
-
-proc_writer.context().set_forkserver_preload(PRELOAD)
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    with torch_threads(1):
+        yield

@@ -1,4 +1,4 @@
-"""A tiny LightningModule trained with StoreCheckpointIO, in this process or in a forked child.
+"""A tiny LightningModule trained with StoreCheckpointIO, in this process or as a program of its own.
 
 The module has dropout (so it draws random numbers every step) and saves/restores the global RNG
 state in its checkpoint hooks: Lightning itself does not put RNG states in a checkpoint, so without
@@ -6,25 +6,25 @@ them a resumed run draws other dropout masks (docs/integrations.md). The data or
 (``shuffle=False``) and checkpoints are taken at epoch ends: Lightning restarts an epoch that was
 interrupted from its beginning rather than from the batch it reached.
 
-Child protocol (a ``Pipe``): ``{"event": "epoch_end", "epoch": N}`` at each epoch end (before that epoch's
-checkpoint: ModelCheckpoint runs after other callbacks), then
-the child waits for ``"go"``; at the end ``{"event": "done", "state": bytes}`` (``torch.save`` of the
-weights) or ``{"event": "error", "traceback": ...}``.
+As a program (``python tests/integrations/lightning_child.py SPEC_JSON``, started by :func:`start`
+on a fresh machine from the worker's fork server): events (:mod:`opd_store.testing.events`)
+``{"event": "epoch_end", "epoch": N}`` at each epoch end (before that epoch's checkpoint:
+ModelCheckpoint runs after other callbacks), then the child waits for the parent's reply; at the end
+``{"event": "done", "resumed_from": ...}`` after ``torch.save`` of the weights to the spec's
+``result`` path, or ``{"event": "error", "traceback": ...}``.
 """
 
 from __future__ import annotations
 
-import io
-import os
+import json
+import subprocess
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import proc_writer  # noqa: E402
-
+from opd_store.testing import events, forkserver
+from opd_store.testing.machines import fresh_machine
 
 
 def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs: int = 4, callbacks=(),
@@ -89,37 +89,36 @@ def weights(model) -> dict:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def _child(conn, machine: str, url: str, storage_options: dict, resume: bool) -> None:
+def main(spec: dict) -> None:
     try:
-        root = Path(machine)
-        for sub in ("home", "tmp", "work"):
-            (root / sub).mkdir(parents=True)
-        os.chdir(root / "work")
-        os.environ["HOME"], os.environ["TMPDIR"] = str(root / "home"), str(root / "tmp")
-        tempfile.tempdir = None
         import lightning.pytorch as pl
         import torch
 
+        torch.set_num_threads(1)  # as the tests' own process (conftest.py): the same bits
+
         class Report(pl.Callback):
             def on_train_epoch_end(self, trainer, pl_module):
-                conn.send({"event": "epoch_end", "epoch": trainer.current_epoch, "step": trainer.global_step})
-                conn.recv()
+                events.emit({"event": "epoch_end", "epoch": trainer.current_epoch, "step": trainer.global_step})
+                events.wait_reply()
 
-        trainer, model, train, val, _plugin, _ckpt = build(url, storage_options, callbacks=[Report()])
+        trainer, model, train, val, _plugin, _ckpt = build(spec["url"], spec["storage_options"], callbacks=[Report()])
         trainer.fit(model, train, val, ckpt_path="last")  # also on the first start (empty store)
-        buffer = io.BytesIO()
-        torch.save(weights(model), buffer)
-        conn.send({"event": "done", "state": buffer.getvalue(), "resumed_from": str(trainer.ckpt_path)})
-    except BaseException:  # noqa: BLE001
-        conn.send({"event": "error", "traceback": traceback.format_exc()})
-    finally:
-        conn.close()
+        torch.save(weights(model), spec["result"])
+        events.emit({"event": "done", "resumed_from": str(trainer.ckpt_path)})
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        events.emit({"event": "error", "traceback": traceback.format_exc()})
+        raise
 
 
-def start(machine: str, url: str, storage_options: dict, *, resume: bool):
-    ctx = proc_writer.context()
-    parent, child = ctx.Pipe(duplex=True)
-    process = ctx.Process(target=_child, args=(child, machine, url, storage_options, resume), daemon=True)
-    process.start()
-    child.close()
-    return process, parent
+def start(base: Path, url: str, storage_options: dict):
+    """Start one training start on a fresh machine under ``base``; return ``(EventStream, machine
+    directory)`` (the weights of a start that ended are its ``result.pt``)."""
+    env, work = fresh_machine(base)
+    spec = dict(url=url, storage_options=storage_options, result=str(work.parent / "result.pt"))
+    process = forkserver.popen([sys.executable, __file__, json.dumps(spec)], env=env, cwd=work, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return events.EventStream(process), work.parent
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -11,7 +11,6 @@ import types
 from pathlib import Path
 
 import pytest
-from s3proxy import Rule, S3FaultProxy
 from transformers import TrainerCallback
 
 from opd_store import CheckpointStore, IncompleteCheckpointError, ResumeMismatchError, StoreUnreachableError
@@ -19,6 +18,8 @@ from opd_store.integrations.transformers import StoreCallback, resume_from_store
 from opd_store.job.trl_demo import GKDSpec, build_trainer, final_state
 from opd_store.preemption import PreemptionWatcher
 from opd_store.retention import RetentionPolicy
+from opd_store.testing.machines import torch_threads
+from opd_store.testing.proxies import Rule, S3FaultProxy
 
 TRAINER_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja", "optimizer.pt",
                  "rng_state.pth", "scheduler.pt", "tokenizer.json", "tokenizer_config.json", "trainer_state.json",
@@ -43,23 +44,31 @@ class OnStepEnd(TrainerCallback):
         self.action(args, state)
 
 
-@pytest.fixture(scope="module")
+RUN_A = pytest.mark.xdist_group("hf-run-a")
+"""The tests that read run A: on one worker, so that the run happens once."""
+
+
+@pytest.fixture(scope="session")
 def run_a(tmp_path_factory):
     """Run A, uninterrupted: 4 steps, saves at 2 and 4, save_total_limit 1, learning rate 1e-3, with
-    a StoreCallback on a local store; shared by the tests that only read it (one trainer run)."""
+    a StoreCallback on a local store; shared by the tests that only read it (one trainer run: they
+    are one xdist group, and the fixture lives for the worker's session, so tests of other modules
+    run between them do not end it)."""
     base = tmp_path_factory.mktemp("run-a")
     callback = StoreCallback(str(base / "store"))
-    trainer = build_trainer(str(base / "out"), GKDSpec(max_steps=4), callbacks=[callback])
-    trainer.train()
+    with torch_threads(1):
+        trainer = build_trainer(str(base / "out"), GKDSpec(max_steps=4), callbacks=[callback])
+        trainer.train()
     return types.SimpleNamespace(store=str(base / "store"), out=base / "out", callback=callback,
                                  final=final_state(trainer))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def run_a_store(run_a):
     return run_a.store
 
 
+@RUN_A
 def test_every_save_is_committed_with_each_file_and_its_crc(run_a):
     store = CheckpointStore(run_a.store)
     assert store.steps() == [2, 4] and run_a.callback.committed_steps == [2, 4]
@@ -144,6 +153,7 @@ def test_unreachable_store_fails_at_construction_naming_url_and_cause(monkeypatc
         StoreCallback("s3://no-such-bucket/run", storage_options=moto_s3.storage_options())
 
 
+@RUN_A
 def test_store_of_another_run_is_refused_naming_the_differing_fields(run_a_store, tmp_path):
     trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4, learning_rate=5e-4))
     with pytest.raises(ResumeMismatchError) as raised:
@@ -158,6 +168,7 @@ def test_store_of_another_run_is_refused_naming_the_differing_fields(run_a_store
         trainer.train(resume_from_checkpoint=store_checkpoint(run_a_store, tmp_path / "elsewhere"))
 
 
+@RUN_A
 def test_execution_only_changes_resume_and_a_fresh_start_into_a_used_store_is_refused(run_a_store, tmp_path):
     from opd_store import CommitConflictError
 
@@ -175,6 +186,7 @@ def test_execution_only_changes_resume_and_a_fresh_start_into_a_used_store_is_re
     assert sorted(os.listdir(path)) == sorted(TRAINER_FILES)
 
 
+@RUN_A
 def test_model_config_change_is_refused(run_a_store, tmp_path):
     trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4))
     trainer.model.peft_config["default"].lora_dropout = 0.1
@@ -219,6 +231,7 @@ def test_transformers_jit_checkpoint_is_committed(tmp_path):
     assert trainer.state.global_step == 4
 
 
+@RUN_A
 def test_resume_from_store_in_one_call_continues_exactly(run_a, tmp_path):
     store_url = str(tmp_path / "store")
 

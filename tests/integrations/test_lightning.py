@@ -5,7 +5,6 @@ below or at its step, and a run SIGKILLed after a checkpoint and resumed with
 
 from __future__ import annotations
 
-import io
 import signal
 import threading
 
@@ -15,16 +14,22 @@ import torch
 import lightning_child
 from opd_store import CheckpointStore, StoreUnreachableError
 from opd_store.integrations.lightning import StoreCheckpointIO
+from opd_store.testing.machines import torch_threads
 
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
+REFERENCE = pytest.mark.xdist_group("lightning-reference")
+"""The tests that compare with the uninterrupted run: on one worker, so that it runs once."""
+
+
+@pytest.fixture(scope="session")
 def reference():
-    """The uninterrupted run's final weights (a local store, this process)."""
+    """The uninterrupted run's final weights (a local store, this process; for the worker's session,
+    so that tests of other modules run between the group's tests do not end it)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as root, torch_threads(1):
         trainer, model, train, val, _plugin, _ckpt = lightning_child.build(root + "/ckpts", {})
         trainer.fit(model, train, val)
         return lightning_child.weights(model)
@@ -54,6 +59,7 @@ class _HeldUntil:
         return (dict, ())
 
 
+@REFERENCE
 @pytest.mark.parametrize("async_io", [False, True], ids=["sync", "async-checkpoint-io"])
 def test_top_k_and_last_live_in_the_store(async_io, tmp_path, reference):
     """With AsyncCheckpointIO the first save of last.ckpt (the second save of the run) is held on
@@ -155,37 +161,23 @@ def test_model_checkpoint_builds_no_filesystem_without_the_plugins_options(gcs_b
     assert checkpoint.dirpath == plugin.url
 
 
+@REFERENCE
 def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(gcs_backend, tmp_path, reference):
     """On gs:// (fake-gcs-server); fit(ckpt_path="last") on s3:// is in the top-k test above."""
     url, options = gcs_backend.url + "/ckpts", gcs_backend.storage_options
-    process, conn = lightning_child.start(str(tmp_path / "machine-1"), url, options, resume=False)
-    while True:
-        assert conn.poll(300)
-        event = conn.recv()
-        assert event["event"] != "error", event.get("traceback")
-        if event["event"] == "epoch_end" and event["epoch"] == 2:  # epochs 0 and 1 are checkpointed
-            break
-        conn.send("go")
-    process.kill()
-    process.join(30)
-    assert process.exitcode == -signal.SIGKILL
+    stream, _machine = lightning_child.start(tmp_path, url, options)
+    # epochs 0 and 1 are checkpointed; killed at the end of epoch 2, before its checkpoint
+    stream.until(lambda e: e["event"] == "epoch_end" and e["epoch"] == 2, reply_to="epoch_end")
+    stream.process.kill()
+    assert stream.process.wait(60) == -signal.SIGKILL
     assert _last(url, options) == (1, 8)
 
-    process, conn = lightning_child.start(str(tmp_path / "machine-2"), url, options, resume=True)
-    events = []
-    while True:
-        assert conn.poll(300)
-        event = conn.recv()
-        events.append(event)
-        assert event["event"] != "error", event.get("traceback")
-        if event["event"] == "done":
-            break
-        conn.send("go")
-    process.join(60)
-    assert process.exitcode == 0
+    stream, machine = lightning_child.start(tmp_path, url, options)
+    events = stream.until(lambda e: e["event"] == "done", reply_to="epoch_end")
+    assert stream.process.wait(60) == 0
     assert [e["epoch"] for e in events if e["event"] == "epoch_end"] == [2, 3]
     assert events[-1]["resumed_from"].endswith("/last.ckpt")
-    state = torch.load(io.BytesIO(events[-1]["state"]), weights_only=True)
+    state = torch.load(machine / "result.pt", weights_only=True)
     assert state.keys() == reference.keys()
     for name, tensor in reference.items():
         assert torch.equal(state[name], tensor), name
