@@ -18,7 +18,6 @@ reference bit for bit, 1 otherwise. Needs ``pip install -e ".[hf,s3]"`` (and ``m
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import signal
@@ -32,36 +31,29 @@ def _child(store: str, options: dict, out: str, result: str | None) -> None:
     import torch
 
     from opd_store.job.trl_demo import run_start
-
-    def emit(event):
-        print("opd-event " + json.dumps(event), flush=True)
+    from opd_store.testing.events import emit
 
     state = run_start(store, out, storage_options=options, events=emit)
     if result:
         state.pop("log_history", None)
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        Path(result).write_bytes(buffer.getvalue())
+        torch.save(state, result)
 
 
 def _start(store, options, base: Path, label: str, *, kill_at_step=None, kill_in_save=False):
     """One start in a fresh "machine"; SIGKILL it at a step or during a save. Returns (killed, resumed, result)."""
     from opd_store import CheckpointStore
+    from opd_store.testing.events import PREFIX
+    from opd_store.testing.machines import fresh_machine
 
-    machine = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=base))
-    for sub in ("home", "tmp", "work"):
-        (machine / sub).mkdir()
-    result = machine / "result.pt"
-    env = dict(os.environ, HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_VERBOSITY="error", TRL_EXPERIMENTAL_SILENCE="1", PYTHONWARNINGS="ignore")
+    env, work = fresh_machine(base, {"TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONWARNINGS": "ignore"})
+    result = work.parent / "result.pt"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--store", store, "--options", json.dumps(options),
            "--result", str(result)]
-    process = subprocess.Popen(cmd, env=env, cwd=machine / "work", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True)
+    process = subprocess.Popen(cmd, env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     store_view = CheckpointStore(store, storage_options=options)
     killed, resumed = None, None
     for line in process.stdout:
-        event = json.loads(line[len("opd-event "):]) if line.startswith("opd-event ") else {}
+        event = json.loads(line[len(PREFIX):]) if line.startswith(PREFIX) else {}
         if event.get("event") == "resumed":
             resumed = event["step"]
         if kill_at_step is not None and event.get("event") == "step" and event["step"] == kill_at_step:
@@ -106,20 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         options[key] = value
     server = None
     if args.s3_emulator:
-        import boto3
-        from moto.server import ThreadedMotoServer
+        from opd_store.testing.s3 import MotoS3  # the tests' moto server, as `opd-store demo --s3-emulator`
 
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-        import logging
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        options = {"endpoint_url": f"http://{host}:{port}", "key": "testing", "secret": "testing"}
-        boto3.client("s3", endpoint_url=options["endpoint_url"], aws_access_key_id="testing",
-                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="opd-demo")
+        server = MotoS3()
+        os.environ.update(server.environment())
+        server.create_bucket("opd-demo")
+        options = server.storage_options()
         args.store = args.store or "s3://opd-demo/gkd"
     if not args.store:
         parser.error("give --store URL or --s3-emulator")
