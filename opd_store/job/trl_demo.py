@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .compare import adapter_and_optimizer_differences
 from .corpus import CORPUS
 
 CHAT_TEMPLATE = (
@@ -99,19 +100,7 @@ def compare_states(reference: dict[str, Any], candidate: dict[str, Any]) -> list
     problems = []
     if reference["global_step"] != candidate["global_step"]:
         problems.append(f"global_step {candidate['global_step']} != {reference['global_step']}")
-    if reference["adapter"].keys() != candidate["adapter"].keys():
-        problems.append("adapter parameter names differ")
-    for name, tensor in reference["adapter"].items():
-        if name in candidate["adapter"] and not torch.equal(tensor, candidate["adapter"][name]):
-            problems.append(f"adapter {name} differs")
-    ref_opt, cand_opt = reference["optimizer"], candidate["optimizer"]
-    if ref_opt["param_groups"] != cand_opt["param_groups"]:
-        problems.append("optimizer param_groups differ")
-    for key, state in ref_opt["state"].items():
-        other = cand_opt["state"].get(key, {})
-        for field, value in state.items():
-            if not (torch.equal(value, other.get(field)) if isinstance(value, torch.Tensor) else value == other.get(field)):
-                problems.append(f"optimizer state {key}.{field} differs")
+    problems += adapter_and_optimizer_differences(reference, candidate)
     if reference["losses"] != candidate["losses"]:
         problems.append(f"logged losses differ: {candidate['losses']} != {reference['losses']}")
     return problems
