@@ -107,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="local,s3")
     parser.add_argument("--saves", type=int, default=4, help="saves per run (the first is not counted)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from backends import MotoS3  # noqa: E402 - the tests' moto wrapper (one definition)
+    from opd_store.testing.s3 import MotoS3  # the tests' moto server (one definition)
 
     moto = MotoS3() if "s3" in args.stores.split(",") else None
     lines = [f"# StoreCallback on_save cost, {dt.date.today()}", "",
