@@ -8,7 +8,7 @@ import json
 import sys
 
 from ..preemption import AWS_METADATA_ENDPOINT, GCE_METADATA_ENDPOINT, SIGNAL_NAMES, PreemptionWatcher
-from .common import CliError, add_store_options, parse_storage_options, positive_int
+from .common import CliError, add_store_options, positive_int, store_options
 
 
 def add_parser(subparsers) -> None:
@@ -70,20 +70,29 @@ def run(args: argparse.Namespace) -> int:
         # be agreed on by every rank before the same update (not built yet: docs/spot.md).
         raise CliError("--nproc > 1 cannot be combined with --async-save, --local-tier, --spot-notice or "
                        "--preemption-signal (single-process features)")
-    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    options = store_options(args)
     if args.nproc == 1:
         return _train(args, options)
     return _spawn(args, options)
 
 
 def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
-    from ..job.train import train
-    from ..retention import RetentionPolicy
     from ..store import CheckpointStore
 
-    store = CheckpointStore(args.store, storage_options=options)
+    store = CheckpointStore(args.store, storage_options=options, allow_check_then_put=args.allow_check_then_put)
     if args.notice_poll_secs <= 0:
         raise CliError(f"--notice-poll-secs must be > 0, got {args.notice_poll_secs}")
+    if args.local_tier is not None:
+        from ..tiered import TieredStore
+
+        store = TieredStore(args.local_tier, store)
+    # Before the job's modules (torch, transformers, PEFT: seconds to import) are loaded, so an
+    # unusable store is refused at once; train() checks again, as its API promises.
+    store.check_reachable()
+
+    from ..job.train import train
+    from ..retention import RetentionPolicy
+
     endpoint = args.metadata_endpoint
     watcher = None if args.nproc > 1 else PreemptionWatcher(
         signals=args.preemption_signal or ("SIGTERM",),
@@ -91,10 +100,6 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
         gce_endpoint=(endpoint or GCE_METADATA_ENDPOINT) if args.spot_notice == "gce" else None,
         poll_interval_secs=args.notice_poll_secs,
     )
-    if args.local_tier is not None:
-        from ..tiered import TieredStore
-
-        store = TieredStore(args.local_tier, store)
     with contextlib.ExitStack() as stack:
         if args.local_tier is not None:
             stack.enter_context(store)
