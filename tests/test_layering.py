@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("retention", ("opd_store.retention", "opd_store.pruning", "opd_store.orphans")),
     ("pipeline", ("opd_store.pipeline", "opd_store.pipeline.*")),
     ("tiered", ("opd_store.tier_routing", "opd_store.tier_uploads", "opd_store.tiered")),
+    ("dcp", ("opd_store.dcp", "opd_store.dcp.*")),
     ("opd", ("opd_store.opd", "opd_store.opd.*")),
     ("job", ("opd_store.job", "opd_store.job.*")),
     ("cli", ("opd_store.cli", "opd_store.cli.*", "opd_store.__main__")),
