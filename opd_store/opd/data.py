@@ -161,4 +161,99 @@ class LoaderPosition:
 
 _END = object()
 
-__all__ = ["LoaderPosition"]
+GLOBAL_STATE_KEYS = ("epoch", "samples_done", "epoch_start_generator_state")
+
+
+class GlobalSamplePosition:
+    """Where a multi-rank run is in its data order, as a global sample index (elastic-safe).
+
+    Each epoch's order is one permutation of ``range(dataset_size)`` drawn from ``generator`` when
+    the epoch starts. Every step hands out the next ``world_size * batch_size`` samples of that
+    order: rank ``r`` takes ``batch_size`` of them starting at ``samples_done + r * batch_size``;
+    then ``samples_done`` (the same on every rank: replicated state, saved once) advances by
+    ``world_size * batch_size``. Resumed at another world size (``resume_mode: elastic``), the
+    position is the same global index and the rest of the epoch is split over the new ranks: no
+    sample is skipped or repeated. The last step of an epoch hands out what remains (a rank may
+    get a short or an empty batch, so every rank takes the same number of steps).
+
+    Args:
+        generator (torch.Generator): a CPU generator seeded the same on every rank.
+        dataset_size (int): samples in the dataset, ``> 0``.
+        batch_size (int): samples per rank per step, ``> 0``.
+        rank (int): this rank, ``0 <= rank < world_size``.
+        world_size (int): ranks of this run.
+
+    Attributes:
+        epoch (int): the epoch in progress.
+        samples_done (int): samples of the epoch's order handed out to all ranks together.
+    """
+
+    def __init__(self, generator: torch.Generator, *, dataset_size: int, batch_size: int, rank: int,
+                 world_size: int) -> None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"GlobalSamplePosition needs a torch.Generator, got {type(generator).__name__}")
+        if dataset_size < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need dataset_size, batch_size, world_size >= 1 and 0 <= rank < world_size, got "
+                             f"{dataset_size}, {batch_size}, {world_size}, rank {rank}")
+        self.generator = generator
+        self.dataset_size, self.batch_size = dataset_size, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.samples_done = 0
+        self._epoch_start_state: torch.Tensor | None = None
+        self._resume_pending = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """``epoch`` (int), ``samples_done`` (int, global) and ``epoch_start_generator_state``
+        (``torch.uint8`` tensor); the same on every rank."""
+        start = self._epoch_start_state if self._epoch_start_state is not None else self.generator.get_state()
+        return {"epoch": int(self.epoch), "samples_done": int(self.samples_done),
+                "epoch_start_generator_state": start.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved position (saved at any world size); the next :meth:`iterate` continues it.
+
+        Raises:
+            ValueError: a key is missing, a counter is not a non-negative int, or the generator
+                state is not a ``torch.uint8`` tensor of this generator's state size.
+        """
+        missing = [key for key in GLOBAL_STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"sample position is missing {missing}")
+        epoch, done, start = state["epoch"], state["samples_done"], state["epoch_start_generator_state"]
+        for name, value in (("epoch", epoch), ("samples_done", done)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"sample position {name} must be a non-negative int, got {value!r}")
+        current = self.generator.get_state()
+        if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
+            raise ValueError("sample position epoch_start_generator_state must be a torch.uint8 tensor of shape "
+                             f"{tuple(current.shape)}, got {start!r:.80}")
+        self.epoch, self.samples_done = epoch, done
+        self._epoch_start_state = start.clone()
+        self._resume_pending = True
+
+    def iterate(self, epoch: int) -> Iterator[list[int]]:
+        """Yield this rank's sample indices of ``epoch``, one list per step, continuing a loaded
+        position. A step counts as handed out when it is yielded: save after training on it.
+
+        Raises:
+            ValueError: ``epoch`` is before the position's epoch.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < self.epoch:
+            raise ValueError(f"epoch {epoch!r} is before the sample position's epoch {self.epoch}")
+        if self._resume_pending and epoch == self.epoch:
+            assert self._epoch_start_state is not None
+            self.generator.set_state(self._epoch_start_state)
+        else:
+            self.epoch, self.samples_done = epoch, 0
+            self._epoch_start_state = self.generator.get_state()
+        self._resume_pending = False
+        order = torch.randperm(self.dataset_size, generator=self.generator).tolist()
+        step = self.world_size * self.batch_size
+        while self.samples_done < self.dataset_size:
+            start = self.samples_done + self.rank * self.batch_size
+            self.samples_done = min(self.samples_done + step, self.dataset_size)
+            yield order[start:min(start + self.batch_size, self.samples_done)]
+
+
+__all__ = ["GlobalSamplePosition", "LoaderPosition"]

@@ -33,23 +33,30 @@ class RankGroup:
     """This process's place in the default ``torch.distributed`` process group.
 
     Attributes:
-        rank (int): this process's rank, ``0 <= rank < world_size``.
+        rank (int): this process's rank in ``group``, ``0 <= rank < world_size``.
         world_size (int): ranks in the group (``> 1``).
+        group (ProcessGroup | None): the process group; ``None`` is the default group.
     """
 
     rank: int
     world_size: int
+    group: Any = None
+
+    @classmethod
+    def of(cls, process_group: Any = None) -> "RankGroup":
+        """This process's place in ``process_group`` (default: the default group), initialised."""
+        return cls(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), index = rank. A collective: every rank must call it."""
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank. A collective: every rank must call it."""
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
 

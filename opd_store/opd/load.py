@@ -20,6 +20,7 @@ from ..errors import CheckpointNotFoundError
 from ..store_api import BaseStore
 from ..store_refs import as_store
 from .distributed import check_group_args, current_group, decide_on_rank0, load_collective
+from .elastic import ElasticResume
 from .names import (
     CONFIG_YAML,
     PAYLOAD_KEYS,
@@ -67,7 +68,9 @@ def load_opd_checkpoint(
     Order (seed, with every check moved before the first restore so a refused resume changes
     nothing): completeness; schema; resume validation by
     :func:`opd_store.opd.resume.validate_resume` (config fingerprint, provenance and world size
-    under ``config.checkpoint.resume_mode``; a world-size change is always refused); the seed's
+    under ``config.checkpoint.resume_mode``; a world-size change is refused except under
+    ``elastic``, whose policy is :mod:`opd_store.opd.elastic`: a rank beyond the saved world size
+    gets an RNG state derived from the checkpoint); the seed's
     teacher ``update_count`` check; then optimizer, scheduler, teacher (through
     ``teacher_state_loader``), and this rank's RNG state last, so nothing that runs during the
     restore can move the generators afterwards (field notes: "RNG captured first, restored last").
@@ -99,8 +102,8 @@ def load_opd_checkpoint(
         teacher_state_loader (Callable[[dict], None]): receives the saved teacher state.
         rank (int | None): this process's rank, ``0 <= rank < world_size``; default the process
             group's, or 0 without one.
-        world_size (int | None): this run's world size; must equal the saved one; default the
-            process group's, or 1 without one.
+        world_size (int | None): this run's world size; must equal the saved one (except under
+            ``elastic``); default the process group's, or 1 without one.
         storage_options (dict | None): fsspec options for a URL.
         allow_pickle (bool): opt-in to load old pickle-only payloads with plain pickle; honoured
             only for local directories (a bucket checkpoint never runs code on load).
@@ -184,14 +187,18 @@ def _load_one(
         world_size=world_size,
     )
 
-    rng_name = RNG_SINGLE if schema == SCHEMA_V1 else rng_payload_name(rank, saved_world_size)
-    try:
-        rng_bytes = store.read(step, rng_name)
-    except CheckpointNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{url}: step {step} has no RNG state of rank {rank} ({rng_name}); it cannot resume that rank"
-        ) from exc
-    rng_state = load_payload(rng_bytes, source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
+    elastic = ElasticResume(saved_world_size=saved_world_size, world_size=world_size, rank=rank, step=step,
+                            config_fingerprint=str(saved_fingerprint))
+    rng_state = None
+    if elastic.restores_own_rng:  # else (an elastic resume's new rank) derived from the checkpoint
+        rng_name = RNG_SINGLE if schema == SCHEMA_V1 else rng_payload_name(rank, saved_world_size)
+        try:
+            rng_bytes = store.read(step, rng_name)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{url}: step {step} has no RNG state of rank {rank} ({rng_name}); it cannot resume that rank"
+            ) from exc
+        rng_state = load_payload(rng_bytes, source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
 
     state = payload["trainer"]
     teacher = payload["teacher"]
@@ -209,7 +216,8 @@ def _load_one(
         for key in VALIDATION_KEYS:
             state.pop(key, None)
         state["rollout_limit_changed_at_update"] = state["successful_updates"]
-    restore_rng_state(rng_state)
+    elastic.report()
+    restore_rng_state(rng_state if rng_state is not None else elastic.derived_rng())
     return state
 
 

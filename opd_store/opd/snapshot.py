@@ -29,7 +29,7 @@ from .rng import capture_rng_state
 from .safe_load import plain_config_dict, sanitize_state
 
 
-def _check_trainer_state(trainer_state: Any, teacher_state: Any) -> int:
+def check_trainer_state(trainer_state: Any, teacher_state: Any) -> int:
     """The seed's rules on what may be checkpointed; returns the step."""
     if not isinstance(trainer_state, Mapping):
         raise ValueError(f"OPD trainer state must be a mapping, got {type(trainer_state).__name__}")
@@ -55,7 +55,12 @@ def _check_trainer_state(trainer_state: Any, teacher_state: Any) -> int:
     return step
 
 
-def _check_provenance(provenance: Any) -> dict[str, str]:
+def check_provenance(provenance: Any) -> dict[str, str]:
+    """The provenance fingerprints as a plain ``dict[str, str]``.
+
+    Raises:
+        ValueError: anything else.
+    """
     if not isinstance(provenance, Mapping) or not all(
         isinstance(key, str) and isinstance(value, str) for key, value in provenance.items()
     ):
@@ -63,7 +68,7 @@ def _check_provenance(provenance: Any) -> dict[str, str]:
     return dict(provenance)
 
 
-def _json_value(value: Any) -> Any:
+def json_value(value: Any) -> Any:
     """``value`` if it survives JSON unchanged, else ``None`` (manifest metadata is JSON)."""
     try:
         return value if json.loads(json.dumps(value, allow_nan=False)) == value else None
@@ -71,7 +76,8 @@ def _json_value(value: Any) -> Any:
         return None
 
 
-def _class_name(obj: Any) -> str | None:
+def class_name(obj: Any) -> str | None:
+    """The class name of ``obj`` (the manifest records the processor class), ``None`` for ``None``."""
     return None if obj is None else type(obj).__name__
 
 
@@ -192,7 +198,7 @@ def snapshot_opd_checkpoint(
     """
     if rank_rng_parts is None:
         own_rng = capture_rng_state() if rank_rng_states is None else None
-        step = _check_trainer_state(trainer_state, teacher_state)
+        step = check_trainer_state(trainer_state, teacher_state)
         world_size = check_world_size(world_size)
         rng_states = [own_rng] if rank_rng_states is None else list(rank_rng_states)
         if len(rng_states) != world_size:
@@ -202,10 +208,10 @@ def snapshot_opd_checkpoint(
             )
         rng_parts = dict(enumerate(rng_states))
     else:
-        step = _check_trainer_state(trainer_state, teacher_state)
+        step = check_trainer_state(trainer_state, teacher_state)
         world_size = check_world_size(world_size)
         rng_parts = dict(rank_rng_parts)
-    provenance = _check_provenance(provenance_fingerprints)
+    provenance = check_provenance(provenance_fingerprints)
     fingerprint = config.fingerprint()
     if not isinstance(fingerprint, str):
         raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
@@ -226,13 +232,13 @@ def snapshot_opd_checkpoint(
     }
     metadata = {
         "opd_schema": schema,
-        "attempted_updates": _json_value(training_state["trainer"]["attempted_updates"]),
+        "attempted_updates": json_value(training_state["trainer"]["attempted_updates"]),
         "successful_updates": step,
-        "query_update": _json_value(training_state["trainer"]["query_update"]),
+        "query_update": json_value(training_state["trainer"]["query_update"]),
         "config_fingerprint": fingerprint,
         "provenance_fingerprints": provenance,
         "world_size": world_size,
-        "processor_class": _class_name(processor),
+        "processor_class": class_name(processor),
     }
     if lineage is not None:
         metadata.update(lineage.as_metadata())
@@ -261,4 +267,4 @@ def snapshot_opd_checkpoint(
     )
 
 
-__all__ = ["OpdSnapshot", "snapshot_opd_checkpoint"]
+__all__ = ["OpdSnapshot", "check_provenance", "check_trainer_state", "class_name", "json_value", "snapshot_opd_checkpoint"]
