@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedLoadError
 from ..pipeline.collective import describe_failure, failure_text
+from ..preemption import PreemptionNotice, PreemptionWatcher
 
 logger = logging.getLogger("opd_store.opd.distributed")
 
@@ -162,4 +164,44 @@ def decide_on_rank0(group: RankGroup, decide: Callable[[], T]) -> T:
     return value
 
 
-__all__ = ["RankGroup", "check_group_args", "current_group", "decide_on_rank0", "load_collective"]
+def agree_on_notice(watcher: PreemptionWatcher | None, group: RankGroup | None) -> PreemptionNotice | None:
+    """At an update boundary: the preemption notice any rank has seen, agreed by every rank.
+
+    One small collective per call (an ``all_reduce`` of one flag; a gather of the notices only
+    when a rank has one), so every rank checkpoints the same step: a notice seen by one rank
+    (its SIGTERM, the AWS or GCE metadata notice) stops every rank at the same boundary. The
+    agreed notice is the one with the earliest deadline (the first rank's when none has one); its
+    ``detail`` names the rank that saw it, its deadline is on this rank's monotonic clock.
+
+    Rank obligations: every rank of ``group`` calls it at the same boundaries (a collective). Run
+    it on a group with a short timeout (``dist.new_group(backend="gloo", timeout=...)``): a rank
+    that died makes it fail within that time (gloo: at once, the peer's connection is closed),
+    never after the default group's long timeout.
+
+    Returns:
+        PreemptionNotice | None: the agreed notice, or ``None`` when no rank has one.
+
+    Raises:
+        RuntimeError: the collective failed (a rank died or did not answer within the group's timeout).
+    """
+    local = watcher.notice if watcher is not None and watcher.should_checkpoint_now() else None
+    if group is None:
+        return local
+    import torch
+
+    flag = torch.tensor([0 if local is None else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.group)
+    if not int(flag.item()):
+        return None
+    reports = group.all_gather(None if local is None else (local.source, local.detail, local.secs_left()))
+    seen = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    rank, (source, detail, secs_left) = min(seen, key=lambda item: (item[1][2] is None, item[1][2] or 0.0, item[0]))
+    now = time.monotonic()
+    notice = PreemptionNotice(source, f"{detail} (seen by rank {rank})", now,
+                              None if secs_left is None else now + secs_left)
+    if watcher is not None:
+        watcher.notify(notice.source, notice.detail, notice.deadline_monotonic)
+    return notice
+
+
+__all__ = ["RankGroup", "agree_on_notice", "check_group_args", "current_group", "decide_on_rank0", "load_collective"]
