@@ -17,7 +17,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo_cmd, inspect_cmd, migrate_cmd, store_cmds, train_cmd
+    from . import demo_cmd, import_dcp_cmd, inspect_cmd, migrate_cmd, store_cmds, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="opd-store",
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_parser(subparsers)
     demo_cmd.add_parser(subparsers)
     migrate_cmd.add_parser(subparsers)
+    import_dcp_cmd.add_parser(subparsers)
     inspect_cmd.add_parsers(subparsers)
     store_cmds.add_parsers(subparsers)
     return parser

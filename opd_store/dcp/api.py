@@ -69,9 +69,14 @@ def save_error(exc: CheckpointException, *, url: str, step: int, world_size: int
         f"{url}: step {step} was not committed: " + "; ".join(f"rank {r} failed: {t}" for r, t in text.items()), text)
 
 
-def load_error(exc: CheckpointException, *, url: str, step: int) -> BaseException:
-    """The opd_store error of a failed DCP load (see the module docstring)."""
+def load_error(exc: CheckpointException, *, url: str, step: int,
+               metadata_error: BaseException | None = None) -> BaseException:
+    """The opd_store error of a failed DCP load (see the module docstring); ``metadata_error`` is
+    this rank's typed error from ``read_metadata``, which DCP reports as an ``AssertionError``."""
     failures = _failures(exc)
+    if metadata_error is not None:
+        failures = {rank: metadata_error if isinstance(error, AssertionError) and str(metadata_error) in str(error)
+                    else error for rank, error in failures.items()}
     text = _text(failures)
     distinct = {(type(error), str(error)) for error in failures.values()}
     if len(distinct) == 1:
@@ -142,7 +147,7 @@ def load(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  no_dist=single_process or not _distributed())
     except CheckpointException as exc:
-        raise load_error(exc, url=reader.checkpoint_id, step=step) from exc
+        raise load_error(exc, url=reader.checkpoint_id, step=step, metadata_error=reader.metadata_error) from exc
 
 
 def async_save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,

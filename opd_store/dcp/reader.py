@@ -69,6 +69,7 @@ class StoreReader(StorageReader):
         self.rank = 0
         self.manifest = None
         self.storage_data: dict = {}
+        self.metadata_error: Exception | None = None
         self._files: dict[str, BinaryIO] = {}
 
     @property
@@ -98,13 +99,20 @@ class StoreReader(StorageReader):
             UnsafeCheckpointError: the metadata names a global outside DCP's metadata classes.
             ValueError: the checkpoint was not written through DCP (no ``.metadata`` payload).
         """
-        manifest = self.store.manifest(self.step)
-        if manifest.entry(METADATA_NAME) is None:
-            raise ValueError(f"{self.checkpoint_id}: step {self.step} is not a DCP checkpoint (no {METADATA_NAME} "
-                             "payload); load it with load_opd_checkpoint")
-        self.manifest = manifest
-        data = self.store.read(self.step, METADATA_NAME, manifest=manifest)
-        return loads_metadata(data, source=f"{self.checkpoint_id}/{METADATA_NAME}")
+        self.metadata_error = None
+        try:
+            manifest = self.store.manifest(self.step)
+            if manifest.entry(METADATA_NAME) is None:
+                raise ValueError(f"{self.checkpoint_id}: step {self.step} is not a DCP checkpoint (no "
+                                 f"{METADATA_NAME} payload); load it with load_opd_checkpoint")
+            self.manifest = manifest
+            data = self.store.read(self.step, METADATA_NAME, manifest=manifest)
+            return loads_metadata(data, source=f"{self.checkpoint_id}/{METADATA_NAME}")
+        except Exception as exc:
+            # DCP turns a failed read_metadata into an AssertionError naming it; the typed error is
+            # kept for opd_store.dcp.load to raise instead.
+            self.metadata_error = exc
+            raise
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data

@@ -80,8 +80,8 @@ class ResumeDecision:
     mode: str
     rollout_limit_changed: bool
     accepted_changes: tuple[str, ...]
-    saved_world_size: int | None = None
-    world_size: int | None = None
+    saved_world_size: int | None = dataclasses.field(default=None, compare=False)
+    world_size: int | None = dataclasses.field(default=None, compare=False)
 
     @property
     def world_size_changed(self) -> bool:
