@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="opd-store",
         description="Crash-safe PyTorch checkpoints on any fsspec URL.",
         epilog="exit codes: 0 ok, 2 usage or unreachable store, 3 not found, 4 incomplete/corrupt, "
-        "5 resume mismatch, 6 commit conflict",
+        "5 resume mismatch, 6 commit conflict, 7 (train --nproc) a rank gave up on a lost rank",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
     subparsers = parser.add_subparsers(dest="command", required=True)
