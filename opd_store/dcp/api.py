@@ -18,6 +18,7 @@ errors) turned into opd_store's typed errors, the same on every rank:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import Future
 from typing import Any
@@ -150,13 +151,33 @@ def load(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
         raise load_error(exc, url=reader.checkpoint_id, step=step, metadata_error=reader.metadata_error) from exc
 
 
+@dataclasses.dataclass
+class AsyncSave:
+    """A save in flight (:func:`async_save`).
+
+    Attributes:
+        staged (Future[None]): done once the state is copied to host memory: the training may then
+            change its tensors (already done when the stager stages synchronously, the default).
+        committed (Future[str]): the committed URL, or :func:`save`'s errors.
+    """
+
+    staged: Future
+    committed: Future
+
+    def result(self, timeout: float | None = None) -> str:
+        """The committed URL (waits up to ``timeout`` seconds); raises the save's error."""
+        return self.committed.result(timeout=timeout)
+
+
 def async_save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
                storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
                metadata: dict[str, Any] | None = None, async_stager: Any = None,
-               extra_payloads: ExtraPayloads | None = None) -> Future:
-    """``dcp.async_save``: returns once DCP staged ``state_dict`` (CPU copies; pinned memory with
-    ``async_stager=DefaultStager(StagingOptions(use_pinned_memory=True, ...))``); the returned
-    future resolves to the committed URL or raises :func:`save`'s errors.
+               extra_payloads: ExtraPayloads | None = None) -> AsyncSave:
+    """``dcp.async_save``: returns once DCP staged ``state_dict`` (CPU copies), or, with an
+    asynchronous stager (``DefaultStager(StagingOptions(use_pinned_memory=True,
+    use_async_staging=True, ...))``: pinned host buffers, copies on a side stream), once staging
+    began; ``staged`` says when the tensors may change, ``committed`` resolves to the URL or
+    raises :func:`save`'s errors.
 
     Rank obligations: as :func:`save`; ``process_group`` should be a group used by nothing else
     while the save runs (its collectives run on DCP's background thread), e.g.
@@ -169,6 +190,10 @@ def async_save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike,
     response = dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
                               **kwargs)
     upload = getattr(response, "upload_completion", response)
+    staged = getattr(response, "staging_completion", None)
+    if staged is None:
+        staged = Future()
+        staged.set_result(None)
     result: Future = Future()
 
     def settle(done: Future) -> None:
@@ -184,7 +209,7 @@ def async_save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike,
             result.set_result(writer.checkpoint_id)
 
     upload.add_done_callback(settle)
-    return result
+    return AsyncSave(staged=staged, committed=result)
 
 
-__all__ = ["async_save", "load", "load_error", "save", "save_error"]
+__all__ = ["AsyncSave", "async_save", "load", "load_error", "save", "save_error"]
