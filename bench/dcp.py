@@ -35,7 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench._common import MotoProcess, machine_description, median, proc_status_kib, reset_peak_rss
+from bench._common import MotoProcess, machine_description, median, proc_status_kib, process_cpu_secs, reset_peak_rss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -60,18 +60,41 @@ def _model(group_size: int, size_mib: int, seed: int):
     return model, optimizer
 
 
-def _timed(op) -> tuple[float, float | None]:
-    """``op()`` between two barriers: (seconds, this rank's peak RSS in MiB during it)."""
+def _counter(url: str | None, reset: bool) -> dict | None:
+    """The bench moto server's request counter (``None`` for another S3 server)."""
+    if url is None:
+        return None
+    import urllib.request
+
+    if reset:
+        urllib.request.urlopen(urllib.request.Request(f"{url}/__bench__/requests/reset", method="POST", data=b""),
+                               timeout=60).read()
+        return None
+    return json.loads(urllib.request.urlopen(f"{url}/__bench__/requests", timeout=60).read())
+
+
+def _timed(op, counter_url: str | None = None, server_pid: int | None = None) -> dict:
+    """``op()`` between two barriers: ``seconds``, this rank's ``rss`` (peak MiB during it) and
+    ``cpu`` seconds, and on rank 0 the S3 ``requests`` every rank made (moto's counter) and the
+    server's CPU seconds (``server_cpu``). CPU seconds are the figure least moved by other load on
+    a shared machine."""
     import torch.distributed as dist
 
+    zero = dist.get_rank() == 0
+    if zero:
+        _counter(counter_url, reset=True)
     dist.barrier()
     reset_peak_rss()
-    started = time.perf_counter()
+    server_before = process_cpu_secs(server_pid) if zero and server_pid else None
+    cpu_before, started = process_cpu_secs(), time.perf_counter()
     op()
+    cpu = process_cpu_secs() - cpu_before
     dist.barrier()
     seconds = time.perf_counter() - started
     peak = proc_status_kib("VmHWM")
-    return seconds, None if peak is None else peak / 1024
+    return {"seconds": seconds, "rss": None if peak is None else peak / 1024, "cpu": cpu,
+            "requests": _counter(counter_url, reset=False) if zero else None,
+            "server_cpu": None if server_before is None else process_cpu_secs(server_pid) - server_before}
 
 
 def _rank(rank: int, world_size: int, spec: dict) -> None:
@@ -90,6 +113,9 @@ def _rank(rank: int, world_size: int, spec: dict) -> None:
     model, optimizer = _model(world_size, spec["size_mib"], seed=0)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
+    import gc
+
+    gc.freeze()  # the imports' objects out of the collector's way: its pauses otherwise land in either method
     options = spec["storage_options"]
     store = CheckpointStore(f"{spec['root']}/opd", storage_options=options)
     rows = []
@@ -98,31 +124,34 @@ def _rank(rank: int, world_size: int, spec: dict) -> None:
         order = ("opd", "dcp") if repeat % 2 == 0 else ("dcp", "opd")
         for method in order:
             if method == "opd":
-                seconds, rss = _timed(lambda: save(state, store, repeat + 2))
+                measured = _timed(lambda: save(state, store, repeat + 2), spec["counter_url"], spec["server_pid"])
             else:
-                seconds, rss = _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(directory, **options)))
-            rows.append({"rank": rank, "method": method, "op": "save", "repeat": repeat, "seconds": seconds, "rss": rss})
+                measured = _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(directory, **options)),
+                                  spec["counter_url"], spec["server_pid"])
+            rows.append({"rank": rank, "method": method, "op": "save", "repeat": repeat, **measured})
         for method in order:
             fresh_model, fresh_optimizer = _model(world_size, spec["size_mib"], seed=1)
             fresh_sd, fresh_osd = get_state_dict(fresh_model, fresh_optimizer)
             target = {"model": fresh_sd, "optim": fresh_osd}
             if method == "opd":
-                seconds, rss = _timed(lambda: load(target, store, repeat + 2))
+                measured = _timed(lambda: load(target, store, repeat + 2), spec["counter_url"], spec["server_pid"])
             else:
-                seconds, rss = _timed(lambda: dcp.load(target, storage_reader=FsspecReader(directory, **options)))
+                measured = _timed(lambda: dcp.load(target, storage_reader=FsspecReader(directory, **options)),
+                                  spec["counter_url"], spec["server_pid"])
             equal = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model_sd.values(), fresh_sd.values()))
-            rows.append({"rank": rank, "method": method, "op": "load", "repeat": repeat, "seconds": seconds,
-                         "rss": rss, "equal": equal})
+            rows.append({"rank": rank, "method": method, "op": "load", "repeat": repeat, "equal": equal, **measured})
     Path(spec["out"], f"rank-{rank}.json").write_text(json.dumps(rows))
     dist.barrier()
     os._exit(0)
 
 
-def run(world_size: int, size_mib: int, repeats: int, root: str, options: dict) -> list[dict]:
+def run(world_size: int, size_mib: int, repeats: int, root: str, options: dict,
+        moto: MotoProcess | None = None) -> list[dict]:
     """One configuration: ``world_size`` forked ranks; every rank's measurements."""
     with tempfile.TemporaryDirectory(prefix="bench-dcp-") as tmp:
         spec = {"size_mib": size_mib, "repeats": repeats, "root": root, "storage_options": options,
-                "rendezvous": f"{tmp}/rendezvous", "out": tmp}
+                "rendezvous": f"{tmp}/rendezvous", "out": tmp,
+                "counter_url": None if moto is None else moto.endpoint_url, "server_pid": None if moto is None else moto.pid}
         context = multiprocessing.get_context("fork")
         ranks = [context.Process(target=_rank, args=(rank, world_size, spec)) for rank in range(world_size)]
         for process in ranks:
@@ -150,11 +179,20 @@ def summarise(world_size: int, rows: list[dict]) -> list[dict]:
             for row in mine:
                 per_repeat[row["repeat"]] = max(per_repeat.get(row["repeat"], 0.0), row["seconds"])
             entry[f"{method}_secs"] = median(list(per_repeat.values()))
+            entry[f"{method}_min_secs"] = min(per_repeat.values())
+            cpu = {}
+            for row in mine:
+                cpu[row["repeat"]] = cpu.get(row["repeat"], 0.0) + row["cpu"] + (row.get("server_cpu") or 0.0)
+            entry[f"{method}_cpu"] = median(list(cpu.values()))
             entry[f"{method}_rss_mib"] = [max(r["rss"] or 0 for r in mine if r["rank"] == rank)
                                           for rank in range(world_size)]
             if op == "load":
                 entry[f"{method}_equal"] = all(row["equal"] for row in mine)
+            counted = [row["requests"] for row in mine if row["rank"] == 0 and row.get("requests")]
+            entry[f"{method}_requests"] = counted[-1] if counted else None
         entry["ratio"] = entry["opd_secs"] / entry["dcp_secs"]
+        entry["min_ratio"] = entry["opd_min_secs"] / entry["dcp_min_secs"]
+        entry["cpu_ratio"] = entry["opd_cpu"] / entry["dcp_cpu"]
         out.append(entry)
     return out
 
@@ -197,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for world_size in [int(n) for n in args.ranks.split(",")]:
             root = f"s3://{args.bucket}/{uuid.uuid4().hex[:8]}-w{world_size}"
-            summary += summarise(world_size, run(world_size, args.size_mib, args.repeats, root, options))
+            summary += summarise(world_size, run(world_size, args.size_mib, args.repeats, root, options, moto))
     finally:
         if moto is not None:
             moto.stop()
@@ -205,14 +243,24 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"- {name}: {value}" for name, value in machine_description()]
     lines += ["", f"Median of {args.repeats} repeats, methods alternating; time = slowest rank (barriers); "
               "one warm-up round of both first (not reported).", "",
-              "| ranks | op | opd_store s | DCP fsspec s | ratio | opd_store peak RSS per rank (MiB) | "
-              "DCP peak RSS per rank (MiB) | loaded equal |", "|---|---|---|---|---|---|---|---|"]
+              "CPU s: every rank's and the S3 server's CPU seconds over the operation (median of repeats).", "",
+              "| ranks | op | opd_store s | DCP fsspec s | ratio (median) | ratio (min) | opd_store CPU s | DCP CPU s | "
+              "CPU ratio | opd_store peak RSS per rank (MiB) | DCP peak RSS per rank (MiB) | loaded equal |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for entry in summary:
         rss = lambda values: ", ".join(f"{v:.0f}" for v in values)  # noqa: E731
         equal = "" if entry["op"] == "save" else f"{entry['opd_equal']} / {entry['dcp_equal']}"
         lines.append(f"| {entry['world_size']} | {entry['op']} | {entry['opd_secs']:.2f} | {entry['dcp_secs']:.2f} | "
-                     f"{entry['ratio']:.2f}x | {rss(entry['opd_rss_mib'])} | {rss(entry['dcp_rss_mib'])} | {equal} |")
-    lines += ["", "Target: ratio <= 1.10 for save and load (docs/performance.md)."]
+                     f"{entry['ratio']:.2f}x | {entry['min_ratio']:.2f}x | {entry['opd_cpu']:.2f} | {entry['dcp_cpu']:.2f} | "
+                     f"{entry['cpu_ratio']:.2f}x | {rss(entry['opd_rss_mib'])} | {rss(entry['dcp_rss_mib'])} | {equal} |")
+    lines += ["", "Target: ratio <= 1.10 for save and load (docs/performance.md).", ""]
+    for entry in summary:
+        for method in ("opd", "dcp"):
+            counted = entry.get(f"{method}_requests")
+            if counted:
+                kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(counted["by_kind"].items()))
+                lines.append(f"- {entry['world_size']} ranks, {entry['op']}, {method}: {counted['total']} S3 requests "
+                             f"(last repeat, all ranks): {kinds}")
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:

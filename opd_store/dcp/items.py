@@ -50,6 +50,42 @@ def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class _CoalescedWriter:
+    """Small writes gathered into writes of up to ``limit_bytes``; large ones passed on as they are.
+
+    ``torch.save`` hands its writer a few records per tensor plus many small pieces of pickle
+    (about 350 ``write`` calls per MiB of a typical optimizer state); each payload-writer call
+    checksums and slices, so gathering the small ones saves most of that per-call cost (measured in
+    ``bench/dcp.py``) while a tensor's storage (one large write) is never copied.
+    """
+
+    def __init__(self, writer: BinaryIO, limit_bytes: int = 1 << 20) -> None:
+        self._writer = writer
+        self._pending = bytearray()
+        self._limit = limit_bytes
+        self._position = writer.tell()
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size >= self._limit:
+            self.flush()
+            self._writer.write(data)
+        else:
+            self._pending += data
+            if len(self._pending) >= self._limit:
+                self.flush()
+        self._position += size
+        return size
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        if self._pending:
+            self._writer.write(self._pending)
+            self._pending = bytearray()
+
+
 def check_weights_only(data: bytes | memoryview, *, what: str) -> None:
     """Refuse object bytes that ``torch.load(weights_only=True)`` cannot restore.
 
@@ -87,18 +123,20 @@ def write_items(writer: BinaryIO, name: str, items: list, planner: Any) -> list:
     from torch.distributed.checkpoint.storage import WriteResult
 
     results = []
+    stream = _CoalescedWriter(writer)
     for item in items:
-        offset = writer.tell()
+        offset = stream.tell()
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             buffer = data.getbuffer()
             check_weights_only(buffer, what=f"key {item.index.fqn!r}")
-            writer.write(buffer)
+            stream.write(buffer)
         else:
-            torch_save(_cpu_tensor(data), writer)
-        length = writer.tell() - offset
+            torch_save(_cpu_tensor(data), stream)
+        length = stream.tell() - offset
         results.append(WriteResult(index=item.index, size_in_bytes=length,
                                    storage_data=StorageInfo(relative_path=name, offset=offset, length=length)))
+    stream.flush()
     return results
 
 
