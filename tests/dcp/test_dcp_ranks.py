@@ -61,9 +61,7 @@ def test_resharding_between_1_2_4_and_8_ranks(tmp_path):
 def test_dcp_on_remote_backends(backend_name, request, tmp_path):
     """4 ranks on S3 (moto) or GCS (fake-gcs-server): plain dcp.save with StoreWriter, a resharded
     load, dcp.async_save, a failing rank, and missing, truncated and corrupted rank files."""
-    from conftest import make_backend
-
-    backend = make_backend(backend_name, request, tmp_path)
+    backend = request.getfixturevalue(f"{backend_name}_backend")  # tests/conftest.py: a clean bucket
     ranks = run_launch({"world_size": 4, "module": "scenarios_dcp", "scenarios": ["backend"],
                         "backend": backend.to_json()}, tmp_path / "run")
     results = [rank["backend"] for rank in ranks]
