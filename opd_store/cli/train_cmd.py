@@ -185,10 +185,19 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
         while not context.join(grace_period=args.rank_timeout_secs):
             pass
     except mp.ProcessExitedException as exc:
-        code = exc.exit_code
-        what = f"was killed by {exc.signal_name}" if code < 0 else f"exited with code {code}"
-        print(f"opd-store train: rank {exc.error_index} {what}; the other ranks gave up (or were stopped after "
-              f"{args.rank_timeout_secs:g} s); {_resume_point(args, options)}", file=sys.stderr)
+        # torch stopped the other ranks (after the grace period); name the rank that failed first
+        # for a reason of its own, not one that gave up because of it (exit 7), whichever exited first.
+        codes = {rank: process.exitcode for rank, process in enumerate(context.processes)}
+        causes = [rank for rank, code in codes.items() if code not in (0, EXIT_RANK_LOST, None)]
+        # A rank killed by a signal other than the SIGTERM torch stops the others with comes first.
+        rank = (min(causes, key=lambda r: (codes[r] == -signal.SIGTERM, codes[r] >= 0, r)) if causes
+                else exc.error_index)
+        code = codes.get(rank) if codes.get(rank) is not None else exc.exit_code
+        what = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        gave_up = sorted(r for r, c in codes.items() if c == EXIT_RANK_LOST)
+        others = f"ranks {gave_up} gave up" if gave_up else "the other ranks were stopped"
+        print(f"opd-store train: rank {rank} {what}; {others} (within {args.rank_timeout_secs:g} s, then stopped; "
+              f"exit codes by rank: {codes}); {_resume_point(args, options)}", file=sys.stderr)
         return 128 - code if code < 0 else code
     except mp.ProcessRaisedException as exc:
         print(f"opd-store train: error: {exc}", file=sys.stderr)

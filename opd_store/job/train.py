@@ -171,7 +171,9 @@ def train(
         seed (int): seeds models, data order and every RNG.
         log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
             ``step``, ``ok``, ``loss``, ``lr``); losses are written with full float precision.
-        events (TextIO | None): receives one JSON line per event (``resumed``, ``update``,
+        events (TextIO | None): receives one JSON line per event (``resumed`` (with
+            ``saved_world_size``, ``world_size`` and ``unclaimed_ranks`` after an elastic change),
+            ``started`` (several ranks: ``world_size`` and every rank's ``pids``), ``update``,
             ``save_begin``, ``save_snapshot`` (async), ``saved``, ``save_failed``, ``preempted``,
             and last ``flushed`` with the newest durable step); the demo uses these to time its
             kills.
@@ -206,7 +208,8 @@ def train(
 
     Rank obligations: with a ``torch.distributed`` process group initialised, every rank
     calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
-    update cursor ``query_update * N + r``'s prompts, and the ranks average their gradients; only
+    update cursor ``query_update * N + r``'s prompts (with ``shard``: its share of a global sample
+    position, :mod:`opd_store.job.sharding`), and the ranks average their gradients; only
     rank 0 writes ``log``, ``events`` and ``final_state_path``. Checkpoints are multi-rank saves
     (each rank its own RNG part); the resume target is decided on rank 0.
 

@@ -102,7 +102,8 @@ def test_sharded_job_killed_resumed_exact_and_elastic(tmp_path):
     output = killed.communicate(timeout=DEADLINE_SECS)[0]
     gave_up_secs = time.monotonic() - killed_at
     assert killed.returncode == 128 + signal.SIGKILL, output[-4000:]
-    assert "rank 1 was killed by SIGKILL" in output
+    assert "rank 1 was killed by SIGKILL; ranks [0, 2, 3] gave up" in output
+    assert output.count("gave up: another rank is gone or stopped answering") == 3  # each survivor's own line
     assert "the latest complete checkpoint is step 2; rerun the same command to resume from it" in output
     assert gave_up_secs < 2 * RANK_TIMEOUT_SECS + 10, gave_up_secs  # bounded: not the 600 s group timeout
     assert store.steps() == [2] and store.latest_step() == 2  # step 4 never committed
