@@ -23,7 +23,7 @@ from .._version import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.adapter import load_adapter
 from ..opd.config import OPDConfig
-from ..opd.distributed import RankGroup, agree_on_notice, current_group, decide_on_rank0
+from ..opd.distributed import agree_on_notice, agreement_group, current_group, decide_on_rank0
 from ..opd.load import latest_complete_checkpoint, load_opd_checkpoint
 from ..opd.save import save_opd_checkpoint
 from ..opd.sharded import save_sharded_opd_checkpoint
@@ -31,7 +31,7 @@ from ..opd.sharded_load import load_sharded_opd_checkpoint
 from ..preemption import PreemptionWatcher
 from ..retention import RetentionPolicy, RunLineage
 from ..store_api import BaseStore
-from .corpus import CORPUS, prompts_for
+from .corpus import CORPUS, prompts_at
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
 from .saving import JobSaves, emit
 from .sharding import full_state, prompt_batches, run_sharded_update, sample_position, shard_student
@@ -208,8 +208,9 @@ def train(
 
     Rank obligations: with a ``torch.distributed`` process group initialised, every rank
     calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
-    update cursor ``query_update * N + r``'s prompts (with ``shard``: its share of a global sample
-    position, :mod:`opd_store.job.sharding`), and the ranks average their gradients; only
+    ``queries_per_update`` prompts from global sample index ``samples_done + r * queries_per_update``
+    (``trainer_state["samples_done"]``; with ``shard``: a shuffled global sample position,
+    :mod:`opd_store.job.sharding`), and the ranks average their gradients; only
     rank 0 writes ``log``, ``events`` and ``final_state_path``. Checkpoints are multi-rank saves
     (each rank its own RNG part); the resume target is decided on rank 0.
 
@@ -286,16 +287,10 @@ def train(
     if position is not None and "data_position" in trainer:
         position.load_state_dict(trainer["data_position"])
     batches = prompt_batches(position) if position is not None else None
-    agreement = None
+    agreement = None  # with several ranks and a watcher: the group a notice is agreed in, at every boundary
     if group is not None:
-        import datetime
-
-        import torch.distributed as dist
-
         emit(events, {"event": "started", "world_size": world_size, "pids": group.all_gather(os.getpid())})
-        if preemption is not None:
-            agreement = RankGroup.of(dist.new_group(backend="gloo",
-                                                    timeout=datetime.timedelta(seconds=rank_timeout_secs)))
+        agreement = agreement_group(rank_timeout_secs) if preemption is not None else None
 
     # Every manifest records this run's id and the step it resumed from, so retention (here or an
     # operator's `opd-store gc`) keeps that step until the run has a second checkpoint.
@@ -322,8 +317,14 @@ def train(
                                              **update_kwargs)
                 trainer["data_position"] = position.state_dict()
             else:
-                prompts = prompts_for(trainer["query_update"] * world_size + rank, config.training.queries_per_update)
-                outcome = run_update(prompts=prompts, world_size=world_size, **update_kwargs)
+                # A global sample index (the same on every rank), so an elastic resume re-splits the
+                # corpus without skipping or repeating a prompt; at a constant world size it is the
+                # cursor query_update * N + r of earlier versions.
+                width = config.training.queries_per_update
+                done = trainer.setdefault("samples_done", trainer["query_update"] * world_size * width)
+                outcome = run_update(prompts=prompts_at(done + rank * width, width), world_size=world_size,
+                                     **update_kwargs)
+                trainer["samples_done"] = done + world_size * width
             trainer["attempted_updates"] += 1
             trainer["query_update"] += 1
             if outcome.ok:

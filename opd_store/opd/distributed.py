@@ -164,6 +164,15 @@ def decide_on_rank0(group: RankGroup, decide: Callable[[], T]) -> T:
     return value
 
 
+def agreement_group(timeout_secs: float) -> RankGroup:
+    """A gloo group of every rank with a timeout of its own, for :func:`agree_on_notice`: a rank
+    that stops answering makes the others fail there within ``timeout_secs``, whatever the default
+    group's timeout. Rank obligations: every rank calls it (creating a group is a collective)."""
+    import datetime
+
+    return RankGroup.of(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs)))
+
+
 def agree_on_notice(watcher: PreemptionWatcher | None, group: RankGroup | None) -> PreemptionNotice | None:
     """At an update boundary: the preemption notice any rank has seen, agreed by every rank.
 
@@ -204,4 +213,4 @@ def agree_on_notice(watcher: PreemptionWatcher | None, group: RankGroup | None) 
     return notice
 
 
-__all__ = ["RankGroup", "agree_on_notice", "check_group_args", "current_group", "decide_on_rank0", "load_collective"]
+__all__ = ["RankGroup", "agree_on_notice", "agreement_group", "check_group_args", "current_group", "decide_on_rank0", "load_collective"]

@@ -8,17 +8,15 @@ RNG); the preemption agreement; and last, a rank that dies while the others wait
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import time
 
 import torch
-import torch.distributed as dist
 
 from opd_store.opd.config import OPDConfig
 from opd_store.opd.data import GlobalSamplePosition
-from opd_store.opd.distributed import RankGroup, agree_on_notice
+from opd_store.opd.distributed import agree_on_notice, agreement_group
 from opd_store.opd.sharded import save_sharded_opd_checkpoint
 from opd_store.opd.sharded_load import load_sharded_opd_checkpoint
 from opd_store.preemption import PreemptionWatcher
@@ -151,7 +149,7 @@ def scenario_full_parameter(ctx) -> dict:
 
 def scenario_preemption(ctx) -> dict:
     """A SIGTERM seen by rank 2 alone stops every rank at the same update boundary."""
-    group = RankGroup.of(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20)))
+    group = agreement_group(20)
     seen = []
     with PreemptionWatcher(signals=("SIGTERM",)) as watcher:
         for boundary in range(6):
@@ -167,7 +165,7 @@ def scenario_preemption(ctx) -> dict:
 def scenario_rank_dies(ctx) -> dict:
     """Rank 3 dies; the others, waiting on it in the agreement collective of a group with a
     5-second timeout, give up within that bound (last scenario: the group is broken afterwards)."""
-    group = RankGroup.of(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=5)))
+    group = agreement_group(5)
     agree_on_notice(None, group)  # everyone is here
     if ctx.rank == 3:
         os._exit(9)
