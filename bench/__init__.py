@@ -3,6 +3,5 @@
 Run from the repository root::
 
     .venv/bin/python -m bench                 # issue 9: raw / torch.save / seed / DCP / opd_store
-    .venv/bin/python -m bench.core --size-mib 256
-    .venv/bin/python -m bench.core            # 1 GiB, the issue's size
+    .venv/bin/python -m bench --sizes 256 --sections speed,crc   # quicker
 """

@@ -1,23 +1,22 @@
-"""Helpers shared by the benchmarks: the moto process, the state, RSS readings, the machine."""
+"""Helpers shared by the benchmarks: the state, timing, RSS readings, the machine. moto's server
+process, request counters and fresh machines come from :mod:`opd_store.testing`."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+from opd_store.testing.stores import use_emulator_environment
+
+use_emulator_environment()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -43,9 +42,21 @@ def tensor_views(state: dict) -> list[memoryview]:
     return [memoryview(t.numpy()).cast("B") for t in state.values()]
 
 
-# -- statistics ----------------------------------------------------------------------------------
+# -- statistics and timing -----------------------------------------------------------------------
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``(wall seconds, result)`` of ``fn()``, after a garbage collection."""
+    gc.collect()
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
 
 
 # -- memory of this process ----------------------------------------------------------------------
@@ -71,16 +82,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def process_cpu_secs(pid: int | None = None) -> float:
-    """CPU seconds (user + system, all threads) of a process (this one by default)."""
-    if pid is None:
-        times = os.times()
-        return times.user + times.system
-    with open(f"/proc/{pid}/stat") as handle:
-        fields = handle.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def drop_file_cache(path: str) -> None:
     """Ask the kernel to drop ``path``'s pages from the page cache (clean pages only)."""
     fd = os.open(path, os.O_RDONLY)
@@ -97,120 +98,6 @@ def warm_file_cache(path: str) -> None:
     with open(path, "rb", buffering=0) as handle:
         while handle.readinto(buffer):
             pass
-
-
-# -- moto in its own process ---------------------------------------------------------------------
-class MotoProcess:
-    """``python -m bench._moto_server`` on 127.0.0.1, port chosen by the OS, with a request counter."""
-
-    def __init__(self, key_buffer_bytes: int | None = 4 * 2**30) -> None:
-        self._log = open(os.devnull, "wb")  # noqa: SIM115
-        env = dict(os.environ)
-        if key_buffer_bytes:
-            # moto keeps each object in a SpooledTemporaryFile that spills to disk above ~5 MiB by
-            # default; the benchmark keeps objects in memory so disk noise stays out of the s3 runs.
-            env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(key_buffer_bytes)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "bench._moto_server"],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
-        line = self.process.stdout.readline()
-        if not line.startswith("PORT "):
-            self.process.kill()
-            raise RuntimeError(f"moto server did not start: {line!r}")
-        self.endpoint_url = f"http://127.0.0.1:{int(line.split()[1])}"
-        self.pid = self.process.pid
-
-    def _post(self, path: str) -> bytes:
-        request = urllib.request.Request(f"{self.endpoint_url}{path}", method="POST", data=b"")
-        return urllib.request.urlopen(request, timeout=120).read()
-
-    def reset(self) -> None:
-        self._post("/moto-api/reset")
-
-    def requests(self) -> dict[str, Any]:
-        return json.loads(urllib.request.urlopen(f"{self.endpoint_url}/__bench__/requests", timeout=30).read())
-
-    def reset_requests(self) -> None:
-        self._post("/__bench__/requests/reset")
-
-    def storage_options(self) -> dict[str, Any]:
-        return {
-            "endpoint_url": self.endpoint_url,
-            "key": "testing",
-            "secret": "testing",
-            "client_kwargs": {"region_name": "us-east-1"},
-            # moto completes a 1 GiB multipart upload slowly on a busy 2-core machine; botocore's
-            # default 60 s read timeout then retries a completion moto already consumed (500).
-            "config_kwargs": {"read_timeout": 1800, "connect_timeout": 60},
-        }
-
-    def cpu_secs(self) -> float:
-        """CPU seconds (user + system) the moto process has used so far."""
-        return process_cpu_secs(self.pid)
-
-    def boto3_client(self, max_pool_connections: int = 10):
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id="testing",
-            aws_secret_access_key="testing",
-            region_name="us-east-1",
-            config=Config(max_pool_connections=max_pool_connections),
-        )
-
-    def new_bucket(self, bucket: str) -> None:
-        self.boto3_client().create_bucket(Bucket=bucket)
-
-    def rss_mib(self) -> float | None:
-        try:
-            with open(f"/proc/{self.pid}/status") as handle:
-                for line in handle:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
-
-
-class S3RequestCounter:
-    """Counts requests a botocore client sends (``before-send.s3``: once per HTTP attempt, retries included)."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.by_op: dict[str, int] = {}
-
-    def __call__(self, request=None, **kwargs) -> None:  # noqa: ANN001 - botocore event signature
-        self.total += 1
-        name = kwargs.get("event_name", "")
-        op = getattr(request, "context", {}).get("operation_name") if request is not None else None
-        op = op or name.rpartition(".")[2]
-        self.by_op[op] = self.by_op.get(op, 0) + 1
-
-    def reset(self) -> None:
-        self.total = 0
-        self.by_op = {}
-
-    def attach(self, fs) -> None:
-        """Register on an s3fs filesystem's (aio)botocore client, creating the client first."""
-        fs.connect()
-        fs.s3.meta.events.register("before-send.s3", self)
 
 
 # -- machine -------------------------------------------------------------------------------------

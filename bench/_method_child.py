@@ -9,7 +9,9 @@ same function in a new interpreter.
 
 Per phase (save, then load): wall seconds, CPU seconds of this process (all threads), CPU seconds of
 the moto server (``--moto-pid``), and peak RSS (VmHWM, reset to the current RSS just before the
-phase with ``echo 5 > /proc/self/clear_refs``), with the RSS before the phase for reference.
+phase with ``echo 5 > /proc/self/clear_refs``), with the RSS before the phase for reference. With
+``cold_load`` (``--cold-load``), a local load reads from disk: every file under the method's root
+is dropped from the page cache first (``fsync`` + ``posix_fadvise(DONTNEED)``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import proc_status_kib, process_cpu_secs, reset_peak_rss  # noqa: E402
+from bench._common import drop_file_cache, proc_status_kib, reset_peak_rss  # noqa: E402
+from opd_store.testing.machines import process_cpu_secs  # noqa: E402
 from bench.methods import BY_NAME, loaded_as_state, make_training_state, same_state, state_nbytes  # noqa: E402
 
 
@@ -49,8 +52,14 @@ def phase(fn, moto_pid: int | None) -> tuple[dict, object]:
     return out, result
 
 
+def _drop_tree_from_page_cache(root: str) -> None:
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            drop_file_cache(os.path.join(directory, name))
+
+
 def measure_one(method_name: str, backend: str, size_mib: int, root: str, tag: int, options: dict,
-                moto_pid: int | None, verify: bool = True) -> dict:
+                moto_pid: int | None, verify: bool = True, cold_load: bool = False) -> dict:
     """Build the state, save it, load it back; readings as described in the module docstring."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -74,6 +83,8 @@ def measure_one(method_name: str, backend: str, size_mib: int, root: str, tag: i
     if hasattr(method, "finish"):
         method.finish()  # the background write and commit of an asynchronous save
         out["save_total"] = time.perf_counter() - started
+    if cold_load and backend == "local":
+        _drop_tree_from_page_cache(root)
     out["load"], loaded = phase(lambda: method.load(state, tag), moto_pid)
     if verify:
         out["verified"] = same_state(state, loaded_as_state(method_name, loaded, state))
@@ -92,9 +103,10 @@ def main() -> None:
     parser.add_argument("--storage-options", default="{}")
     parser.add_argument("--moto-pid", type=int, default=0)
     parser.add_argument("--verify", action="store_true", help="compare the loaded state with the saved one")
+    parser.add_argument("--cold-load", action="store_true", help="local: load from disk, not the page cache")
     args = parser.parse_args()
     out = measure_one(args.method, args.backend, args.size_mib, args.root, args.tag,
-                      json.loads(args.storage_options), args.moto_pid or None, args.verify)
+                      json.loads(args.storage_options), args.moto_pid or None, args.verify, args.cold_load)
     print(json.dumps(out), flush=True)
 
 if __name__ == "__main__":

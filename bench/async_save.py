@@ -12,7 +12,7 @@
    as PEFT's does. Runs alternate (sync, async, async, sync, ...) on the same store; the first
    async save allocates its staging buffers and is reported apart (``first``); ``steady`` is the
    median of the later ones, which reuse them. Target: blocked <= 10 % of the synchronous save.
-   Backends: a local directory and moto S3 in its own process (``bench._moto_server``).
+   Backends: a local directory and moto S3 in its own process (``opd_store.testing.s3.MotoProcess``).
 2. job: updates per second of the main job (``opd_store.job.train.train``, in this process)
    with a checkpoint every ``--job-every`` successful updates, synchronous and ``async_save``,
    against no checkpoints (``checkpoint_every`` past the end), on a local store, after one
@@ -34,7 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import MIB, REPO_ROOT, MotoProcess
+from bench._common import MIB, REPO_ROOT
+from opd_store.testing.s3 import MotoProcess
 
 N_LAYERS = 16
 

@@ -35,7 +35,9 @@ import time
 import uuid
 from pathlib import Path
 
-from bench._common import MotoProcess, machine_description, median, proc_status_kib, process_cpu_secs, reset_peak_rss
+from bench._common import machine_description, median, proc_status_kib, reset_peak_rss
+from opd_store.testing.machines import process_cpu_secs
+from opd_store.testing.s3 import MotoProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -60,32 +62,19 @@ def _model(group_size: int, size_mib: int, seed: int):
     return model, optimizer
 
 
-def _counter(url: str | None, reset: bool) -> dict | None:
-    """The bench moto server's request counter (``None`` for another S3 server)."""
-    if url is None:
-        return None
-    import urllib.request
-
-    if reset:
-        urllib.request.urlopen(urllib.request.Request(f"{url}/__bench__/requests/reset", method="POST", data=b""),
-                               timeout=60).read()
-        return None
-    return json.loads(urllib.request.urlopen(f"{url}/__bench__/requests", timeout=60).read())
-
-
-def _timed(op, counter_url: str | None = None, server_pid: int | None = None) -> dict:
+def _timed(op, moto: MotoProcess | None = None) -> dict:
     """``op()`` between two barriers: ``seconds``, this rank's ``rss`` (peak MiB during it) and
-    ``cpu`` seconds, and on rank 0 the S3 ``requests`` every rank made (moto's counter) and the
-    server's CPU seconds (``server_cpu``). CPU seconds are the figure least moved by other load on
-    a shared machine."""
+    ``cpu`` seconds, and on rank 0 the S3 ``requests`` every rank made and the server's CPU seconds
+    (``server_cpu``), when the server is the bench's moto (``moto``). CPU seconds are the figure
+    least moved by other load on a shared machine."""
     import torch.distributed as dist
 
-    zero = dist.get_rank() == 0
-    if zero:
-        _counter(counter_url, reset=True)
+    counted = moto if dist.get_rank() == 0 else None
+    if counted is not None:
+        counted.reset_requests()
     dist.barrier()
     reset_peak_rss()
-    server_before = process_cpu_secs(server_pid) if zero and server_pid else None
+    server_before = counted.cpu_secs() if counted is not None else None
     cpu_before, started = process_cpu_secs(), time.perf_counter()
     op()
     cpu = process_cpu_secs() - cpu_before
@@ -93,11 +82,11 @@ def _timed(op, counter_url: str | None = None, server_pid: int | None = None) ->
     seconds = time.perf_counter() - started
     peak = proc_status_kib("VmHWM")
     return {"seconds": seconds, "rss": None if peak is None else peak / 1024, "cpu": cpu,
-            "requests": _counter(counter_url, reset=False) if zero else None,
-            "server_cpu": None if server_before is None else process_cpu_secs(server_pid) - server_before}
+            "requests": counted.requests() if counted is not None else None,
+            "server_cpu": None if counted is None else counted.cpu_secs() - server_before}
 
 
-def _rank(rank: int, world_size: int, spec: dict) -> None:
+def _rank(rank: int, world_size: int, spec: dict, moto: MotoProcess | None) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -124,20 +113,20 @@ def _rank(rank: int, world_size: int, spec: dict) -> None:
         order = ("opd", "dcp") if repeat % 2 == 0 else ("dcp", "opd")
         for method in order:
             if method == "opd":
-                measured = _timed(lambda: save(state, store, repeat + 2), spec["counter_url"], spec["server_pid"])
+                measured = _timed(lambda: save(state, store, repeat + 2), moto)
             else:
                 measured = _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(directory, **options)),
-                                  spec["counter_url"], spec["server_pid"])
+                                  moto)
             rows.append({"rank": rank, "method": method, "op": "save", "repeat": repeat, **measured})
         for method in order:
             fresh_model, fresh_optimizer = _model(world_size, spec["size_mib"], seed=1)
             fresh_sd, fresh_osd = get_state_dict(fresh_model, fresh_optimizer)
             target = {"model": fresh_sd, "optim": fresh_osd}
             if method == "opd":
-                measured = _timed(lambda: load(target, store, repeat + 2), spec["counter_url"], spec["server_pid"])
+                measured = _timed(lambda: load(target, store, repeat + 2), moto)
             else:
                 measured = _timed(lambda: dcp.load(target, storage_reader=FsspecReader(directory, **options)),
-                                  spec["counter_url"], spec["server_pid"])
+                                  moto)
             equal = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model_sd.values(), fresh_sd.values()))
             rows.append({"rank": rank, "method": method, "op": "load", "repeat": repeat, "equal": equal, **measured})
     Path(spec["out"], f"rank-{rank}.json").write_text(json.dumps(rows))
@@ -150,10 +139,10 @@ def run(world_size: int, size_mib: int, repeats: int, root: str, options: dict,
     """One configuration: ``world_size`` forked ranks; every rank's measurements."""
     with tempfile.TemporaryDirectory(prefix="bench-dcp-") as tmp:
         spec = {"size_mib": size_mib, "repeats": repeats, "root": root, "storage_options": options,
-                "rendezvous": f"{tmp}/rendezvous", "out": tmp,
-                "counter_url": None if moto is None else moto.endpoint_url, "server_pid": None if moto is None else moto.pid}
+                "rendezvous": f"{tmp}/rendezvous", "out": tmp}
         context = multiprocessing.get_context("fork")
-        ranks = [context.Process(target=_rank, args=(rank, world_size, spec)) for rank in range(world_size)]
+        # fork: ``moto`` reaches the ranks as it is (not pickled)
+        ranks = [context.Process(target=_rank, args=(rank, world_size, spec, moto)) for rank in range(world_size)]
         for process in ranks:
             process.start()
         for process in ranks:

@@ -17,13 +17,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench._common import MotoProcess, make_state, median
+from bench._common import make_state, median
+from opd_store.testing.s3 import MotoProcess
+from opd_store.testing.stores import free_port
 
 
 def _request(store, step: int, world_size: int, shard: dict):
@@ -79,17 +80,11 @@ def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, s
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_one(world_size: int, url: str, options: dict, size_mib: int, repeats: int, tmp: str) -> dict:
     import torch.multiprocessing as mp
 
     out = os.path.join(tmp, f"result-{world_size}.json")
-    mp.start_processes(_rank_main, args=(world_size, _free_port(), url, options, size_mib, repeats, out),
+    mp.start_processes(_rank_main, args=(world_size, free_port(), url, options, size_mib, repeats, out),
                        nprocs=world_size, start_method="spawn", join=True)
     return json.loads(Path(out).read_text())
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench [--sizes 256,1024] [--backends local,s3] [--repeats 3]
                               [--sections speed,crc,requests] [--methods raw,torch.save,...]
+                              [--cold-load]
 
 Speed: for every state size (64 float32 tensors plus an SGD-momentum state of the same shapes,
 ``--sizes`` MiB in all) and backend (local disk; moto S3 over loopback in its own process), every
@@ -10,10 +11,14 @@ in a fresh process forked from the benchmark (``bench/_method_child.py``), so th
 alone. Runs rotate the method order (run k starts at method k) so drift on a shared machine hits
 every method alike. Reported per method: median seconds of ``--repeats`` runs, MiB/s of tensor
 data, the ratio to ``raw`` (the backend's limit) and to ``torch.save`` (issue 2's baseline) by
-median, by min-of-runs and by CPU seconds, and peak RSS over the state.
+median, by min-of-runs and by CPU seconds, and peak RSS over the state. Local loads read from the
+page cache (they follow their save), or from disk with ``--cold-load`` (every file of the method
+dropped from the page cache first). Beside the methods: the fixed cost of a store save (``begin``,
+one empty payload, commit; with its S3 requests), which is all the store adds to a raw write but
+the CRC pass.
 
-Then the CRC32C cost (``bench.core.run_crc``) at the largest size, the request counts of
-``latest_step()`` and ``steps()`` at 10/100/1,000 steps on moto (``bench.core.run_requests``), a
+Then the CRC32C cost (:mod:`bench.checksum_cost`) at the largest size, the request counts of
+``latest_step()`` and ``steps()`` at 10/100/1,000 steps on moto (:mod:`bench.request_counts`), a
 throughput chart (``bench/results/bench-<date>.png``) and the report
 (``bench/results/bench-<date>.md``), with the machine and library versions.
 """
@@ -38,14 +43,15 @@ if __package__ in (None, ""):
 from bench._common import (  # noqa: E402
     MIB,
     REPO_ROOT,
-    MotoProcess,
     _version,
     machine_description,
     median,
     now_stamp,
     run_forked,
+    timed,
 )
 from bench.methods import LOCAL_ONLY, METHODS  # noqa: E402
+from opd_store.testing.s3 import MotoProcess, S3RequestCounter  # noqa: E402
 
 TARGET_RATIO = 1.10
 ASYNC_BLOCKED_RATIO = 0.10  # issue 8: blocked time of an async save against the sync save
@@ -81,7 +87,8 @@ def run_child(args, method: str, backend: str, size_mib: int, tag: int, root: st
     """
     from bench._method_child import measure_one
 
-    row = run_forked(measure_one, method, backend, size_mib, root, tag, options, moto.pid if moto else None)
+    row = run_forked(measure_one, method, backend, size_mib, root, tag, options, moto.pid if moto else None, True,
+                     args.cold_load)
     if "error" in row:
         raise RuntimeError(f"{method}/{backend}/{size_mib} MiB failed:\n{row['error'][-4000:]}")
     if not row.get("verified"):
@@ -124,6 +131,53 @@ def run_speed(args, moto: MotoProcess | None, tmp_root: str, runs_log: Path | No
                         f"(cpu {row['save']['cpu']:.2f}) load {row['load']['wall']:6.2f}s (cpu {row['load']['cpu']:.2f})"
                     )
     return results
+
+
+def fixed_store_cost(store, counter: S3RequestCounter | None, repeats: int = 5) -> dict[str, Any]:
+    """Median wall seconds (and S3 requests) of a save's fixed part: ``begin`` + one empty payload +
+    commit. With the CRC pass this is all the store adds to a raw write."""
+    times = []
+    counts: tuple[int, dict] | None = None
+    for i in range(repeats):
+        tag = 800_000 + i
+        if counter is not None:
+            counter.reset()
+
+        def save() -> None:
+            with store.begin(tag) as txn:
+                txn.write_bytes("empty", b"")
+
+        times.append(timed(save)[0])
+        if counter is not None:
+            counts = (counter.total, dict(counter.by_op))
+        store.delete(tag)
+    out: dict[str, Any] = {"secs": median(times)}
+    if counts is not None:
+        out["requests"], out["by_op"] = counts
+    return out
+
+
+def fixed_cost_lines(args, moto: MotoProcess | None, tmp_root: str) -> list[str]:
+    """The fixed cost of a store save per backend, as a markdown table."""
+    from opd_store import CheckpointStore
+
+    lines = ["#### Fixed cost of a store save", "",
+             "`begin` + one empty payload + commit (median of 5): with the CRC pass, all the store adds to a "
+             "raw write of the same bytes.", "", "| backend | seconds | requests |", "|---|---|---|"]
+    for backend in args.backends:
+        counter = None
+        if backend == "local":
+            store = CheckpointStore(os.path.join(tmp_root, "fixed"))
+        else:
+            store = CheckpointStore("s3://bench-run/fixed", storage_options=moto.storage_options())
+            counter = S3RequestCounter()
+            counter.attach(store.storage.fs)
+        result = fixed_store_cost(store, counter)
+        requests = "-"
+        if "requests" in result:
+            requests = f"{result['requests']} (" + ", ".join(f"{k} {v}" for k, v in sorted(result["by_op"].items())) + ")"
+        lines.append(f"| {backend} | {result['secs']:.3f} | {requests} |")
+    return lines + [""]
 
 
 def _med(rows: list[dict], op: str, key: str) -> float:
@@ -319,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "bench" / "results"))
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--cold-load", action="store_true",
+                        help="local loads read from disk (the method's files dropped from the page cache first)")
     parser.add_argument("--report-only", metavar="JSONL", default=None,
                         help="no measurement: rebuild the speed tables and chart from a runs log of an earlier run")
     args = parser.parse_args(argv)
@@ -383,13 +439,14 @@ def main(argv: list[str] | None = None) -> int:
                     results.update(run_speed(args, moto, tmp_root, runs_log))
                 tables, rows = speed_tables(args, results)
                 summary.extend(rows)
-                return _speed_intro(args) + tables + ["#### Targets", ""] + target_lines(args, summary)
+                fixed = [] if args.report_only else fixed_cost_lines(args, moto, tmp_root)
+                return _speed_intro(args) + tables + ["#### Targets", ""] + target_lines(args, summary) + fixed
 
             section("## 1. Save and load: methods side by side", speed)
         if "crc" in args.sections:
             section("## 2. Checksum cost", lambda: crc_section(args, results))
         if "requests" in args.sections:
-            from bench.core import run_requests
+            from bench.request_counts import run_requests
 
             ns = SimpleNamespace(steps=args.steps, checkpoints_info=True)
             section("## 3. Backend requests on moto", lambda: run_requests(ns, moto))
@@ -437,9 +494,12 @@ def _speed_intro(args) -> list[str]:
         "limit (the tensors' bytes written/read with no serialisation); *x torch.save*: against issue 2's baseline. "
         "*CPU s*: CPU seconds of the benchmark process (all threads), the steadiest signal on a shared machine. "
         "*peak RSS over state*: VmHWM during the save minus RSS with the state built; for loads, VmHWM minus "
-        "RSS before the load (the loaded state itself counts). Local loads follow their save at once, so they read "
-        "from the page cache for every method alike (this VM's DAMON page-out may evict some pages). S3 uses s3fs "
-        "with `max_concurrency=1` for every method (moto builds the whole object for every ranged GET).",
+        "RSS before the load (the loaded state itself counts). "
+        + ("Local loads read from disk: every file of the method is dropped from the page cache first (`--cold-load`). "
+           if args.cold_load else
+           "Local loads follow their save at once, so they read from the page cache for every method alike (this "
+           "VM's DAMON page-out may evict some pages; `--cold-load` reads from disk). ")
+        + "S3 uses s3fs with `max_concurrency=1` for every method (moto builds the whole object for every ranged GET).",
         "",
         "Methods:",
         "",
@@ -451,8 +511,8 @@ def _speed_intro(args) -> list[str]:
 
 
 def crc_section(args, results: dict) -> list[str]:
-    """bench.core's checksum section at the largest size, against the opd_store save medians of this run."""
-    from bench.core import run_crc
+    """The checksum section at the largest size, against the opd_store save medians of this run."""
+    from bench.checksum_cost import run_crc
     from bench.methods import flat_tensors, make_training_state
 
     size = max(args.sizes)

@@ -2,7 +2,7 @@
 
     python -m bench.soak                     # N=50 kills, local store under bench/results/tmp/
     python -m bench.soak --n 5 --seed 1      # quicker
-    python -m bench.soak --s3-emulator       # the store on moto's S3 server (bench/_moto_server.py)
+    python -m bench.soak --s3-emulator       # the store on moto's S3 server (its own process)
     python -m bench.soak --store s3://bucket/prefix --storage-option ...   # any store
 
 What it does (issue 5, "Soak"):
@@ -40,27 +40,17 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from ._common import REPO_ROOT, MotoProcess, machine_description, now_stamp
+from opd_store.testing.machines import fresh_machine
+from opd_store.testing.s3 import MotoProcess
+
+from ._common import REPO_ROOT, machine_description, now_stamp
 
 CONFIG_YAML = "config.yaml"
-
-
-def _fresh_machine(base: Path, storage_env: dict[str, str]) -> tuple[dict[str, str], Path]:
-    """Environment of a brand-new machine: new empty cwd, HOME and TMPDIR."""
-    machine = Path(tempfile.mkdtemp(prefix="machine-", dir=base))
-    for sub in ("home", "tmp", "work"):
-        (machine / sub).mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
-    env.update(storage_env)
-    env.update(HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_VERBOSITY="error", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    return env, machine / "work"
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -108,7 +98,7 @@ class Soak:
         self.count += 1
         tag = f"{self.count:03d}"
         log, final = self.workdir / f"{tag}-log.jsonl", self.workdir / f"{tag}-final.pt"
-        env, cwd = _fresh_machine(self.workdir, self.storage_env)
+        env, cwd = fresh_machine(self.workdir, self.storage_env, pythonpath=[str(REPO_ROOT)])
         spawned = time.monotonic()
         process = subprocess.Popen(self._cmd(prefix, log, final), env=env, cwd=cwd,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -35,7 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import MotoProcess, machine_description, make_state, median, state_nbytes
+from bench._common import machine_description, make_state, median, state_nbytes
+from opd_store.testing.s3 import MotoProcess
 
 from opd_store import CheckpointStore
 from opd_store.tiered import TieredStore

@@ -19,7 +19,7 @@ import threading
 from typing import Any, Callable
 
 from .errors import RetentionError, UploadError
-from .pipeline.worker import BackgroundTask, BackgroundWorker
+from .pipeline.worker import EXIT_STAGE_UPLOADS, BackgroundTask, BackgroundWorker
 from .pruning import apply_retention
 from .retention import RetentionPolicy
 from .storage.backend_errors import describe
@@ -56,7 +56,7 @@ class TierUploads:
         self._bucket_retention = bucket_retention
         self.upload_callback = upload_callback
         self.worker = BackgroundWorker(f"opd-store-upload-{id(self):x}", exit_timeout_secs=exit_timeout_secs,
-                                       on_exit=self._report_exit)
+                                       on_exit=self._report_exit, exit_stage=EXIT_STAGE_UPLOADS)
         self._lock = threading.Lock()
         self._tasks: dict[int, BackgroundTask] = {}
         self._uploaded: dict[int, str] = {}

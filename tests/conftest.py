@@ -1,28 +1,39 @@
-"""Shared fixtures: one moto S3 server and one fake-gcs-server per test session, on loopback.
+"""Shared fixtures: one moto S3 server and one fake-gcs-server per test process, on loopback.
 
-``backend`` is parametrised over local, memory, s3 and gcs; each test gets a clean one (moto
-reset and a fresh bucket, a fresh GCS bucket, a cleared ``memory://``, a new temp directory).
+Under pytest-xdist every worker is its own process, so "per session" means per worker: each worker
+has its own servers (ports chosen by the OS), its own temporary directories (``tmp_path`` lives under
+a per-worker base) and its own fork server. ``backend`` is parametrised over local, memory, s3 and
+gcs; each test gets a clean one (moto reset and a fresh bucket, a new GCS bucket, a cleared
+``memory://``, a new temp directory). The helpers live in :mod:`opd_store.testing`.
 """
 
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+from opd_store.testing.stores import Backend, clear_memory_fs, use_emulator_environment
+from opd_store.testing.stores import aio_session as shared_aio_session
 
-from backends import Backend, FakeGCS, MotoS3, clear_memory_fs  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers: faults, proc_writer, store_fixtures
+
+from store_fixtures import backend_named  # noqa: E402
+
+use_emulator_environment()  # before anything imports gcsfs or botocore
 
 ALL_BACKENDS = ("local", "memory", "s3", "gcs")
 
 
 @pytest.fixture(scope="session")
 def moto_s3():
+    from opd_store.testing.s3 import MotoS3
+
     server = MotoS3()
-    # Scenario 20 of issue 5: before any S3 test runs, prove s3fs works against this server over
-    # HTTP (list, write, read, multipart, delete); a failure stops every S3 test with its reason.
+    # Before any S3 test runs, prove s3fs works against this server over HTTP (list, write, read,
+    # multipart, delete); a failure stops every S3 test with its reason.
     server.smoke_check()
     yield server
     server.stop()
@@ -30,9 +41,19 @@ def moto_s3():
 
 @pytest.fixture(scope="session")
 def fake_gcs():
+    from opd_store.testing.gcs import FakeGCS
+
     server = FakeGCS()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def fork_server():
+    """This worker's preloaded fork server (:mod:`opd_store.testing.forkserver`)."""
+    from opd_store.testing.forkserver import default_server
+
+    return default_server()
 
 
 @pytest.fixture(autouse=True)
@@ -73,3 +94,61 @@ def gcs_backend(request, tmp_path) -> Backend:
 @pytest.fixture
 def local_backend(request, tmp_path) -> Backend:
     return make_backend("local", request, tmp_path)
+
+
+# -- shared by the OPD, spot, retention and CLI tests ---------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def aio_session():
+    """The process's aiobotocore session (:func:`opd_store.testing.stores.aio_session`)."""
+    return shared_aio_session()
+
+
+@pytest.fixture
+def opd_s3_backend(s3_backend, aio_session) -> Backend:
+    """A clean S3 (moto server) location whose stores share :func:`aio_session`."""
+    return Backend("s3", s3_backend.url, dict(s3_backend.storage_options, session=aio_session))
+
+
+@pytest.fixture
+def opd():
+    """Helpers for OPD tests: the small real objects of :mod:`opd_store.testing.opd` and
+    ``backend_named(request, name)``."""
+    from opd_store.testing import opd as objects
+
+    return types.SimpleNamespace(
+        backend_named=backend_named,
+        TinyConfig=objects.TinyConfig,
+        StubAdapterModel=objects.StubAdapterModel,
+        make_training=objects.make_training,
+        trainer_state=objects.trainer_state,
+        save_kwargs=objects.save_kwargs,
+        load_kwargs=objects.load_kwargs,
+        rng_fingerprint=objects.rng_fingerprint,
+        next_draws=objects.next_draws,
+        seed_all=objects.seed_all,
+        assert_same=objects.assert_same,
+        PROVENANCE=objects.PROVENANCE,
+    )
+
+
+@pytest.fixture(scope="session")
+def peft_factory():
+    """A tiny real PEFT LoRA student and tokenizer (:class:`opd_store.testing.opd.PeftFactory`)."""
+    from opd_store.testing.opd import PeftFactory
+
+    return PeftFactory()
+
+
+@pytest.fixture
+def s3_fault_proxy(moto_s3, aio_session):
+    """A clean S3 bucket behind :class:`~opd_store.testing.proxies.S3FaultProxy`; yields
+    (Backend through the proxy, proxy)."""
+    from opd_store.testing.proxies import S3FaultProxy, through_proxy
+
+    proxy = S3FaultProxy(moto_s3.endpoint_url)
+    try:
+        yield through_proxy(moto_s3.new_backend(), proxy, session=aio_session), proxy
+    finally:
+        proxy.stop()

@@ -40,10 +40,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from backends import Backend  # noqa: E402  (sets the emulator environment before fsspec imports)
+from opd_store.testing.stores import Backend, use_emulator_environment  # noqa: E402
+
+use_emulator_environment()  # before fsspec's S3/GCS backends are imported
 
 PAYLOAD_NAMES = ("model.pt", "optimizer.pt", "nested/dir/extra.bin")
-PRELOAD = ["proc_writer", "backends", "opd_store", "fsspec", "s3fs", "gcsfs"]
+PRELOAD = ["proc_writer", "opd_store.testing.stores", "opd_store", "fsspec", "s3fs", "gcsfs"]
 
 
 def make_bytes(tag: str, size: int) -> bytes:

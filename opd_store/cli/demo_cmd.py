@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import logging
 import os
 from pathlib import Path
 
@@ -47,26 +46,17 @@ def run(args: argparse.Namespace) -> int:
     server = None
     if args.s3_emulator:
         try:
-            import boto3
-            from moto.server import ThreadedMotoServer
+            from ..testing.s3 import MotoS3
+
+            server = MotoS3()
         except ImportError as exc:
             raise CliError(f"--s3-emulator needs moto[server] and boto3 ({exc}); pip install 'opd_store[job]'") from exc
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's per-request log lines
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        storage_env = {
-            "AWS_ACCESS_KEY_ID": "demo",
-            "AWS_SECRET_ACCESS_KEY": "demo",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-        }
+        storage_env = server.environment()
         os.environ.update(storage_env)
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="opd-demo")
+        server.create_bucket("opd-demo")
         store_url = f"s3://opd-demo/{stamp}"
-        options = {"endpoint_url": endpoint}
-        store_args = ["--s3-endpoint-url", endpoint]
+        options = {"endpoint_url": server.endpoint_url}
+        store_args = ["--s3-endpoint-url", server.endpoint_url]
     elif args.store:
         store_url = args.store
     else:

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ import torch
 
 from ..layout import MANIFEST_NAME, step_dirname
 from ..store import CheckpointStore
+from ..testing.machines import fresh_machine
 
 
 @dataclasses.dataclass
@@ -39,23 +38,6 @@ class Start:
     resumed_step: int | None
     saves: list[dict[str, Any]]
     killed_during_save: bool | None = None
-
-
-def _fresh_env(base: Path, storage_env: dict[str, str]) -> tuple[dict[str, str], Path]:
-    """Environment of a brand-new machine: new empty cwd, HOME and TMPDIR."""
-    machine = Path(tempfile.mkdtemp(prefix="machine-", dir=base))
-    for sub in ("home", "tmp", "work"):
-        (machine / sub).mkdir()
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("HF_", "TRANSFORMERS_"))}
-    env.update(storage_env)
-    env.update(
-        HOME=str(machine / "home"),
-        TMPDIR=str(machine / "tmp"),
-        PYTHONUNBUFFERED="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    return env, machine / "work"
 
 
 def _train_cmd(store_url: str, updates: int, every: int, seed: int, store_args: list[str], log: Path,
@@ -179,7 +161,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     print(f"store: {store_url}\nwork directory: {workdir}", file=out)
 
     ref_log, ref_state = workdir / "reference-log.jsonl", workdir / "reference-final.pt"
-    env, cwd = _fresh_env(workdir, storage_env)
+    env, cwd = fresh_machine(workdir, storage_env)
     started = time.perf_counter()
     _run_until(_train_cmd(reference_url, updates, every, seed, store_args, ref_log, ref_state), env, cwd, ref_log,
                kill_after_updates=None, kill_on_save=False, timeout_secs=timeout_secs)
@@ -198,7 +180,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     for index, (label, kill_after, kill_on_save) in enumerate(plan):
         log = workdir / f"spot-log-{index + 1}.jsonl"
         logs.append(log)
-        env, cwd = _fresh_env(workdir, storage_env)
+        env, cwd = fresh_machine(workdir, storage_env)
         is_last = index == len(plan) - 1
         killed, point, events, resumed = _run_until(
             _train_cmd(spot_url, updates, every, seed, store_args, log, final_state),

@@ -25,7 +25,12 @@ Guarantees:
   it is never only logged;
 * at interpreter exit an in-flight save is given ``exit_timeout_secs`` to commit; past that it is
   abandoned: the manifest is not created (the step stays uncommitted, invisible to readers) and
-  one line on stderr says so (the worker's exit sequence, :mod:`opd_store.pipeline.worker`).
+  one line on stderr says so (the worker's exit sequence, :mod:`opd_store.pipeline.worker`). It
+  runs as the interpreter starts to exit, while remote stores still work, and before the upload
+  worker of a tiered store the save goes to is closed;
+* the worker thread has ended before :meth:`AsyncCheckpointer.close` returns and before the
+  interpreter finalizes (the worker's module docstring says why a thread that touched the
+  snapshot's tensors must not outlive the exit hooks).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 
 from ..errors import BackgroundSaveError, SaveInFlightError
 from ..pipeline.save import run_save
-from ..pipeline.worker import BackgroundTask, BackgroundWorker
+from ..pipeline.worker import EXIT_STAGE_SAVES, BackgroundTask, BackgroundWorker
 from .distributed import current_group
 from .rng import preserve_global_rng
 from .save import save_request
@@ -130,7 +135,7 @@ class AsyncCheckpointer:
             raise ValueError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
         self.when_busy = when_busy
         self.worker = BackgroundWorker(f"opd-async-save-{id(self):x}", exit_timeout_secs=exit_timeout_secs,
-                                       on_exit=self._report_exit)
+                                       on_exit=self._report_exit, exit_stage=EXIT_STAGE_SAVES)
         self.exit_timeout_secs = self.worker.exit_timeout_secs
         self._staging = StagingBuffers(pin_memory)
         self._pending: SaveHandle | None = None
@@ -220,7 +225,8 @@ class AsyncCheckpointer:
         return None if pending is None else pending.url
 
     def close(self, timeout_secs: float | None = None) -> str | None:
-        """Wait for the save in flight, then refuse further saves and stop the worker.
+        """Wait for the save in flight, then refuse further saves and stop the worker (its thread
+        has ended when this returns, unless the save timed out: the exit sequence ends it then).
 
         Args:
             timeout_secs (float | None): seconds to wait; past that the save is abandoned

@@ -1,7 +1,7 @@
 """The one background worker: asynchronous saves and tier uploads run on it.
 
 A :class:`BackgroundWorker` owns one thread that runs submitted tasks in order. It gives every
-background stage of a save the same three guarantees:
+background stage of a save the same guarantees:
 
 * **Deferred failure.** A task's exception is kept in its :class:`BackgroundTask`; the owner raises
   it at its next sync point (the next save, ``flush``, ``close``, ``result``) through
@@ -10,9 +10,14 @@ background stage of a save the same three guarantees:
   the worker's and fsspec's I/O thread's draws from Python's ``random`` (botocore and gcsfs retry
   back-offs) go to a private generator, so the training thread's stream is the one it would have
   had without the save (exact resume).
-* **Exit deadline.** At interpreter exit the worker runs its exit sequence (:meth:`finish_at_exit`).
+* **What a task holds is freed on the worker thread.** Once a task has run, its callable (and so
+  the snapshot it closes over: staged tensors, parameters) is dropped on the worker thread, while
+  the interpreter is whole (see *Why threads are joined* below); a failure keeps its traceback as
+  text (a note on the exception), not as frames that would keep the snapshot alive.
+* **Exit deadline.** When the interpreter starts to exit, every worker runs its exit sequence
+  (:meth:`BackgroundWorker.finish_at_exit`), and no worker thread is alive afterwards.
 
-Exit sequence (what happens at ``atexit``, in order):
+Exit sequence of one worker, in order:
 
 1. New tasks are refused.
 2. If tasks are queued or running, the owner's ``on_exit("waiting", tasks)`` is called and the
@@ -21,122 +26,89 @@ Exit sequence (what happens at ``atexit``, in order):
    dropped (abandoned) and the running one stops at its next payload write or before its commit
    (transactions and copies watch that event), leaving its step uncommitted; the owner's
    ``on_exit("abandoned", tasks)`` is called.
-4. The thread is told to stop and is joined, for at most ``exit_join_secs`` more: a task blocked
-   inside a backend call cannot be interrupted from Python, so a thread still alive after that is
-   reported on stderr (and left to the interpreter). In every other case no worker thread is left
-   running when the interpreter finalises.
+4. The thread is told to stop and is joined. A task that does not stop within half of
+   ``exit_join_secs`` of its cancellation (a thread waiting inside one backend request) gets
+   :class:`~opd_store.errors.SaveAbandonedError` raised in it at its next Python instruction
+   (``PyThreadState_SetAsyncExc``; a thread waiting on fsspec's I/O loop runs one every second),
+   so it leaves through the ordinary failure path (an attempt's payloads are discarded, nothing is
+   committed), and is joined for the other half. A thread blocked where no Python code runs (a
+   lock never released) cannot be stopped: it is named on stderr.
 5. The owner's ``on_exit("finished", tasks)`` reports what committed or failed (``tasks`` may be
    empty: the owner may report a task that finished before exit).
 
-The thread is a daemon: the interpreter joins non-daemon threads *before* ``atexit`` handlers run,
-so an idle non-daemon worker would keep the process alive forever. The ``atexit`` hook is
-re-registered each time a worker thread starts, so it runs before the ``atexit`` handlers of
-libraries imported earlier (``atexit`` runs last-registered first) while the backends still work.
+All workers finish in one exit routine, in ascending ``exit_stage`` and then in creation order:
+asynchronous saves (:data:`EXIT_STAGE_SAVES`) before tier uploads (:data:`EXIT_STAGE_UPLOADS`),
+because a save that commits into a tiered store at exit queues its upload then, which the upload
+worker must still accept and run. The routine is registered with
+:func:`opd_store.exit_hooks.register` when the first worker thread starts: it runs when the
+interpreter starts to exit, before ``atexit`` hooks, while ``concurrent.futures`` and asyncio's
+executors still work (an S3 request at exit still opens a client; from an ``atexit`` hook it
+failed and nothing committed on S3).
+
+Why threads are joined (not only their tasks waited for): once ``Py_FinalizeEx`` has run the exit
+hooks, a daemon thread that takes the GIL is ended with ``pthread_exit`` (CPython <= 3.13,
+``take_gil``; the C-API docs of ``PyEval_RestoreThread``: "calling this function from a thread when
+the runtime is finalizing will terminate the thread"). When the GIL is re-taken inside torch's C++
+(the ``pybind11::gil_scoped_release`` with which ``THPVariable_clear`` frees every tensor, or those
+around ``torch.save``'s storage writes), the unwinding meets a ``noexcept`` frame and C++ calls
+``std::terminate``: "terminate called without an active exception", SIGABRT, after the save had
+committed. A thread that reported its task done and then freed the task's snapshot raced the
+interpreter's finalization exactly so (``tests/spot/test_exit_paths.py``).
+
+The thread is a daemon: under the ``atexit`` fallback of :mod:`opd_store.exit_hooks` (Pythons
+without ``threading._register_atexit``) the interpreter joins non-daemon threads before the
+routine runs, so an idle non-daemon worker would keep the process alive forever.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
+import ctypes
+import itertools
 import logging
 import sys
 import threading
 import time
 import weakref
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Callable
 
+from .. import exit_hooks
 from ..errors import SaveAbandonedError
 from ..thread_random import route_background_random
+from .task import BackgroundTask
 
 logger = logging.getLogger("opd_store.pipeline.worker")
 
 ExitReport = Callable[[str, list["BackgroundTask"]], None]
 """``on_exit(event, tasks)``: ``event`` is ``waiting``, ``abandoned`` or ``finished``."""
 
-
-class BackgroundTask:
-    """One unit of background work and its outcome.
-
-    Attributes:
-        label (str): what it is, for messages (``"upload of step 3"``).
-        key (Any): the owner's key (a step).
-    """
-
-    def __init__(self, label: str, key: Any, run: Callable[[], Any]) -> None:
-        self.label = label
-        self.key = key
-        self._run = run
-        self._future: Future = Future()
-        self._reported = False
-
-    def done(self) -> bool:
-        """Whether it finished (succeeded, failed or was abandoned)."""
-        return self._future.done()
-
-    @property
-    def value(self) -> Any:
-        """Its return value, or ``None`` while running or when it failed."""
-        if not self._future.done() or self._future.exception() is not None:
-            return None
-        return self._future.result()
-
-    @property
-    def reported(self) -> bool:
-        """Whether its failure (if any) reached a caller already."""
-        return self._reported
-
-    def wait(self, timeout_secs: float | None = None) -> bool:
-        """Wait until it finished; True when it did within ``timeout_secs``. Reports nothing."""
-        try:
-            self._future.exception(timeout=timeout_secs)
-        except FutureTimeoutError:
-            return False
-        return True
-
-    def failure(self) -> BaseException | None:
-        """Its exception once finished, else ``None`` (reports nothing)."""
-        return self._future.exception() if self._future.done() else None
-
-    def result(self, timeout_secs: float | None = None) -> Any:
-        """Wait for it and return its value; its failure is raised here and counts as reported.
-
-        Raises:
-            TimeoutError: still running after ``timeout_secs``.
-            BaseException: whatever the task raised.
-        """
-        try:
-            value = self._future.result(timeout=timeout_secs)
-        except FutureTimeoutError as exc:
-            raise TimeoutError(f"{self.label} still in flight after {timeout_secs} s") from exc
-        except BaseException:
-            self._reported = True
-            raise
-        return value
-
-    def mark_reported(self) -> None:
-        """Count its failure as reported (the owner raised it another way)."""
-        self._reported = True
-
-    def execute(self) -> None:
-        """Run it (on the worker thread) and record the outcome."""
-        if not self._future.set_running_or_notify_cancel():
-            return
-        try:
-            value = self._run()
-        except BaseException as exc:  # noqa: BLE001 - kept for the owner's next sync point
-            self._future.set_exception(exc)
-        else:
-            self._future.set_result(value)
-
-    def abandon(self, reason: str) -> None:
-        """Finish a task that never started with :class:`SaveAbandonedError`."""
-        if self._future.set_running_or_notify_cancel():
-            self._future.set_exception(SaveAbandonedError(f"{self.label} abandoned before it started: {reason}"))
+EXIT_STAGE_SAVES = 0
+"""Exit stage of workers that run saves (a save may queue a tier upload when it commits)."""
+EXIT_STAGE_UPLOADS = 1
+"""Exit stage of workers that upload committed steps: finished after every save worker."""
 
 
-_live: "weakref.WeakSet[BackgroundWorker]" = weakref.WeakSet()
+class _StoppedAtExit(SaveAbandonedError):
+    """Raised in a worker thread whose task overran the exit deadline (see the module docstring)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(args or ("stopped by the exit sequence: the exit deadline passed; nothing more is "
+                                    "committed by this task",)))
+
+
+_live: "weakref.WeakSet[BackgroundWorker]" = weakref.WeakSet()  # threads not known to have ended
+_created = itertools.count()  # creation order, for the exit routine
+_exit_hook = threading.Lock()
+_exit_hook_registered = False
+
+
+def _register_exit_routine() -> None:
+    """Register :func:`finish_all_at_exit` once (see the module docstring)."""
+    global _exit_hook_registered
+    with _exit_hook:
+        if not _exit_hook_registered:
+            exit_hooks.register(finish_all_at_exit)
+            _exit_hook_registered = True
 
 
 class BackgroundWorker:
@@ -149,19 +121,23 @@ class BackgroundWorker:
         exit_join_secs (float | None): seconds the thread is then given to stop (default: the
             exit deadline again, at most 10 s).
         on_exit (ExitReport | None): reports the exit sequence's steps (the owner's messages).
+        exit_stage (int): workers finish at exit in ascending stage, then in creation order; a
+            worker whose tasks submit tasks to another worker needs a lower stage than it
+            (:data:`EXIT_STAGE_SAVES`, the default, or :data:`EXIT_STAGE_UPLOADS`).
 
     Raises:
         ValueError: a negative ``exit_timeout_secs``.
     """
 
     def __init__(self, name: str, *, exit_timeout_secs: float, exit_join_secs: float | None = None,
-                 on_exit: ExitReport | None = None) -> None:
+                 on_exit: ExitReport | None = None, exit_stage: int = EXIT_STAGE_SAVES) -> None:
         if exit_timeout_secs < 0:
             raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
         self.name = name
         self.exit_timeout_secs = float(exit_timeout_secs)
         self.exit_join_secs = min(10.0, max(1.0, self.exit_timeout_secs)) if exit_join_secs is None else exit_join_secs
         self.on_exit = on_exit
+        self.exit_order = (exit_stage, next(_created))
         self.cancelled = threading.Event()
         self._cond = threading.Condition()
         self._queue: collections.deque[BackgroundTask] = collections.deque()
@@ -169,6 +145,7 @@ class BackgroundWorker:
         self._failed: list[BackgroundTask] = []  # finished with a failure, maybe not reported yet
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._exited = False  # the exit sequence ran
         _live.add(self)
 
     # -- submitting --------------------------------------------------------------------------
@@ -184,32 +161,41 @@ class BackgroundWorker:
                 raise ValueError(f"background worker {self.name} is closed")
             self._queue.append(task)
             if self._thread is None or not self._thread.is_alive():
+                _register_exit_routine()
                 self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._thread.start()
-                atexit.unregister(_finish_all_at_exit)
-                atexit.register(_finish_all_at_exit)
+                _live.add(self)
             self._cond.notify_all()
         return task
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                task = self._queue.popleft()
-                self._running = task
-            if self.cancelled.is_set():
-                task.abandon("the exit deadline passed")
-            else:
-                with route_background_random():
-                    task.execute()
-            with self._cond:
-                self._running = None
-                if task.failure() is not None:
-                    self._failed.append(task)
-                self._cond.notify_all()
+        try:
+            while self._run_next():
+                pass
+        except _StoppedAtExit:
+            # Raised into this thread by the exit sequence just as its task ended (outside the
+            # task's own handler): the worker is stopping; finish_at_exit settles what is left.
+            pass
+
+    def _run_next(self) -> bool:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return False
+            task = self._queue.popleft()
+            self._running = task
+        if self.cancelled.is_set():
+            task.abandon("the exit deadline passed")
+        else:
+            with route_background_random():
+                task.execute()
+        with self._cond:
+            self._running = None
+            if task.failure() is not None:
+                self._failed.append(task)
+            self._cond.notify_all()
+        return True
 
     # -- state ---------------------------------------------------------------------------------
     def pending(self) -> list[BackgroundTask]:
@@ -254,12 +240,13 @@ class BackgroundWorker:
 
     # -- stopping --------------------------------------------------------------------------------
     def close(self, timeout_secs: float | None = None) -> None:
-        """Wait for queued tasks (see :meth:`wait_idle`), then stop and join the thread; new
-        tasks are refused afterwards. Safe to call twice.
+        """Wait for queued tasks (see :meth:`wait_idle`), then stop the thread and join it: when
+        this returns without an error, the thread has ended. New tasks are refused afterwards.
+        Safe to call twice.
 
         Raises:
-            TimeoutError: tasks still pending after ``timeout_secs``; the thread is stopped
-                once they finish.
+            TimeoutError: tasks still pending after ``timeout_secs``; the thread stops once they
+                finish, and the exit sequence joins it if the interpreter exits first.
         """
         try:
             self.wait_idle(timeout_secs)
@@ -269,15 +256,17 @@ class BackgroundWorker:
                 self._cond.notify_all()
                 thread = self._thread
             if thread is not None and thread is not threading.current_thread() and self.idle():
-                thread.join(timeout_secs)
-            _live.discard(self)
+                thread.join()  # idle and told to stop: it returns at once
+            if thread is None or not thread.is_alive():
+                _live.discard(self)
 
     def finish_at_exit(self) -> None:
-        """The exit sequence (module docstring): wait, cancel, stop and join, report."""
+        """The exit sequence (module docstring): wait, cancel, stop and join, report. Runs once."""
         with self._cond:
-            if self._closed and self._thread is None:
+            if self._exited or (self._closed and (self._thread is None or not self._thread.is_alive())):
+                self._exited = True
                 return
-            self._closed = True
+            self._exited = self._closed = True
             tasks = ([self._running] if self._running is not None else []) + list(self._queue)
             self._cond.notify_all()
         if tasks and self.on_exit is not None:
@@ -287,24 +276,57 @@ class BackgroundWorker:
             self.cancelled.set()
             if self.on_exit is not None:
                 self.on_exit("abandoned", unfinished)
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            with self._cond:
-                self._cond.notify_all()
-            thread.join(self.exit_join_secs)
-            if thread.is_alive():
-                print(f"opd_store: background thread {thread.name} is still inside a backend call at exit; "
-                      "its step stays uncommitted", file=sys.stderr, flush=True)
+        self._stop_thread()
         if self.on_exit is not None:
             self.on_exit("finished", tasks)
 
+    def _stop_thread(self) -> None:
+        """Step 4 of the exit sequence: join the thread, raising :class:`_StoppedAtExit` in a task
+        that ignores the cancellation."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._cond.notify_all()
+        thread.join(self.exit_join_secs / 2 if self.cancelled.is_set() else self.exit_join_secs)
+        if thread.is_alive() and self.cancelled.is_set():
+            # Under the lock: the thread cannot leave _loop meanwhile, so the exception lands in the
+            # task (its failure) or in _loop's handler, never in threading's own code.
+            with self._cond:
+                if self._running is not None and not self._running.done() and thread.ident is not None:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                               ctypes.py_object(_StoppedAtExit))
+            thread.join(self.exit_join_secs / 2)
+        if thread.is_alive():
+            print(f"opd_store: background thread {thread.name} is still inside a backend call at exit; "
+                  "its step stays uncommitted", file=sys.stderr, flush=True)
+            return
+        _live.discard(self)
+        with self._cond:  # the thread ended: settle what a stray stop left behind
+            left = ([self._running] if self._running is not None else []) + list(self._queue)
+            self._running = None
+            self._queue.clear()
+            self._cond.notify_all()
+        for task in left:
+            task.settle(_StoppedAtExit())
 
-def _finish_all_at_exit() -> None:
-    for worker in list(_live):
+
+def finish_all_at_exit() -> None:
+    """The one exit routine: every live worker's exit sequence, in ``exit_order`` (module
+    docstring). A worker made while it runs is finished too. Errors go to stderr: nobody is left to
+    raise to."""
+    finished: set[BackgroundWorker] = set()
+    while True:
+        workers = sorted((w for w in list(_live) if w not in finished), key=lambda w: w.exit_order)
+        if not workers:
+            return
+        worker = workers[0]
+        finished.add(worker)
         try:
             worker.finish_at_exit()
         except Exception as exc:  # noqa: BLE001 - nobody is left to raise to at exit
             print(f"opd_store: at exit, background worker {worker.name}: {exc!r}", file=sys.stderr, flush=True)
 
 
-__all__ = ["BackgroundTask", "BackgroundWorker", "ExitReport"]
+__all__ = ["EXIT_STAGE_SAVES", "EXIT_STAGE_UPLOADS", "BackgroundTask", "BackgroundWorker", "ExitReport",
+           "finish_all_at_exit"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backends import Backend
+from opd_store.testing.stores import Backend
 
 
 def cli_store_args(backend: Backend) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cli_helpers import cli_store_args
-from store_fixtures import aio_session, backend  # noqa: F401 - fixtures
+from store_fixtures import backend  # noqa: F401 - a fixture
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from opd_store.cli import main
 from opd_store.orphans import find_orphans
 from opd_store.layout import new_attempt_id
 from opd_store.transfer import copy_checkpoint
+from opd_store.testing.stores import open_store, raw_put
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -23,23 +24,11 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def open_store(backend) -> CheckpointStore:
-    return CheckpointStore(backend.url, storage_options=backend.storage_options)
-
-
 def commit(store: CheckpointStore, step: int, size: int = 64) -> None:
     metadata = {"successful_updates": step, "attempted_updates": step + 1, "query_update": step}
     with store.begin(step, metadata=metadata) as txn:
         txn.write_bytes("model.bin", bytes([step % 251]) * size)
         txn.write_bytes("config.yaml", f"lr: 0.1\nstep: {step}\n".encode())
-
-
-def raw_put(backend, rel: str, data: bytes) -> None:
-    fs = backend.raw_fs()
-    path = f"{backend.raw_root()}/{rel}"
-    if backend.name == "local":
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, data)
 
 
 def test_read_commands(backend, store_args, capsys):

@@ -16,13 +16,14 @@ from pathlib import Path
 import opd_store
 from cli_helpers import cli_store_args
 from opd_store import CheckpointStore
+from opd_store.testing import forkserver
 
 REPO_ROOT = Path(opd_store.__file__).resolve().parents[1]
 
 
 def cli(*argv, stderr=subprocess.PIPE) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    return subprocess.Popen(
+    return forkserver.popen(
         [sys.executable, "-m", "opd_store", *map(str, argv)],
         stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=REPO_ROOT,
     )
@@ -85,7 +86,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     read_fd, write_fd = os.pipe()
     os.close(read_fd)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "opd_store", "ls", str(tmp_path / "store")],
+    proc = forkserver.popen([sys.executable, "-m", "opd_store", "ls", str(tmp_path / "store")],
                             stdout=write_fd, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
     os.close(write_fd)
     _, err = proc.communicate(timeout=300)

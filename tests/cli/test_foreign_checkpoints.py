@@ -15,6 +15,7 @@ from cli_helpers import cli_store_args
 from opd_store import CheckpointStore
 from opd_store.cli import main
 from opd_store.opd.checkpoint import load_opd_checkpoint
+from opd_store.testing import opd as helpers
 
 TESTS = Path(__file__).parents[1]
 
@@ -26,7 +27,6 @@ def _module(name: str, path: Path):
     return module
 
 
-helpers = _module("opd_test_helpers", TESTS / "opd" / "conftest.py")
 seed_layout = _module("seed_layout", TESTS / "opd" / "seed_layout.py")
 
 

@@ -9,34 +9,13 @@ from typing import Any
 import crc32c
 
 from opd_store import CheckpointStore
+from opd_store.testing.stores import open_store  # noqa: F401 - the tests import it from here
 
-
-
-_AIO_SESSIONS: dict[str, object] = {}
-_BOTO3_CLIENTS: dict[str, object] = {}
-
-
-def open_store(backend, *, fresh_session: bool = False, **kwargs) -> CheckpointStore:
-    """A store on ``backend`` with its storage options (a private fsspec instance).
-
-    For S3 the private s3fs instance shares one aiobotocore session per test process (each fresh
-    session re-parses botocore's service models, ~0.5 s on this machine); every store still gets
-    its own S3FileSystem, client and caches. ``fresh_session=True`` passes the options untouched.
-    """
-    options = dict(backend.storage_options)
-    if backend.name == "s3" and not fresh_session:
-        import aiobotocore.session
-
-        options["session"] = _AIO_SESSIONS.setdefault("s3", aiobotocore.session.AioSession())
-    return CheckpointStore(backend.url, storage_options=options, **kwargs)
 
 
 def boto3_client(moto):
-    """One boto3 client per moto server (moto's reset between tests keeps the endpoint)."""
-    client = _BOTO3_CLIENTS.get(moto.endpoint_url)
-    if client is None:
-        client = _BOTO3_CLIENTS[moto.endpoint_url] = moto.boto3_client()
-    return client
+    """The moto server's boto3 client (one per server: moto's reset between tests keeps the endpoint)."""
+    return moto.boto3_client()
 
 
 def save(store: CheckpointStore, step: int, payloads: dict[str, bytes], *, metadata=None, chunk: int | None = None):

@@ -1,10 +1,12 @@
 """The one background worker (asynchronous saves and tier uploads): order, deferred failures, RNG
-isolation and the exit sequence (wait, cancel, stop and join, report)."""
+isolation, what a task holds freed on the worker thread, and the exit sequence (wait, cancel, stop
+and join, report)."""
 
 from __future__ import annotations
 
 import random
 import threading
+import weakref
 
 import pytest
 
@@ -92,3 +94,57 @@ def test_a_finished_worker_exits_silently():
     worker.submit("quick", 1, lambda: None).result(DEADLINE_SECS)
     worker.finish_at_exit()
     assert events == ["finished"]
+
+
+def test_what_a_task_holds_is_freed_on_the_worker_thread():
+    """A snapshot's tensors must not be freed by a thread racing the interpreter's finalization:
+    the worker drops the task's callable and its failure's frame locals itself."""
+    worker = BackgroundWorker("test-frees", exit_timeout_secs=5)
+    freed_on: list[str] = []
+
+    class Snapshot:  # stands for the staged tensors a save's closure holds
+        pass
+
+    def task(fail: bool):
+        snapshot = Snapshot()
+        weakref.finalize(snapshot, lambda: freed_on.append(threading.current_thread().name))
+
+        def run() -> str:
+            held = snapshot  # also a local of the frame a failure's traceback keeps
+            if fail:
+                raise OSError(f"injected with {type(held).__name__}")
+            return "committed"
+
+        return run
+
+    ok = worker.submit("ok", 1, task(False))
+    failing = worker.submit("failing", 2, task(True))
+    worker.wait_idle(DEADLINE_SECS)
+    assert freed_on == ["test-frees", "test-frees"]
+    assert ok.value == "committed" and str(failing.failure()) == "injected with Snapshot"
+    (note,) = failing.failure().__notes__  # the traceback, as text
+    assert note.startswith("raised in a background worker thread:") and ", in run\n" in note
+    assert failing.failure().__traceback__ is None
+    worker.close()
+
+
+def test_a_task_that_ignores_the_cancellation_is_stopped_in_its_thread(capsys):
+    """A task waiting on a remote request (woken every 50 ms, as fsspec's sync loop is) that never
+    looks at ``cancelled`` gets SaveAbandonedError raised in it after half the join time."""
+    release = threading.Event()
+    started = threading.Event()
+    worker = BackgroundWorker("test-overrun", exit_timeout_secs=0.1, exit_join_secs=4)
+
+    def waits_on_a_request() -> None:
+        started.set()
+        while not release.wait(0.05):
+            pass
+
+    stuck = worker.submit("overrun", 1, waits_on_a_request)
+    assert started.wait(DEADLINE_SECS)
+    thread = next(t for t in threading.enumerate() if t.name == "test-overrun")
+    worker.finish_at_exit()
+    assert not thread.is_alive() and not release.is_set()
+    assert isinstance(stuck.failure(), SaveAbandonedError)
+    assert "stopped by the exit sequence" in str(stuck.failure())
+    assert capsys.readouterr().err == ""

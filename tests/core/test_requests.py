@@ -42,6 +42,11 @@ def _payload(step: int, index: int) -> bytes:
     return f"step {step} part {index} ".encode() * 4
 
 
+# One worker runs the module's tests together: the 1,000-step fixture is built once, and no other
+# test resets that worker's moto server between them.
+pytestmark = pytest.mark.xdist_group("thousand-steps")
+
+
 @pytest.fixture(scope="module")
 def thousand_steps(moto_s3):
     from moto.core import DEFAULT_ACCOUNT_ID

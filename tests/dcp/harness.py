@@ -1,8 +1,9 @@
 """One launch of N real gloo ranks that runs many sharded-checkpoint scenarios in turn.
 
-Every process start costs seconds of imports on a loaded 2-core machine, so a test module starts
-this launcher once (``python tests/dcp/harness.py SPEC_PATH``): it imports torch, DCP, PEFT and
-opd_store once, then forks N rank processes (``fork`` after the imports, before any thread or
+Every process start costs seconds of imports on a loaded 2-core machine, so a test starts this
+launcher once (``python tests/dcp/harness.py SPEC_PATH``, a child of the worker's preloaded fork
+server, :mod:`opd_store.testing.forkserver`, which has imported torch, DCP, PEFT and opd_store): it
+imports the spec's scenario module, then forks N rank processes (``fork`` after the imports, before any thread or
 process group exists) that join one gloo group through a ``FileStore`` under the test's tmp
 directory (no port to race for under ``pytest -n``). Each rank runs the spec's scenarios in order
 (functions ``scenario_<name>(ctx)`` of the spec's module) and writes ``rank-<r>.json``: a dict
@@ -25,10 +26,11 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+from opd_store.testing.stores import Backend, open_store, use_emulator_environment
 
-from backends import Backend  # noqa: E402  (sets the emulator environment before fsspec imports)
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the scenario modules and sharded_models
+use_emulator_environment()  # before anything imports gcsfs or botocore
 
 PREFIX_SIZES = (1, 2, 4, 8)
 
@@ -53,9 +55,8 @@ class Context:
         return self._groups[size] if self.rank < size else None
 
     def store(self):
-        from opd_store import CheckpointStore
-
-        return CheckpointStore(self.backend.url, storage_options=self.backend.storage_options)
+        """A new :class:`~opd_store.CheckpointStore` on the launch's backend (its own fsspec instance)."""
+        return open_store(self.backend)
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -115,12 +116,14 @@ def launch(spec: dict) -> dict:
 
 
 def run_launch(spec: dict, tmp: Path, timeout_secs: float = 900) -> list[dict]:
-    """From a test: write ``spec``, run this launcher in a fresh interpreter, return each rank's results.
+    """From a test: write ``spec``, run this launcher in a child of the fork server, return each
+    rank's results.
 
     Raises:
         AssertionError: the launcher failed; its output and every rank's results are in the message.
+        subprocess.TimeoutExpired: it ran past ``timeout_secs`` (the launcher is killed).
     """
-    import subprocess
+    from opd_store.testing import forkserver
 
     tmp.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, out=str(tmp))
@@ -128,7 +131,7 @@ def run_launch(spec: dict, tmp: Path, timeout_secs: float = 900) -> list[dict]:
     path.write_text(json.dumps(spec))
     root = HERE.parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(Path(__file__)), str(path)], capture_output=True, text=True,
+    done = forkserver.run([sys.executable, str(Path(__file__)), str(path)], capture_output=True, text=True,
                           timeout=timeout_secs, env=env)
     results = []
     for rank in range(spec["world_size"]):

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends import Backend
 from harness import run_launch
-from opd_store import CheckpointStore
+from opd_store.testing.stores import Backend, open_store
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,7 +23,7 @@ def _crc32c_hex(data: bytes) -> str:
 
 def _check_manifest_lists_every_rank(backend: Backend, step: int, world_size: int) -> None:
     """Every rank's files are in the manifest with the size and CRC32C of the stored bytes."""
-    store = CheckpointStore(backend.url, storage_options=backend.storage_options)
+    store = open_store(backend)
     manifest = store.manifest(step)
     assert manifest.world_size == world_size
     assert manifest.metadata["checkpoint_format"] == "dcp"

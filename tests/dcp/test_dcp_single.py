@@ -20,6 +20,7 @@ from opd_store.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
+from opd_store.testing.stores import open_store
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -44,7 +45,7 @@ def _assert_equal_states(a: dict, b: dict) -> None:
 
 def test_roundtrip_on_a_tiered_store(tmp_path, moto_s3):
     """A tiered store: committed on the local tier, uploaded, then complete in the bucket."""
-    bucket = CheckpointStore(moto_s3.new_backend().url, storage_options=moto_s3.storage_options())
+    bucket = open_store(moto_s3.new_backend())
     with TieredStore(tmp_path / "local", bucket) as store:
         assert save(_state(1), store, 3) == store.step_url(3)
         store.flush()

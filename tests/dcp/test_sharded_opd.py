@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends import Backend
 from harness import run_launch
+from opd_store.testing.stores import Backend
 
 pytestmark = pytest.mark.timeout(900)
 

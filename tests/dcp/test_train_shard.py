@@ -1,11 +1,12 @@
 """``opd-store train --nproc 4 --shard``: killed, resumed bit-exact on 4 ranks, resumed elastic on 2.
 
-One test, five runs of the real CLI (ranks forked from the CLI process, ``--start-method fork``,
-so the imports are paid once per run):
+One test, five runs of the real CLI, each a child of the worker's preloaded fork server
+(:mod:`opd_store.testing.forkserver`) whose ranks are forked from it (``--start-method fork``), so
+no run pays the imports. The two runs with a fault go through tests/dcp/faulty_job.py:
 
 1. the uninterrupted reference on 4 ranks;
 2. a run whose rank 1 blocks in the middle of writing its shard file of step 4 and is SIGKILLed
-   there (tests/dcp/inject/sitecustomize.py): the other ranks give up within the bound, nothing is
+   there: the other ranks give up within the bound, nothing is
    committed past step 2, the job exits naming the step a rerun resumes from;
 3. the same command again: resumes from step 2 and ends bit-identical to the reference (adapter,
    optimizer, counters, every logged loss);
@@ -29,24 +30,24 @@ import pytest
 import torch
 
 from opd_store import CheckpointStore
+from opd_store.testing import forkserver
 
-ROOT = Path(__file__).resolve().parents[2]
-INJECT = Path(__file__).with_name("inject")
+FAULTY_JOB = Path(__file__).with_name("faulty_job.py")
 DEADLINE_SECS = 600
 RANK_TIMEOUT_SECS = 10
 pytestmark = pytest.mark.timeout(4 * DEADLINE_SECS)
 
 
-def _cmd(store: Path, tag: str, tmp_path: Path, nproc: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
+def _cmd(store: Path, tag: str, tmp_path: Path, nproc: int, *extra: str, faults: bool = False) -> list[str]:
+    program = [str(FAULTY_JOB)] if faults else ["-m", "opd_store"]
+    return [sys.executable, *program, "train", "--store", str(store), "--updates", "4",
             "--checkpoint-every", "2", "--nproc", str(nproc), "--shard", "--start-method", "fork",
             "--rank-timeout-secs", str(RANK_TIMEOUT_SECS), "--log", str(tmp_path / f"{tag}.log"),
             "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt"), *extra]
 
 
 def _env(**extra) -> dict:
-    path = os.pathsep.join([str(INJECT), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return dict(os.environ, PYTHONPATH=path, **extra)
+    return dict(os.environ, **extra)
 
 
 def _records(path: Path) -> list[dict]:
@@ -54,10 +55,10 @@ def _records(path: Path) -> list[dict]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=DEADLINE_SECS)
+    return forkserver.run(cmd, env=_env(), capture_output=True, text=True, timeout=DEADLINE_SECS)
 
 
-def _wait_for(predicate, process: subprocess.Popen, what: str) -> None:
+def _wait_for(predicate, process: forkserver.ForkedProcess, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_SECS
     while not predicate():
         if process.poll() is not None or time.monotonic() > deadline:
@@ -92,7 +93,8 @@ def test_sharded_job_killed_resumed_exact_and_elastic(tmp_path):
 
     # 2. rank 1 SIGKILLed in the middle of its shard of step 4
     marker, run = tmp_path / "blocked", tmp_path / "run"
-    killed = subprocess.Popen(_cmd(run, "run1", tmp_path, 4), env=_env(OPD_TEST_BLOCK_DCP_SAVE=f"1:4:{marker}"),
+    killed = forkserver.popen(_cmd(run, "run1", tmp_path, 4, faults=True),
+                              env=_env(OPD_TEST_BLOCK_DCP_SAVE=f"1:4:{marker}"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: marker.exists() and marker.read_text(), killed, "rank 1 blocking mid-save")
     store = CheckpointStore(run)
@@ -125,8 +127,8 @@ def test_sharded_job_killed_resumed_exact_and_elastic(tmp_path):
     # its first update, so the notice lands before the next boundary)
     elastic, paused = tmp_path / "elastic", tmp_path / "paused"
     events = tmp_path / "elastic1.events"
-    first = subprocess.Popen(_cmd(elastic, "elastic1", tmp_path, 2, "--resume-mode", "elastic",
-                                  "--preemption-signal", "SIGTERM"),
+    first = forkserver.popen(_cmd(elastic, "elastic1", tmp_path, 2, "--resume-mode", "elastic",
+                                  "--preemption-signal", "SIGTERM", faults=True),
                              env=_env(OPD_TEST_PAUSE_AFTER_UPDATE=f"1:1:{paused}"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for(lambda: paused.exists() and paused.read_text(), first, "rank 1 after its first elastic update")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from opd_store import CheckpointStore
+from opd_store.testing import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO / "deploy/entrypoint.sh"
@@ -27,7 +28,10 @@ pytestmark = pytest.mark.timeout(1500)  # real training runs (~40 s each alone) 
 
 def _env(store: Path, updates: int) -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # The entrypoint's `opd-store` runs through the worker's fork server: the job's imports are paid
+    # once per worker; the command forwards the entrypoint's SIGTERM to the job and its exit status back.
+    shim = forkserver.default_server().shim_dir()
+    env["PATH"] = os.pathsep.join([shim, str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(OPD_STORE_URL=str(store), OPD_UPDATES=str(updates), OPD_CHECKPOINT_EVERY="1")
     return env

@@ -17,7 +17,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -26,7 +26,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from backends import free_port  # noqa: E402
+from opd_store.testing import forkserver  # noqa: E402
 from s3_access import Permission, is_allowed, policy_actions, required_permissions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,22 +53,22 @@ def recorded(tmp_path_factory):
     from opd_store import CheckpointStore
 
     work = tmp_path_factory.mktemp("iam")
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
     env = dict(os.environ, MOTO_RECORDER_FILEPATH=str(work / "recording.jsonl"))
-    log = open(work / "moto.log", "wb")  # noqa: SIM115 - closed below
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    log = open(work / "moto.log", "w")  # noqa: SIM115 - closed below
+    # Port 0: the OS chooses; werkzeug names the port in its "Running on" line once it listens.
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    endpoint = None
+    for line in server.stdout:
+        log.write(line)
+        if "Running on http://127.0.0.1:" in line:
+            endpoint = "http://127.0.0.1:" + line.rsplit(":", 1)[1].strip().split()[0].rstrip("/")
+            break
+    drain = threading.Thread(target=lambda: [log.write(rest) for rest in server.stdout], daemon=True)
+    drain.start()  # moto logs every request; an unread pipe would stall it
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).read()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start; log at {work / 'moto.log'}") from None
-                time.sleep(0.1)
+        if endpoint is None:
+            raise RuntimeError(f"moto server did not start; log at {work / 'moto.log'}")
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
                      region_name="us-east-1").create_bucket(Bucket=BUCKET)
         _post(f"{endpoint}/moto-api/recorder/reset-recording")
@@ -76,7 +76,7 @@ def recorded(tmp_path_factory):
 
         def train(events: Path) -> None:
             errors = open(work / f"{events.stem}.stderr", "wb")  # noqa: SIM115 - closed by GC
-            subprocess.run([sys.executable, "-m", "opd_store", "train", "--store", RUN_URL,
+            forkserver.run([sys.executable, "-m", "opd_store", "train", "--store", RUN_URL,
                             "--s3-endpoint-url", endpoint, "--updates", "4", "--checkpoint-every", "2",
                             "--log", str(work / "log.jsonl"), "--events", str(events)],
                            check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=errors)
@@ -110,10 +110,14 @@ def recorded(tmp_path_factory):
     finally:
         server.terminate()
         server.wait(timeout=30)
+        drain.join(30)
         log.close()
 
 
-pytestmark = pytest.mark.timeout(1200)  # two real training runs (~40 s each alone) on a shared CPU
+pytestmark = [
+    pytest.mark.timeout(1200),  # two real training runs (~40 s each alone) on a shared CPU
+    pytest.mark.xdist_group("iam-recording"),  # one worker builds the module's recording once
+]
 
 
 def _permissions(entries) -> list[tuple[dict, Permission]]:

@@ -12,12 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 import time
 from pathlib import Path
 
 import pytest
 
-from backends import free_port  # tests/ is on sys.path via tests/conftest.py
+from opd_store.testing import forkserver
 from opd_store import CheckpointStore
 
 WORKER = Path(__file__).with_name("rank_worker.py")
@@ -29,13 +30,14 @@ pytestmark = pytest.mark.timeout(2 * DEADLINE_SECS)
 
 def launch(backend, world_size: int, scenario: str, out: Path, **extra) -> list[subprocess.Popen]:
     out.mkdir(parents=True, exist_ok=True)
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    # A rendezvous file of this launch (no port to choose: parallel tests cannot collide on one).
+    init_method = f"file://{out / f'rendezvous-{uuid.uuid4().hex}'}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs = []
     for rank in range(world_size):
         spec = dict(rank=rank, world_size=world_size, init_method=init_method, url=backend.url,
                     storage_options=backend.storage_options, scenario=scenario, out=str(out), **extra)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
+        procs.append(forkserver.popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

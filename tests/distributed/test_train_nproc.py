@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from opd_store import CheckpointStore
+from opd_store.testing import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).with_name("inject")
@@ -43,7 +44,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
-    reference = subprocess.run(_cmd(tmp_path / "ref", "ref", tmp_path), env=_env(), capture_output=True, text=True,
+    reference = forkserver.run(_cmd(tmp_path / "ref", "ref", tmp_path), env=_env(), capture_output=True, text=True,
                                timeout=DEADLINE_SECS)
     assert reference.returncode == 0, reference.stderr[-4000:]
     ref_store = CheckpointStore(tmp_path / "ref")
@@ -53,7 +54,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     assert {"rng-rank-00.pt", "rng-rank-01.pt"} <= {entry.name for entry in manifest.payloads}
 
     marker = tmp_path / "blocked"
-    killed = subprocess.Popen(_cmd(tmp_path / "run", "run1", tmp_path),
+    killed = forkserver.popen(_cmd(tmp_path / "run", "run1", tmp_path),
                               env=_env(OPD_TEST_BLOCK_SAVE=f"1:4:{marker}"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + DEADLINE_SECS
@@ -69,7 +70,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     assert killed.returncode != 0, output[-4000:]
     assert store.steps() == [2] and store.latest_step() == 2  # step 4 never committed
 
-    resumed = subprocess.run(_cmd(tmp_path / "run", "run2", tmp_path), env=_env(), capture_output=True, text=True,
+    resumed = forkserver.run(_cmd(tmp_path / "run", "run2", tmp_path), env=_env(), capture_output=True, text=True,
                              timeout=DEADLINE_SECS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     events = _records(tmp_path / "run2.events")

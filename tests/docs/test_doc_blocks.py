@@ -3,8 +3,9 @@
 The convention (documented in docs/operations.md, "How the blocks on this page are tested"): a
 fenced block with a language must directly follow an HTML comment saying how it is run:
 
-- ``<!-- doc-block: run -->``: run as-is (bash with ``-euo pipefail``; python in a fresh
-  interpreter) in an empty temporary directory; a ``console`` block is a transcript (see
+- ``<!-- doc-block: run -->``: run as-is (bash with ``-euo pipefail``; python as ``python -c``
+  would, in a new process forked from a preloaded interpreter, :mod:`opd_store.testing.forkserver`;
+  ``opd-store`` commands run the same way) in an empty temporary directory; a ``console`` block is a transcript (see
   :func:`run_transcript`): its ``$ `` lines run in one bash session and the lines after each one
   must match that command's stdout, ``...`` matching any text;
 - ``<!-- doc-block: run-s3 -->``: the same, with ``AWS_ENDPOINT_URL_S3`` pointing at a fresh moto
@@ -33,6 +34,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from opd_store.testing import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -195,7 +198,9 @@ def test_transcript_rules(tmp_path):
 
 def _environment(home: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # `opd-store` runs through the worker's fork server (imports paid once per worker, not per command).
+    shim = forkserver.default_server().shim_dir()
+    env["PATH"] = os.pathsep.join([shim, str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["HOME"] = str(home)
     env.pop("AWS_ENDPOINT_URL_S3", None)
@@ -282,11 +287,12 @@ def _run(block: Block, cwd: Path, env: dict[str, str]) -> None:
     if block.lang in TRANSCRIPT:
         run_transcript(block, cwd, env)
         return
-    if block.lang == "python":
-        command = [sys.executable, "-c", block.code]
+    if block.lang == "python":  # a new process like `python -c`, forked from the preloaded server
+        result = forkserver.run([sys.executable, "-c", block.code], cwd=cwd, env=env, capture_output=True, text=True,
+                                timeout=900)
     else:
-        command = ["bash", "-euo", "pipefail", "-c", block.code]
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+        result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.code], cwd=cwd, env=env, capture_output=True,
+                                text=True, timeout=900)
     assert result.returncode == 0, (f"{block.id} exited {result.returncode}\n--- block\n{block.code}"
                                     f"--- stdout\n{result.stdout[-4000:]}--- stderr\n{result.stderr[-4000:]}")
 
@@ -302,13 +308,15 @@ def test_run_block(block, tmp_path):
 def seeded_run(tmp_path_factory) -> Path:
     """A local store holding steps 2 and 4 of ``opd-store train --updates 4 --checkpoint-every 2``."""
     store = tmp_path_factory.mktemp("docs-seed") / "run-1"
-    subprocess.run([sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
+    forkserver.run([sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
                     "--checkpoint-every", "2", "--log", os.devnull, "--events", os.devnull],
                    check=True, timeout=900, env=_environment(store.parent), stdout=subprocess.DEVNULL)
     return store
 
 
-# The first run-s3 block also pays for the seeded run (one training); a block may train twice.
+# The first run-s3 block also pays for the seeded run (one training); a block may train twice. The
+# blocks share one worker (pytest-xdist), so the session's seeded run is trained once.
+@pytest.mark.xdist_group("docs-run-s3")
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.kind == "run-s3"], ids=_ids)
 def test_run_s3_block(block, tmp_path, moto_s3, seeded_run):

@@ -3,16 +3,17 @@ fresh working directories, HOME and temp dirs for every start, bit-exact compari
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
+
+from opd_store.testing import forkserver
 
 
 @pytest.mark.timeout(1200)
 def test_demo_on_s3_emulator_matches_reference_bit_for_bit(tmp_path):
     workdir = tmp_path / "demo"
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "opd_store", "demo", "--s3-emulator", "--updates", "4", "--checkpoint-every", "2",
          "--kill-seed", "7", "--workdir", str(workdir)],
         capture_output=True, text=True, timeout=900, cwd=tmp_path,

@@ -1,11 +1,11 @@
-"""Fixtures of the reliability tests (issue 5): S3 behind the fault proxy of ``tests/s3proxy.py``."""
+"""Fixtures of the reliability tests (issue 5): S3 behind the fault proxy of
+:mod:`opd_store.testing.proxies`."""
 
 from __future__ import annotations
 
 import pytest
 
-from backends import Backend  # tests/ is on sys.path via tests/conftest.py
-from s3proxy import S3FaultProxy
+from opd_store.testing.proxies import S3FaultProxy, through_proxy
 
 # s3fs's default block is 50 MiB; 5 MiB (S3's smallest part) makes a multipart payload cheap.
 BLOCK_BYTES = 5 << 20
@@ -17,11 +17,9 @@ def s3_proxy(moto_s3):
 
     The backend's storage options point s3fs at the proxy and set a 5 MiB upload block.
     """
-    backend = moto_s3.new_backend()
     proxy = S3FaultProxy(moto_s3.endpoint_url)
-    options = dict(backend.storage_options, endpoint_url=proxy.endpoint_url, default_block_size=BLOCK_BYTES)
     try:
-        yield Backend("s3", backend.url, options), proxy
+        yield through_proxy(moto_s3.new_backend(), proxy, default_block_size=BLOCK_BYTES), proxy
     finally:
         proxy.stop()
 

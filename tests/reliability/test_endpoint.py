@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from core.helpers import boto3_client
+from opd_store.testing import forkserver
 
 CHILD = Path(__file__).with_name("endpoint_child.py")
 
@@ -26,7 +26,7 @@ def test_every_verb_uses_the_custom_endpoint_without_default_credentials(s3_prox
     env.update(AWS_CONFIG_FILE=str(empty_config), AWS_SHARED_CREDENTIALS_FILE=str(empty_credentials))
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     args = {"url": backend.url, "endpoint_url": proxy.endpoint_url, "key": "endpoint-key", "secret": "endpoint-secret"}
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, str(CHILD), json.dumps(args)], env=env, capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-4000:]

@@ -2,5 +2,5 @@
 
 from __future__ import annotations
 
-from store_fixtures import aio_session, backend  # noqa: F401 - fixtures
+from store_fixtures import backend  # noqa: F401 - a fixture
 

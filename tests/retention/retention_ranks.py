@@ -1,7 +1,7 @@
 """One rank of the multi-rank retention table (tests/retention/test_retention_everywhere.py).
 
-``python tests/retention/retention_ranks.py SPEC_JSON``: joins a gloo process group on 127.0.0.1,
-then for each store of the spec saves steps 1-4 with ``save_opd_checkpoint(retention=keep_last=1)``
+``python tests/retention/retention_ranks.py SPEC_JSON``: joins a gloo process group (the spec's
+rendezvous file), then for each store of the spec saves steps 1-4 with ``save_opd_checkpoint(retention=keep_last=1)``
 in multi-rank mode (every rank its own RNG part, rank 0 commits), flushes the store, and (rank 0)
 writes ``<out>/result.json``: ``{store kind: {tier: steps left}}``.
 """
@@ -9,24 +9,20 @@ writes ``<out>/result.json``: ``{store kind: {tier: steps left}}``.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE.parent))
+from opd_store.testing.stores import use_emulator_environment
 
-import backends  # noqa: E402, F401 - sets the emulator environment before gcsfs is imported
+use_emulator_environment()  # before fsspec's S3/GCS backends are imported
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from opd_store import CheckpointStore, TieredStore, save_opd_checkpoint  # noqa: E402
 from opd_store.retention import RetentionPolicy  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("opd_fixtures", HERE.parent / "opd" / "conftest.py")
-fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fixtures)
+from opd_store.testing import opd as fixtures  # noqa: E402
 
 
 def open_target(target: dict):

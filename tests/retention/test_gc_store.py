@@ -16,23 +16,12 @@ from opd_store.pruning import apply_retention, execute_plan, plan_store_retentio
 from opd_store.layout import new_attempt_id
 from opd_store.pins import pin, pinned_steps, unpin
 from opd_store.retention import RetentionPolicy
-
-def open_store(backend) -> CheckpointStore:
-    return CheckpointStore(backend.url, storage_options=backend.storage_options)
-
+from opd_store.testing.stores import open_store, raw_put
 
 def commit(store: CheckpointStore, step: int, *, payload: bytes | None = None, metadata=None) -> None:
     with store.begin(step, metadata=metadata or {"successful_updates": step}) as txn:
         txn.write_bytes("model.bin", payload if payload is not None else step.to_bytes(4, "big") * 8)
         txn.write_bytes("config.yaml", b"lr: 0.1\n")
-
-
-def raw_put(backend, rel: str, data: bytes) -> None:
-    fs = backend.raw_fs()
-    path = f"{backend.raw_root()}/{rel}"
-    if backend.name == "local":
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, data)
 
 
 def raw_tree(backend) -> dict[str, bytes]:

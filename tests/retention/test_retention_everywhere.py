@@ -15,25 +15,23 @@ sees, so ``memory://`` (one per process) has no cell there.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
-from backends import Backend, free_port
 from faults import Fault, FaultyStorage, InjectedFault
 from opd_store import AsyncCheckpointer, CheckpointStore, TieredStore, save_opd_checkpoint
 from opd_store.cli import main
 from opd_store.errors import BackgroundSaveError, RetentionError, UploadError
 from opd_store.retention import RetentionPolicy
-
-_spec = importlib.util.spec_from_file_location("opd_test_helpers", Path(__file__).parents[1] / "opd" / "conftest.py")
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
+from opd_store.testing import forkserver
+from opd_store.testing import opd as helpers
+from opd_store.testing.stores import Backend
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -172,9 +170,10 @@ def multirank_left(request, tmp_path_factory) -> dict[str, dict[str, list[int]]]
         else:
             backend, local = request.getfixturevalue("fake_gcs").new_backend(), None
         targets[kind] = {"url": backend.url, "storage_options": backend.storage_options, "local": local}
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    # A rendezvous file of this run (no port to choose: parallel workers cannot collide on one).
+    init_method = f"file://{out / f'rendezvous-{uuid.uuid4().hex}'}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(HERE / "retention_ranks.py"), json.dumps(dict(
+    procs = [forkserver.popen([sys.executable, str(HERE / "retention_ranks.py"), json.dumps(dict(
         rank=rank, world_size=2, init_method=init_method, targets=targets, out=str(out)))],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
     logs = [proc.communicate(timeout=900)[0] for proc in procs]
@@ -183,6 +182,7 @@ def multirank_left(request, tmp_path_factory) -> dict[str, dict[str, list[int]]]
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.xdist_group("multirank-retention")  # one worker runs the module fixture's process group once
 @pytest.mark.parametrize("kind", ("local", "s3", "gcs", "tiered"))
 def test_multirank_save_retention(multirank_left, kind):
     assert multirank_left[kind] == (LEFT_TIERED if kind == "tiered" else LEFT_PLAIN)

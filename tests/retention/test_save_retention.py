@@ -1,14 +1,11 @@
 """Retention applied by ``save_opd_checkpoint`` after its own commit (issue 6; issue 5 scenario 29).
 
-Real saves and loads of the OPD layer (small real torch objects from tests/opd/conftest.py), on
+Real saves and loads of the OPD layer (small real torch objects from opd_store.testing.opd), on
 local disk and S3 (moto server). Crashes are injected with tests/faults.py: a ``KeyboardInterrupt``
 raised by the storage stands for the process dying at that operation.
 """
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -19,14 +16,8 @@ from opd_store.opd.checkpoint import load_opd_checkpoint, save_opd_checkpoint
 from opd_store.opd.config import OPDConfig
 from opd_store.pins import pin
 from opd_store.retention import RetentionPolicy, RunLineage
-
-_spec = importlib.util.spec_from_file_location("opd_test_helpers", Path(__file__).parents[1] / "opd" / "conftest.py")
-helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(helpers)
-
-
-def open_store(backend) -> CheckpointStore:
-    return CheckpointStore(backend.url, storage_options=backend.storage_options)
+from opd_store.testing import opd as helpers
+from opd_store.testing.stores import open_store
 
 
 def save(store, step: int, **kwargs) -> str:

@@ -3,34 +3,19 @@ student with dropout, the OPD call arguments, and a fresh-"machine" subprocess e
 
 from __future__ import annotations
 
-import os
 import random
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from opd_store import CheckpointStore
+from opd_store.testing import machines
+from opd_store.testing.stores import EMULATOR_ENV, open_store  # noqa: F401 - the tests import open_store here
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 32
 PROVENANCE = {"corpus": "sha256:scenario", "code_revision": "scenario"}
-
-_AIO_SESSIONS: dict[str, object] = {}
-
-
-def open_store(backend) -> CheckpointStore:
-    """A store on ``backend``; S3 stores share one aiobotocore session (each still gets its own
-    S3FileSystem, client and caches; a fresh session re-parses botocore's models, ~1 s)."""
-    options = dict(backend.storage_options)
-    if backend.name == "s3":
-        import aiobotocore.session
-
-        options["session"] = _AIO_SESSIONS.setdefault("s3", aiobotocore.session.AioSession())
-    return CheckpointStore(backend.url, storage_options=options)
 
 
 def seed_all(seed: int) -> None:
@@ -105,19 +90,10 @@ def base_state(step: int, **extra) -> dict:
 
 
 def fresh_machine(base: Path, extra_env: dict[str, str] | None = None) -> tuple[dict[str, str], Path]:
-    """Environment of a brand-new machine: new empty cwd, HOME and TMPDIR; this worktree's
-    opd_store first on PYTHONPATH (only the store carries state between starts)."""
-    machine = Path(tempfile.mkdtemp(prefix="machine-", dir=base))
-    for sub in ("home", "tmp", "work"):
-        (machine / sub).mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "PYTEST_"))}
-    env.update(extra_env or {})
-    env.update(
-        HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-        TRANSFORMERS_VERBOSITY="error", PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]),
-        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
-    )
-    return env, machine / "work"
+    """A fresh machine (:func:`opd_store.testing.machines.fresh_machine`) with the emulator
+    environment and this worktree's opd_store and test helpers first on ``PYTHONPATH``."""
+    return machines.fresh_machine(base, {**EMULATOR_ENV, **(extra_env or {})},
+                                  pythonpath=[str(REPO_ROOT), str(REPO_ROOT / "tests")])
 
 
 def store_args(backend) -> list[str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import subprocess
 import urllib.error
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from opd_store import CheckpointStore, latest_complete_checkpoint
 from opd_store.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from opd_store.opd.checkpoint import load_opd_checkpoint
+from opd_store.testing import forkserver
 
 from .helpers import PROVENANCE, PYTHON, adapter_tensors, base_state, config, fresh_machine, save, student, trainable
 
@@ -126,7 +126,7 @@ def test_fresh_process_resumes_from_returned_url(request, tmp_path, kind, root):
                storage_options=options)
     assert url == f"{root}/step-000003"
     env, cwd = fresh_machine(tmp_path)
-    child = subprocess.run([PYTHON, str(HERE / "resume_child.py"), root, json.dumps(options)], env=env, cwd=cwd,
+    child = forkserver.run([PYTHON, str(HERE / "resume_child.py"), root, json.dumps(options)], env=env, cwd=cwd,
                            capture_output=True, text=True, timeout=500)
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
+from opd_store.testing import forkserver
 
 from .helpers import PYTHON, fresh_machine, open_store, store_args
 
@@ -38,7 +38,7 @@ def test_spot_loss_mid_upload_resumes_from_last_completed_commit(backend, tmp_pa
 
     env, cwd = fresh_machine(tmp_path)
     killed_log, killed_events = tmp_path / "killed-log.jsonl", tmp_path / "killed-events.jsonl"
-    killed = subprocess.run(
+    killed = forkserver.run(
         [PYTHON, str(HERE / "killed_train.py"), str(KILL_STEP), str(KILL_AFTER_PAYLOADS), "--", *train_args,
          "--log", str(killed_log), "--events", str(killed_events)],
         env=env, cwd=cwd, capture_output=True, text=True, timeout=600,
@@ -61,7 +61,7 @@ def test_spot_loss_mid_upload_resumes_from_last_completed_commit(backend, tmp_pa
 
     env, cwd = fresh_machine(tmp_path)  # another machine: nothing of the first one's disk
     resumed_log, resumed_events = tmp_path / "resumed-log.jsonl", tmp_path / "resumed-events.jsonl"
-    resumed = subprocess.run(
+    resumed = forkserver.run(
         [PYTHON, "-m", "opd_store", *["train", *train_args], "--log", str(resumed_log), "--events", str(resumed_events)],
         env=env, cwd=cwd, capture_output=True, text=True, timeout=600,
     )

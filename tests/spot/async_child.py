@@ -18,7 +18,6 @@ line, flushed, so the parent synchronises on them (never on time):
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 from pathlib import Path
@@ -28,17 +27,15 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
-from backends import Backend  # noqa: E402
+from opd_store.testing.stores import Backend  # noqa: E402
 from faults import Fault, FaultyStorage  # noqa: E402
 
 from opd_store import CheckpointStore  # noqa: E402
 from opd_store.opd.async_save import AsyncCheckpointer  # noqa: E402
 from opd_store.opd.checkpoint import save_opd_checkpoint  # noqa: E402
 from opd_store.opd.rng import capture_rng_state  # noqa: E402
+from opd_store.testing import opd as fixtures  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("opd_fixtures", HERE.parent / "opd" / "conftest.py")
-fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fixtures)
 
 
 def say(message: str) -> None:

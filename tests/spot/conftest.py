@@ -1,27 +1,14 @@
-"""Fixtures for the spot tests (issue 8): the OPD fixtures of ``tests/opd/conftest.py`` (tiny PEFT
-student, small training objects, S3 fault proxy) and a fake cloud metadata server on loopback."""
+"""Fixtures of the spot tests: a fake cloud metadata server on loopback (the OPD helpers, tiny
+PEFT student and S3 fault proxy are in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).parent
-sys.path.insert(0, str(_HERE))
-
-_spec = importlib.util.spec_from_file_location("opd_fixtures", _HERE.parent / "opd" / "conftest.py")
-opd_fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(opd_fixtures)
-
-# Re-exported so pytest registers them for tests/spot.
-aio_session = opd_fixtures.aio_session
-opd_s3_backend = opd_fixtures.opd_s3_backend
-opd = opd_fixtures.opd
-peft_factory = opd_fixtures.peft_factory
-s3_fault_proxy = opd_fixtures.s3_fault_proxy
+sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_metadata import FakeMetadataServer  # noqa: E402
 

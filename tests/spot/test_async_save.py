@@ -25,6 +25,7 @@ from opd_store.errors import BackgroundSaveError, CommitError, SaveInFlightError
 from opd_store.opd.async_save import AsyncCheckpointer
 from opd_store.opd.checkpoint import load_adapter, load_opd_checkpoint
 from opd_store.opd.rng import capture_rng_state, restore_rng_state
+from opd_store.testing import forkserver
 
 HERE = Path(__file__).parent
 DEADLINE_SECS = 120
@@ -221,7 +222,7 @@ def test_background_s3_retries_do_not_move_the_callers_random_stream(s3_fault_pr
 
 def _child(backend_json: str, out_dir: Path, mode: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen(
+    return forkserver.popen(
         [sys.executable, str(HERE / "async_child.py"), backend_json, str(out_dir), mode],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
     )

@@ -19,16 +19,22 @@ import pytest
 import torch
 
 from opd_store import CheckpointStore
+from opd_store.testing import forkserver
 
 pytestmark = pytest.mark.timeout(2400)  # several job processes; each imports torch/transformers/peft
 
 UPDATES = 6
+# A notice from the metadata server reaches the job through a poller thread (every 0.1 s here); on
+# a loaded machine the training thread finished the 3 updates left of a 6-update run before the
+# poller's request came back, and the job ran to its end. These runs are long enough that only the
+# notice can end them (they stop a few updates after it, so they cost no more).
+NOTICE_RUN_UPDATES = 40
 DEADLINE_SECS = 600
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _train_cmd(store: Path, workdir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", str(UPDATES),
+def _train_cmd(store: Path, workdir: Path, *extra: str, updates: int = UPDATES) -> list[str]:
+    return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", str(updates),
             "--checkpoint-every", "2", "--log", str(workdir / "log.jsonl"), "--events", str(workdir / "events.jsonl"),
             "--final-state", str(workdir / "final.pt"), *extra]
 
@@ -55,7 +61,7 @@ def _wait_for_update(proc: subprocess.Popen, events: Path, attempted: int) -> No
 def reference(tmp_path_factory):
     """An uninterrupted run with asynchronous periodic saves."""
     workdir = tmp_path_factory.mktemp("reference")
-    done = subprocess.run(_train_cmd(workdir / "store", workdir, "--async-save"), env=_env(), capture_output=True,
+    done = forkserver.run(_train_cmd(workdir / "store", workdir, "--async-save"), env=_env(), capture_output=True,
                           text=True, timeout=DEADLINE_SECS)
     assert done.returncode == 0, done.stderr
     saved = [r for r in _records(workdir / "events.jsonl") if r["event"] == "saved"]
@@ -79,10 +85,10 @@ def _assert_same_final(a: Path, b: Path) -> None:
             assert torch.equal(value, right["optimizer"]["state"][key][field]), (key, field)
 
 
-def _interrupt(tmp_path: Path, notify, *extra: str) -> tuple[Path, dict, str]:
+def _interrupt(tmp_path: Path, notify, *extra: str, updates: int = UPDATES) -> tuple[Path, dict, str]:
     """Start the job, call ``notify(proc)`` once update 3 is done, return (store, preempted event, stderr)."""
     store = tmp_path / "store"
-    proc = subprocess.Popen(_train_cmd(store, tmp_path, *extra), env=_env(), stdout=subprocess.PIPE,
+    proc = forkserver.popen(_train_cmd(store, tmp_path, *extra, updates=updates), env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_update(proc, tmp_path / "events.jsonl", attempted=3)
@@ -113,7 +119,7 @@ def test_sigterm_mid_training_commits_exits_0_and_resume_is_bit_exact(tmp_path, 
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    done = subprocess.run(_train_cmd(store, resumed), env=_env(), capture_output=True, text=True,
+    done = forkserver.run(_train_cmd(store, resumed), env=_env(), capture_output=True, text=True,
                           timeout=DEADLINE_SECS)
     assert done.returncode == 0, done.stderr
     (resume_event,) = [r for r in _records(resumed / "events.jsonl") if r["event"] == "resumed"]
@@ -129,6 +135,7 @@ def test_sigterm_mid_training_commits_exits_0_and_resume_is_bit_exact(tmp_path, 
 def test_a_spot_notice_from_the_metadata_server_takes_the_same_path(tmp_path, metadata_server, cloud):
     post = metadata_server.post_aws_notice if cloud == "aws" else metadata_server.post_gce_notice
     _store, event, _err = _interrupt(tmp_path, lambda proc: post(), "--spot-notice", cloud, "--metadata-endpoint",
-                                     metadata_server.endpoint, "--notice-poll-secs", "0.1", "--async-save")
+                                     metadata_server.endpoint, "--notice-poll-secs", "0.1", "--async-save",
+                                     updates=NOTICE_RUN_UPDATES)
     assert event["source"] == ("aws-spot" if cloud == "aws" else "gce")
     assert event["deadline_secs_left"] > 0  # exited before the platform's deadline

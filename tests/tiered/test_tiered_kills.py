@@ -20,12 +20,14 @@ import time
 from pathlib import Path
 
 import pytest
-from backends import Backend
+from opd_store.testing.proxies import through_proxy
+from opd_store.testing.stores import Backend
 from proc_writer import payloads_for
 
 from opd_store import CheckpointStore
 from opd_store.cli import main
 from opd_store.tiered import TieredStore, same_payloads
+from opd_store.testing import forkserver
 
 CHILD = str(Path(__file__).with_name("tier_child.py"))
 REPO = str(Path(__file__).resolve().parents[2])
@@ -53,11 +55,11 @@ def _manifest_put(step: int):
 
 
 def _through(bucket: Backend, proxy) -> Backend:
-    return Backend("s3", bucket.url, dict(bucket.storage_options, endpoint_url=proxy.endpoint_url))
+    return through_proxy(bucket, proxy)
 
 
 def _spawn(local_dir: Path, backend: Backend, steps: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    return forkserver.popen(
         [sys.executable, CHILD, str(local_dir), backend.to_json(), steps],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
     )
@@ -161,7 +163,7 @@ def test_job_killed_while_uploading_resumes_on_new_machine_bit_exact(bucket, hol
     remote = CheckpointStore(bucket.url, storage_options=bucket.storage_options)
     machine_a = tmp_path / "machine-a"
     log_a = tmp_path / "log-a.jsonl"
-    job = subprocess.Popen(
+    job = forkserver.popen(
         [sys.executable, "-m", "opd_store", "train", "--store", bucket.url, "--local-tier", str(machine_a),
          "--updates", "4", "--checkpoint-every", "2", "--log", str(log_a), "--events", str(tmp_path / "ev-a.jsonl"),
          "--s3-endpoint-url", via.storage_options["endpoint_url"],

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from backends import Backend
+from opd_store.testing.stores import Backend
 from faults import Fault, FaultyStorage, InjectedFault
 from fsspec.callbacks import Callback
 from proc_writer import payloads_for

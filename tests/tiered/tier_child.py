@@ -13,7 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends import Backend  # noqa: E402  (sets the emulator environment first)
+from opd_store.testing.stores import Backend, use_emulator_environment  # noqa: E402
+
+use_emulator_environment()  # before fsspec's S3/GCS backends are imported
 from proc_writer import payloads_for  # noqa: E402
 
 from opd_store.tiered import TieredStore  # noqa: E402

@@ -1,12 +1,16 @@
-"""Test-only fault injection for the ranks of ``opd-store train --shard`` (tests/dcp/test_train_shard.py).
+"""``opd-store`` with test-only faults for the ranks of ``train --shard`` (tests/dcp/test_train_shard.py).
 
-Ranks are separate interpreters the test cannot patch; this module is put on ``PYTHONPATH`` by that
-test only. With ``OPD_TEST_BLOCK_DCP_SAVE=<rank>:<step>:<marker path>``, rank ``<rank>`` writes part
-of its first DCP file of step ``<step>``, writes its pid to the marker file and blocks forever (the
-test SIGKILLs it there). Without the variable it does nothing.
+``python tests/dcp/faulty_job.py train ...`` applies the faults its environment names, then runs
+``python -m opd_store train ...`` in this process. The ranks are forked from it
+(``--start-method fork``), so they inherit the patches; the test cannot patch them otherwise.
+
+With ``OPD_TEST_BLOCK_DCP_SAVE=<rank>:<step>:<marker path>``, rank ``<rank>`` writes part of its
+first DCP file of step ``<step>``, writes its pid to the marker file and blocks forever (the test
+SIGKILLs it there).
 """
 
 import os
+import runpy
 
 _SPEC = os.environ.get("OPD_TEST_BLOCK_DCP_SAVE")
 if _SPEC:
@@ -56,3 +60,5 @@ if _PAUSE:
         return outcome
 
     _train.run_sharded_update = _pausing_update
+
+runpy.run_module("opd_store", run_name="__main__", alter_sys=True)

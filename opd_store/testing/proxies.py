@@ -1,25 +1,31 @@
-"""A fault-injecting HTTP proxy on loopback in front of moto's S3 server.
+"""HTTP proxies on loopback in front of an S3 server (moto), for fault and timing tests.
 
-Clients (s3fs, boto3) talk to :attr:`S3FaultProxy.endpoint_url`; every request is forwarded to
-moto unchanged unless a :class:`Rule` picks it, in which case the proxy answers it with a fault
-instead, exactly as a real S3 endpoint or a broken network would:
+Clients (s3fs, boto3) talk to a proxy's :attr:`~S3Proxy.endpoint_url`; it forwards each request to
+the server unchanged unless it was told otherwise:
 
-==================  ==========================================================================
-``status``          an S3 XML error with that HTTP status and error code (``500 InternalError``,
-                    ``503 SlowDown``, ``403 AccessDenied``); the request never reaches moto
-``drop``            the connection is closed without any response; the request never reaches moto
-``drop_after``      the request is forwarded (so it *lands* in moto), then the connection is closed
-                    without a response: the ambiguous outcome of a lost reply
-``truncate``        the request is forwarded, the status line, headers and half the body are sent,
-                    then the connection is closed (a connection dropped mid-response)
-==================  ==========================================================================
+* :class:`S3FaultProxy` answers requests picked by a :class:`Rule` with a fault, exactly as a real
+  S3 endpoint or a broken network would:
 
-Every request is recorded (:attr:`S3FaultProxy.requests`) with its S3 operation name (classified
-from method, path and query, e.g. ``PutObject``, ``UploadPart``, ``CreateMultipartUpload``), the
-bytes received and sent, and the fault applied, so tests assert request counts and bytes.
+  ==================  ======================================================================
+  ``status``          an S3 XML error with that HTTP status and error code (``500
+                      InternalError``, ``503 SlowDown``, ``403 AccessDenied``); the request
+                      never reaches the server
+  ``drop``            the connection is closed without any response; the request never
+                      reaches the server
+  ``drop_after``      the request is forwarded (so it *lands*), then the connection is closed
+                      without a response: the ambiguous outcome of a lost reply
+  ``truncate``        the request is forwarded, the status line, headers and half the body
+                      are sent, then the connection is closed (dropped mid-response)
+  ==================  ======================================================================
 
-Request bodies are read whole before forwarding (aws-chunked and chunked transfer encodings are
-decoded by the HTTP layer here, not by S3 semantics: moto sees the same bytes the client sent).
+* :class:`HoldProxy` holds the requests a predicate picks until :meth:`HoldProxy.release` (then
+  forwards them) or :meth:`HoldProxy.drop` (then closes their connection: they never land), so a
+  process can be killed with an upload provably unfinished.
+
+Every request is recorded (:attr:`S3Proxy.requests`) with its S3 operation
+(:func:`~opd_store.testing.s3.s3_operation`), the bytes received and sent, and the fault applied,
+so tests assert request counts and bytes. Request bodies are read whole before forwarding
+(chunked transfer encoding is decoded by the HTTP layer here: the server sees the client's bytes).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import http.server
 import socket
 import threading
 from typing import Callable
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
+
+from .s3 import s3_operation
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
@@ -42,50 +50,12 @@ _ERROR_MESSAGES = {
 }
 
 
-def s3_operation(method: str, path: str, query: str) -> str:
-    """The S3 API operation of a path-style request (``/bucket/key?query``)."""
-    params = parse_qs(query, keep_blank_values=True)
-    parts = path.lstrip("/").split("/", 1)
-    has_key = len(parts) == 2 and parts[1] != ""
-    if method == "PUT":
-        if "partNumber" in params and "uploadId" in params:
-            return "UploadPart"
-        if not has_key:
-            return "CreateBucket"
-        return "PutObject"
-    if method == "POST":
-        if "uploads" in params:
-            return "CreateMultipartUpload"
-        if "uploadId" in params:
-            return "CompleteMultipartUpload"
-        if "delete" in params:
-            return "DeleteObjects"
-        return "POST"
-    if method == "DELETE":
-        if "uploadId" in params:
-            return "AbortMultipartUpload"
-        return "DeleteObject" if has_key else "DeleteBucket"
-    if method == "HEAD":
-        return "HeadObject" if has_key else "HeadBucket"
-    if method == "GET":
-        if has_key:
-            return "ListParts" if "uploadId" in params else "GetObject"
-        if "uploads" in params:
-            return "ListMultipartUploads"
-        if "list-type" in params:
-            return "ListObjectsV2"
-        if any(name in params for name in ("location", "versioning", "acl", "policy")):
-            return "GetBucket" + next(n for n in ("location", "versioning", "acl", "policy") if n in params).title()
-        return "ListObjects"
-    return method
-
-
 @dataclasses.dataclass
 class Request:
-    """One request seen by the proxy.
+    """One request seen by a proxy.
 
     Attributes:
-        op: S3 operation name (:func:`s3_operation`).
+        op: S3 operation name (:func:`~opd_store.testing.s3.s3_operation`).
         method: HTTP method.
         path: URL path (``/bucket/key``), without the query.
         query: the query string.
@@ -146,26 +116,22 @@ class Rule:
         return True
 
 
-class S3FaultProxy:
-    """The proxy. ``rules`` are tried in order; the first that takes a request decides its fault.
+class S3Proxy:
+    """A forwarding HTTP/1.1 proxy on 127.0.0.1 (port chosen by the OS) that records every request.
+
+    Subclasses decide per request in :meth:`_decide`: ``None`` to forward it, or a fault name.
 
     Args:
-        upstream (str): moto's endpoint URL (``http://127.0.0.1:PORT``).
+        upstream (str): the server's endpoint URL (``http://127.0.0.1:PORT``).
 
     Attributes:
         endpoint_url (str): where clients connect.
-        rules (list[Rule]): active rules (append or use :meth:`add`).
         requests (list[Request]): every request, in arrival order.
-        fail_puts (int): shortcut kept for the OPD tests: answer the next N ``PUT`` requests with
-            ``503 SlowDown``; their paths go to :attr:`failed`.
     """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.removeprefix("http://")
-        self.rules: list[Rule] = []
         self.requests: list[Request] = []
-        self.fail_puts = 0
-        self.failed: list[str] = []
         self.lock = threading.Lock()
         proxy = self
 
@@ -224,21 +190,17 @@ class S3FaultProxy:
                 )
                 with proxy.lock:
                     proxy.requests.append(record)
-                    rule = next((r for r in proxy.rules if r.take(record)), None)
-                    if rule is None and self.command == "PUT" and proxy.fail_puts > 0:
-                        proxy.fail_puts -= 1
-                        proxy.failed.append(self.path)
-                        rule = Rule(fault="status", status=503, code="SlowDown")
-                if rule is not None:
-                    record.fault = rule.fault if rule.fault != "status" else f"{rule.status} {rule.code}"
-                if rule is not None and rule.fault == "status":
-                    self._send_error(record, rule.status, rule.code)
+                fault = proxy._decide(record)
+                if fault is not None and fault[0] == "status":
+                    record.fault = f"{fault[1]} {fault[2]}"
+                    self._send_error(record, fault[1], fault[2])
                     return
-                if rule is not None and rule.fault == "drop":
+                record.fault = fault[0] if fault is not None else None
+                if record.fault == "drop":
                     self._drop()
                     return
                 status, reason, headers, data = self._forward(body)
-                if rule is not None and rule.fault == "drop_after":
+                if record.fault == "drop_after":
                     self._drop()
                     return
                 self.send_response(status, reason)
@@ -252,7 +214,7 @@ class S3FaultProxy:
                 record.status = status
                 if self.command == "HEAD":
                     return
-                if rule is not None and rule.fault == "truncate":
+                if record.fault == "truncate":
                     self.wfile.write(data[: len(data) // 2])
                     record.response_bytes = len(data) // 2
                     self._drop()
@@ -283,20 +245,10 @@ class S3FaultProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def add(self, rule: Rule | None = None, **kwargs) -> Rule:
-        """Append a rule (given, or built from ``kwargs``) and return it."""
-        rule = rule if rule is not None else Rule(**kwargs)
-        with self.lock:
-            self.rules.append(rule)
-        return rule
-
-    def clear(self) -> None:
-        """Drop every rule and every recorded request."""
-        with self.lock:
-            self.rules.clear()
-            self.requests.clear()
-            self.failed.clear()
-            self.fail_puts = 0
+    def _decide(self, record: Request) -> tuple | None:
+        """``None`` to forward ``record``; ``("status", code, name)``, ``("drop",)``,
+        ``("drop_after",)`` or ``("truncate",)`` for a fault. Runs on the request's thread."""
+        return None
 
     def ops(self) -> list[str]:
         """Operation names of every recorded request, in order."""
@@ -315,7 +267,91 @@ class S3FaultProxy:
         self._server.server_close()
 
 
-# The name the OPD tests knew it by (tests/opd/conftest.py): the 503-on-PUT proxy is this one.
-FaultProxy = S3FaultProxy
+class S3FaultProxy(S3Proxy):
+    """The fault proxy. ``rules`` are tried in order; the first that takes a request decides its fault.
 
-__all__ = ["FaultProxy", "Request", "Rule", "S3FaultProxy", "s3_operation"]
+    Attributes:
+        rules (list[Rule]): active rules (append or use :meth:`add`).
+        fail_puts (int): answer the next N ``PUT`` requests with ``503 SlowDown``; their paths go
+            to :attr:`failed`.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.rules: list[Rule] = []
+        self.fail_puts = 0
+        self.failed: list[str] = []
+        super().__init__(upstream)
+
+    def _decide(self, record: Request) -> tuple | None:
+        with self.lock:
+            rule = next((r for r in self.rules if r.take(record)), None)
+            if rule is None and record.method == "PUT" and self.fail_puts > 0:
+                self.fail_puts -= 1
+                self.failed.append(record.path + (f"?{record.query}" if record.query else ""))
+                rule = Rule(fault="status", status=503, code="SlowDown")
+        if rule is None:
+            return None
+        return ("status", rule.status, rule.code) if rule.fault == "status" else (rule.fault,)
+
+    def add(self, rule: Rule | None = None, **kwargs) -> Rule:
+        """Append a rule (given, or built from ``kwargs``) and return it."""
+        rule = rule if rule is not None else Rule(**kwargs)
+        with self.lock:
+            self.rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        """Drop every rule and every recorded request."""
+        with self.lock:
+            self.rules.clear()
+            self.requests.clear()
+            self.failed.clear()
+            self.fail_puts = 0
+
+
+class HoldProxy(S3Proxy):
+    """Holds each request for which ``hold(method, path)`` is true (``path`` with its query) until
+    :meth:`release` (then forwards it) or :meth:`drop` (then closes its connection: it never reaches
+    the server, as if the client died first); every other request is forwarded.
+
+    Attributes:
+        held (list[str]): ``"METHOD path"`` of each request held so far.
+    """
+
+    def __init__(self, upstream: str, hold: Callable[[str, str], bool]) -> None:
+        self.hold = hold
+        self.held: list[str] = []
+        self._released = threading.Event()
+        self._dropping = False
+        super().__init__(upstream)
+
+    def _decide(self, record: Request) -> tuple | None:
+        path = record.path + (f"?{record.query}" if record.query else "")
+        if not self.hold(record.method, path):
+            return None
+        with self.lock:
+            self.held.append(f"{record.method} {path}")
+        self._released.wait()
+        return ("drop",) if self._dropping else None
+
+    def release(self) -> None:
+        self._released.set()
+
+    def drop(self) -> None:
+        self._dropping = True
+        self._released.set()
+
+    def stop(self) -> None:
+        self.drop()
+        super().stop()
+
+
+def through_proxy(backend, proxy: S3Proxy, **options):
+    """``backend`` (an S3 :class:`~opd_store.testing.stores.Backend`) reached through ``proxy``,
+    with ``options`` added to its storage options."""
+    from .stores import Backend
+
+    return Backend(backend.name, backend.url, dict(backend.storage_options, endpoint_url=proxy.endpoint_url, **options))
+
+
+__all__ = ["HoldProxy", "Request", "Rule", "S3FaultProxy", "S3Proxy", "through_proxy"]

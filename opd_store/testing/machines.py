@@ -1,0 +1,56 @@
+"""A "fresh machine" for a process start (new, empty working directory, ``HOME`` and ``TMPDIR``),
+and the CPU time of a process.
+
+``opd-store demo``, the soak (``bench/soak.py``) and the spot tests start the job again and again
+and must prove that only the store carries state from one start to the next. Each start gets a new
+directory ``machine-XXXX/`` under ``base`` with empty ``home/``, ``tmp/`` and ``work/`` (the working
+directory), and an environment without the Hugging Face variables of this process, offline, with
+transformers' warnings off and unbuffered output (the parent reads events line by line).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Set for every start: no model is downloaded (models are built from configs) and transformers'
+# warnings would interleave with the job's events.
+MACHINE_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def fresh_machine(base: str | os.PathLike, extra_env: dict[str, str] | None = None, *,
+                  pythonpath: list[str] | None = None) -> tuple[dict[str, str], Path]:
+    """Create a fresh machine under ``base``; return ``(environment, working directory)``.
+
+    Args:
+        base: an existing directory.
+        extra_env: variables to add (a store's credentials, an emulator's switches).
+        pythonpath: directories put first on ``PYTHONPATH`` (a checkout's code, test helpers).
+
+    The environment is this process's without ``HF_*``, ``TRANSFORMERS_*`` and ``PYTEST_*``
+    variables, plus ``extra_env``, :data:`MACHINE_ENV` and the new ``HOME``/``TMPDIR``.
+    """
+    machine = Path(tempfile.mkdtemp(prefix="machine-", dir=base))
+    for sub in ("home", "tmp", "work"):
+        (machine / sub).mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_", "PYTEST_"))}
+    env.update(extra_env or {})
+    env.update(MACHINE_ENV, HOME=str(machine / "home"), TMPDIR=str(machine / "tmp"))
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env, machine / "work"
+
+
+def process_cpu_secs(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) a process has used: this one by default, else
+    ``pid``'s from ``/proc/PID/stat`` (Linux)."""
+    if pid is None:
+        times = os.times()
+        return times.user + times.system
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+__all__ = ["MACHINE_ENV", "fresh_machine", "process_cpu_secs"]
