@@ -41,13 +41,46 @@ from .rng import restore_rng_state
 from .safe_load import load_payload
 
 
-def _read_config_dict(store: BaseStore, step: int) -> dict | None:
+def read_config_dict(store: BaseStore, step: int) -> dict | None:
+    """The step's ``config.yaml`` as a dict (``None`` when absent or not a mapping): consulted
+    only when the config fingerprints differ (:func:`~opd_store.opd.resume.validate_resume`)."""
     try:
         data = store.read(step, CONFIG_YAML)
     except CheckpointNotFoundError:
         return None
     parsed = yaml.safe_load(data.decode("utf-8"))
     return parsed if isinstance(parsed, dict) else None
+
+
+def check_teacher_count(trainer: Mapping[str, Any], teacher: Mapping[str, Any], url: str) -> None:
+    """The saved teacher's ``update_count``, when present, equals ``successful_updates`` (seed).
+
+    Raises:
+        ValueError: it differs (naming ``url`` and both counts).
+    """
+    if teacher.get("update_count") not in (None, trainer["successful_updates"]):
+        raise ValueError(
+            f"restored teacher update count differs from OPD state at {url} "
+            f"({teacher.get('update_count')!r} != {trainer['successful_updates']!r})"
+        )
+
+
+def finish_resume(*, trainer: dict, teacher: dict, scheduler: Any, scheduler_state: Any,
+                  teacher_state_loader: Callable[[dict], None], decision: Any, elastic: ElasticResume,
+                  rng_state: Any) -> None:
+    """The last restores of a resume, once every check passed and the model and optimizer are
+    restored: the scheduler, the teacher, a changed rollout limit's new validation baseline (seed:
+    the validation keys dropped from ``trainer``, ``rollout_limit_changed_at_update`` set), the
+    elastic report, and this rank's RNG state last (``rng_state``, or one derived from the
+    checkpoint for a rank the saved run did not have)."""
+    scheduler.load_state_dict(scheduler_state)
+    teacher_state_loader(teacher)
+    if decision.rollout_limit_changed:
+        for key in VALIDATION_KEYS:
+            trainer.pop(key, None)
+        trainer["rollout_limit_changed_at_update"] = trainer["successful_updates"]
+    elastic.report()
+    restore_rng_state(rng_state if rng_state is not None else elastic.derived_rng())
 
 
 def load_opd_checkpoint(
@@ -175,7 +208,7 @@ def _load_one(
 
     saved_fingerprint = payload.get("config_fingerprint")
     # config.yaml is only consulted when the fingerprints differ (validate_resume, rules 2 and 5).
-    saved_config = None if saved_fingerprint == config.fingerprint() else _read_config_dict(store, step)
+    saved_config = None if saved_fingerprint == config.fingerprint() else read_config_dict(store, step)
     decision = validate_resume(
         checkpoint_url=url,
         saved_config_fingerprint=saved_fingerprint,
@@ -201,23 +234,11 @@ def _load_one(
         rng_state = load_payload(rng_bytes, source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
 
     state = payload["trainer"]
-    teacher = payload["teacher"]
-    if teacher.get("update_count") not in (None, state["successful_updates"]):
-        raise ValueError(
-            f"restored teacher update count differs from OPD state at {url} "
-            f"({teacher.get('update_count')!r} != {state['successful_updates']!r})"
-        )
+    check_teacher_count(state, payload["teacher"], url)
 
     optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
-    teacher_state_loader(teacher)
-    if decision.rollout_limit_changed:
-        # A new stopping rule needs its own validation baseline (seed).
-        for key in VALIDATION_KEYS:
-            state.pop(key, None)
-        state["rollout_limit_changed_at_update"] = state["successful_updates"]
-    elastic.report()
-    restore_rng_state(rng_state if rng_state is not None else elastic.derived_rng())
+    finish_resume(trainer=state, teacher=payload["teacher"], scheduler=scheduler, scheduler_state=payload["scheduler"],
+                  teacher_state_loader=teacher_state_loader, decision=decision, elastic=elastic, rng_state=rng_state)
     return state
 
 

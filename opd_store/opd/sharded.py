@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from ..dcp import api as dcp_api
 from ..errors import DistributedSaveError
@@ -50,9 +49,9 @@ from ..torch_io import torch_save
 from .distributed import RankGroup
 from .names import CONFIG_YAML, PROCESSOR_DIR
 from .rng import capture_rng_state, preserve_global_rng
-from .safe_load import plain_config_dict, sanitize_state
+from .safe_load import sanitize_state
 from .save import stream_pretrained
-from .snapshot import check_provenance, check_trainer_state, class_name, json_value
+from .snapshot import check_provenance, check_trainer_state, config_record, manifest_metadata
 
 logger = logging.getLogger("opd_store.opd.sharded")
 
@@ -105,10 +104,7 @@ def _prepare(*, store: BaseStore, optimizer, scheduler, trainer_state, config, p
     """Check the seed's rules and build this rank's blobs and the manifest metadata (no I/O)."""
     step = check_trainer_state(trainer_state, teacher_state)
     provenance = check_provenance(provenance_fingerprints)
-    fingerprint = config.fingerprint()
-    if not isinstance(fingerprint, str):
-        raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
-    config_yaml = yaml.safe_dump(plain_config_dict(config.as_dict()), sort_keys=False).encode("utf-8")
+    fingerprint, config_yaml = config_record(config)
     trainer = sanitize_state(trainer_state, path="trainer_state")
     training = {
         "schema": SCHEMA_SHARDED,
@@ -122,18 +118,8 @@ def _prepare(*, store: BaseStore, optimizer, scheduler, trainer_state, config, p
     }
     rank_blob = _blob({"rng": sanitize_state(own_rng, path="rng"),
                        "extra": sanitize_state(rank_state, path="rank_state")})
-    metadata = {
-        "opd_schema": SCHEMA_SHARDED,
-        "attempted_updates": json_value(trainer["attempted_updates"]),
-        "successful_updates": step,
-        "query_update": json_value(trainer["query_update"]),
-        "config_fingerprint": fingerprint,
-        "provenance_fingerprints": provenance,
-        "world_size": world_size,
-        "processor_class": class_name(processor),
-    }
-    if lineage is not None:
-        metadata.update(lineage.as_metadata())
+    metadata = manifest_metadata(schema=SCHEMA_SHARDED, trainer_state=trainer, step=step, fingerprint=fingerprint,
+                                 provenance=provenance, world_size=world_size, processor=processor, lineage=lineage)
     if retention is not None and not retention.keeps_all:
         store.check_save_retention(retention)
     training_blob = _blob(training)

@@ -28,16 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import yaml
 
 from ..dcp import api as dcp_api
-from ..errors import CheckpointNotFoundError
-from ..store_api import BaseStore
 from .distributed import load_collective
 from .elastic import ElasticResume
-from .names import CONFIG_YAML, VALIDATION_KEYS, CheckpointRef, require_complete, resolve_checkpoint
+from .load import check_teacher_count, finish_resume, read_config_dict
+from .names import CheckpointRef, require_complete, resolve_checkpoint
 from .resume import ResumeDecision, validate_resume
-from .rng import restore_rng_state
 from .safe_load import load_payload
 from .sharded import (
     MODEL_KEY,
@@ -74,14 +71,6 @@ class ShardedResume:
     rank_state: dict | None
     decision: ResumeDecision
     elastic: ElasticResume
-
-
-def _read_config_dict(store: BaseStore, step: int) -> dict | None:
-    try:
-        parsed = yaml.safe_load(store.read(step, CONFIG_YAML).decode("utf-8"))
-    except CheckpointNotFoundError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
 
 
 def load_sharded_opd_checkpoint(
@@ -134,7 +123,7 @@ def load_sharded_opd_checkpoint(
             raise ValueError(f"{url} is not a sharded OPD checkpoint (schema {metadata.get('opd_schema')!r}); "
                              "load it with load_opd_checkpoint")
         saved_fingerprint = metadata.get("config_fingerprint")
-        saved_config = None if saved_fingerprint == config.fingerprint() else _read_config_dict(store, step)
+        saved_config = None if saved_fingerprint == config.fingerprint() else read_config_dict(store, step)
         decision = validate_resume(
             checkpoint_url=url, saved_config_fingerprint=saved_fingerprint,
             saved_provenance=metadata.get("provenance_fingerprints"), saved_world_size=manifest.world_size,
@@ -154,9 +143,7 @@ def load_sharded_opd_checkpoint(
     if not isinstance(training, dict) or training.get("schema") != SCHEMA_SHARDED:
         raise ValueError(f"{url}: malformed sharded training state (schema {getattr(training, 'get', dict)('schema')!r})")
     trainer, teacher = training["trainer"], training["teacher"]
-    if teacher.get("update_count") not in (None, trainer["successful_updates"]):
-        raise ValueError(f"restored teacher update count differs from OPD state at {url} "
-                         f"({teacher.get('update_count')!r} != {trainer['successful_updates']!r})")
+    check_teacher_count(trainer, teacher, url)
     own = None
     if elastic.restores_own_rng:
         own = load_payload(small[RANK_STATE_KEY][rank_state_key(rank)],
@@ -168,14 +155,9 @@ def load_sharded_opd_checkpoint(
     dcp_api.load({MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}, store, step, process_group=process_group)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=StateDictOptions(strict=not saves_trainable_only(model)))
-    scheduler.load_state_dict(training["scheduler"])
-    teacher_state_loader(teacher)
-    if decision.rollout_limit_changed:
-        for key in VALIDATION_KEYS:
-            trainer.pop(key, None)
-        trainer["rollout_limit_changed_at_update"] = trainer["successful_updates"]
-    elastic.report()
-    restore_rng_state(own["rng"] if own is not None else elastic.derived_rng())
+    finish_resume(trainer=trainer, teacher=teacher, scheduler=scheduler, scheduler_state=training["scheduler"],
+                  teacher_state_loader=teacher_state_loader, decision=decision, elastic=elastic,
+                  rng_state=None if own is None else own["rng"])
     return ShardedResume(trainer_state=trainer, rank_state=None if own is None else own["extra"],
                          decision=decision, elastic=elastic)
 

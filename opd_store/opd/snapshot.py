@@ -126,6 +126,40 @@ class OpdSnapshot:
     lineage: RunLineage | None = None
 
 
+def config_record(config: Any) -> tuple[str, bytes]:
+    """``(fingerprint, config.yaml bytes)`` of a run's config, checked before anything is written.
+
+    Raises:
+        ValueError: ``config.fingerprint()`` is not a ``str``, or ``config.as_dict()`` is not plain
+            YAML data (naming its key: a ``Path`` or an enum would make ``config.yaml``
+            unloadable with ``yaml.safe_load``).
+    """
+    fingerprint = config.fingerprint()
+    if not isinstance(fingerprint, str):
+        raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
+    return fingerprint, yaml.safe_dump(plain_config_dict(config.as_dict()), sort_keys=False).encode("utf-8")
+
+
+def manifest_metadata(*, schema: str, trainer_state: Mapping[str, Any], step: int, fingerprint: str,
+                      provenance: dict[str, str], world_size: int, processor: Any,
+                      lineage: RunLineage | None) -> dict[str, Any]:
+    """The manifest metadata of an OPD checkpoint (readable without torch): schema, the trainer's
+    counters, fingerprints, ``world_size``, the processor's class and the run's lineage."""
+    metadata = {
+        "opd_schema": schema,
+        "attempted_updates": json_value(trainer_state["attempted_updates"]),
+        "successful_updates": step,
+        "query_update": json_value(trainer_state["query_update"]),
+        "config_fingerprint": fingerprint,
+        "provenance_fingerprints": provenance,
+        "world_size": world_size,
+        "processor_class": class_name(processor),
+    }
+    if lineage is not None:
+        metadata.update(lineage.as_metadata())
+    return metadata
+
+
 def _accepts_state_dict(model: Any) -> bool:
     """Whether ``model.save_pretrained`` honours ``state_dict=`` (PEFT and transformers models)."""
     if isinstance(getattr(model, "peft_config", None), Mapping):
@@ -212,10 +246,7 @@ def snapshot_opd_checkpoint(
         world_size = check_world_size(world_size)
         rng_parts = dict(rank_rng_parts)
     provenance = check_provenance(provenance_fingerprints)
-    fingerprint = config.fingerprint()
-    if not isinstance(fingerprint, str):
-        raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
-    config_yaml = yaml.safe_dump(plain_config_dict(config.as_dict()), sort_keys=False).encode("utf-8")
+    fingerprint, config_yaml = config_record(config)
     schema = SCHEMA_V1 if world_size == 1 else SCHEMA_V2
     training_state = {
         "schema": schema,
@@ -230,18 +261,9 @@ def snapshot_opd_checkpoint(
     rng_payloads = {
         rank: sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in rng_parts.items()
     }
-    metadata = {
-        "opd_schema": schema,
-        "attempted_updates": json_value(training_state["trainer"]["attempted_updates"]),
-        "successful_updates": step,
-        "query_update": json_value(training_state["trainer"]["query_update"]),
-        "config_fingerprint": fingerprint,
-        "provenance_fingerprints": provenance,
-        "world_size": world_size,
-        "processor_class": class_name(processor),
-    }
-    if lineage is not None:
-        metadata.update(lineage.as_metadata())
+    metadata = manifest_metadata(schema=schema, trainer_state=training_state["trainer"], step=step,
+                                 fingerprint=fingerprint, provenance=provenance, world_size=world_size,
+                                 processor=processor, lineage=lineage)
     store = as_store(checkpoints_dir, storage_options)
     if retention is not None and not retention.keeps_all:
         store.check_save_retention(retention)  # before anything is written
@@ -267,4 +289,5 @@ def snapshot_opd_checkpoint(
     )
 
 
-__all__ = ["OpdSnapshot", "check_provenance", "check_trainer_state", "class_name", "json_value", "snapshot_opd_checkpoint"]
+__all__ = ["OpdSnapshot", "check_provenance", "check_trainer_state", "class_name", "config_record", "json_value",
+           "manifest_metadata", "snapshot_opd_checkpoint"]
