@@ -43,6 +43,30 @@ from .rng import preserve_global_rng
 STATE_KEYS = ("epoch", "batches_done", "epoch_start_generator_state")
 
 
+def _checked_position(state: Mapping[str, Any], keys: tuple[str, ...], what: str,
+                      generator: torch.Generator) -> tuple[int, int, torch.Tensor]:
+    """``(epoch, counter, epoch-start generator state)`` of a saved position whose ``keys`` are
+    ``(epoch, <counter>, epoch_start_generator_state)``; ``what`` names it in errors.
+
+    Raises:
+        ValueError: a key is missing, a counter is not a non-negative int, or the generator state
+            is not a ``torch.uint8`` tensor of ``generator``'s state size.
+    """
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{what} is missing {missing}")
+    epoch_key, counter_key, start_key = keys
+    epoch, counter, start = state[epoch_key], state[counter_key], state[start_key]
+    for name, value in ((epoch_key, epoch), (counter_key, counter)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{what} {name} must be a non-negative int, got {value!r}")
+    current = generator.get_state()
+    if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
+        raise ValueError(f"{what} {start_key} must be a torch.uint8 tensor of shape {tuple(current.shape)} "
+                         f"(this generator's state), got {start!r:.80}")
+    return epoch, counter, start
+
+
 class LoaderPosition:
     """Where a run is in the data order of a shuffled ``DataLoader``, saveable in trainer state.
 
@@ -89,20 +113,7 @@ class LoaderPosition:
             ValueError: a key is missing, a counter is not a non-negative int, or the generator
                 state is not a ``torch.uint8`` tensor of this generator's state size.
         """
-        missing = [key for key in STATE_KEYS if key not in state]
-        if missing:
-            raise ValueError(f"loader position is missing {missing}")
-        epoch, done, start = state["epoch"], state["batches_done"], state["epoch_start_generator_state"]
-        for name, value in (("epoch", epoch), ("batches_done", done)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"loader position {name} must be a non-negative int, got {value!r}")
-        current = self.generator.get_state()
-        if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
-            raise ValueError(
-                "loader position epoch_start_generator_state must be a torch.uint8 tensor of shape "
-                f"{tuple(current.shape)} (this generator's state), got {start!r:.80}"
-            )
-        self.epoch, self.batches_done = epoch, done
+        self.epoch, self.batches_done, start = _checked_position(state, STATE_KEYS, "loader position", self.generator)
         self._epoch_start_state = start.clone()
         self._resume_pending = True
 
@@ -217,18 +228,8 @@ class GlobalSamplePosition:
             ValueError: a key is missing, a counter is not a non-negative int, or the generator
                 state is not a ``torch.uint8`` tensor of this generator's state size.
         """
-        missing = [key for key in GLOBAL_STATE_KEYS if key not in state]
-        if missing:
-            raise ValueError(f"sample position is missing {missing}")
-        epoch, done, start = state["epoch"], state["samples_done"], state["epoch_start_generator_state"]
-        for name, value in (("epoch", epoch), ("samples_done", done)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"sample position {name} must be a non-negative int, got {value!r}")
-        current = self.generator.get_state()
-        if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
-            raise ValueError("sample position epoch_start_generator_state must be a torch.uint8 tensor of shape "
-                             f"{tuple(current.shape)}, got {start!r:.80}")
-        self.epoch, self.samples_done = epoch, done
+        self.epoch, self.samples_done, start = _checked_position(state, GLOBAL_STATE_KEYS, "sample position",
+                                                                 self.generator)
         self._epoch_start_state = start.clone()
         self._resume_pending = True
 
