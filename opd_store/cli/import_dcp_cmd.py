@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_store_options, open_store, parse_storage_options, step_arg
+from .common import add_store_options, open_store, step_arg, store_options
 
 
 def add_parser(subparsers) -> None:
@@ -31,8 +31,8 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..dcp.adopt import adopt_dcp_checkpoint
 
-    store = open_store(args.store, args)
-    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    options = store_options(args)
+    store = open_store(args.store, args, create=True, options=options)  # it commits into STORE: writes proven
     url = adopt_dcp_checkpoint(args.src, store, args.step, source_storage_options=options)
     manifest = store.manifest(args.step)
     print(f"committed {url} ({len(manifest.payloads)} payloads, {manifest.total_size_bytes} bytes, "

@@ -10,7 +10,7 @@ import sys
 
 from ..preemption import AWS_METADATA_ENDPOINT, GCE_METADATA_ENDPOINT, SIGNAL_NAMES, PreemptionWatcher
 from ..opd.resume import RESUME_MODES
-from .common import EXIT_RANK_LOST, CliError, add_store_options, parse_storage_options, positive_int
+from .common import EXIT_RANK_LOST, CliError, add_store_options, positive_int, store_options
 
 
 def add_parser(subparsers) -> None:
@@ -83,20 +83,29 @@ def run(args: argparse.Namespace) -> int:
     if (args.nproc > 1 or args.shard) and (args.async_save or args.local_tier is not None):
         # Asynchronous saves and the local tier are single-writer features of the main job.
         raise CliError("--nproc > 1 and --shard cannot be combined with --async-save or --local-tier")
-    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    options = store_options(args)
     if args.nproc == 1 and not args.shard:
         return _train(args, options)
     return _spawn(args, options)
 
 
 def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
-    from ..job.train import train
-    from ..retention import RetentionPolicy
     from ..store import CheckpointStore
 
-    store = CheckpointStore(args.store, storage_options=options)
+    store = CheckpointStore(args.store, storage_options=options, allow_check_then_put=args.allow_check_then_put)
     if args.notice_poll_secs <= 0:
         raise CliError(f"--notice-poll-secs must be > 0, got {args.notice_poll_secs}")
+    if args.local_tier is not None:
+        from ..tiered import TieredStore
+
+        store = TieredStore(args.local_tier, store)
+    # Before the job's modules (torch, transformers, PEFT: seconds to import) are loaded, so an
+    # unusable store is refused at once; train() checks again, as its API promises.
+    store.check_reachable()
+
+    from ..job.train import train
+    from ..retention import RetentionPolicy
+
     endpoint = args.metadata_endpoint
     watcher = PreemptionWatcher(  # every rank: a notice seen by any rank is agreed at the next boundary
         signals=args.preemption_signal or ("SIGTERM",),
@@ -104,10 +113,6 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
         gce_endpoint=(endpoint or GCE_METADATA_ENDPOINT) if args.spot_notice == "gce" else None,
         poll_interval_secs=args.notice_poll_secs,
     )
-    if args.local_tier is not None:
-        from ..tiered import TieredStore
-
-        store = TieredStore(args.local_tier, store)
     with contextlib.ExitStack() as stack:
         if args.local_tier is not None:
             stack.enter_context(store)
@@ -161,18 +166,24 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
 
     Returns the first failing rank's exit code (``128 + signal`` for a rank killed by a signal).
     """
+    import shutil
     import signal
-    import socket
+    import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # The ranks meet through a file in a directory of this run's own: a TCP port chosen here and
+    # bound again by rank 0 could be taken in between by another process on the host.
+    rendezvous_dir = tempfile.mkdtemp(prefix="opd-train-rendezvous-")
+    init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
     if args.start_method == "fork":
         import opd_store.job.train  # noqa: F401 - imported once here, shared by the forked ranks
-    context = mp.start_processes(_rank_main, args=(args, options, port), nprocs=args.nproc, join=False,
-                                 start_method=args.start_method)
+    try:
+        context = mp.start_processes(_rank_main, args=(args, options, init_method), nprocs=args.nproc, join=False,
+                                     start_method=args.start_method)
+    except BaseException:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
+        raise
 
     def forward(signum, _frame) -> None:
         for process in context.processes:
@@ -205,6 +216,7 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
     finally:
         for signum, handler in forwarded.items():
             signal.signal(signum, handler)
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
     return 0
 
 
@@ -222,15 +234,16 @@ def _resume_point(args: argparse.Namespace, options: dict) -> str:
     return f"the latest complete checkpoint is step {step}; rerun the same command to resume from it"
 
 
-def _rank_main(rank: int, args: argparse.Namespace, options: dict, port: int) -> None:
-    """One spawned rank: join the process group, train, leave; exit with the CLI's exit code."""
+def _rank_main(rank: int, args: argparse.Namespace, options: dict, init_method: str) -> None:
+    """One spawned rank: join the process group (``init_method``: the run's rendezvous file),
+    train, leave; exit with the CLI's exit code."""
     import datetime
 
     import torch.distributed as dist
 
     from .common import exit_code_for
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.nproc,
                             timeout=datetime.timedelta(seconds=args.dist_timeout_secs))
     try:
         code = _train(args, options, rank)
