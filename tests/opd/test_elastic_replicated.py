@@ -57,6 +57,25 @@ def test_elastic_resume_of_a_replicated_checkpoint(tmp_path, opd, caplog):
         assert opd.next_draws() == _draws_of(opd, expected), rank
 
 
+def test_elastic_at_the_same_world_size_restores_what_exact_restores(tmp_path, opd):
+    """Under ``elastic`` without a world-size change every rank gets exactly what ``exact`` gives
+    it: the same trainer state, optimizer and scheduler state, teacher state and its own RNG."""
+    store = CheckpointStore(tmp_path / "store")
+    states = _states(opd, 4)
+    save_opd_checkpoint(**opd.save_kwargs(store, world_size=4, rank_rng_states=states))
+    for rank in range(4):
+        restored = {}
+        for mode in ("exact", "elastic"):
+            loaded: list = []
+            kwargs = opd.load_kwargs(config=opd.TinyConfig(resume_mode=mode), world_size=4, rank=rank, loaded=loaded)
+            trainer = load_opd_checkpoint((store, 2), **kwargs)
+            restored[mode] = (trainer, loaded, opd.next_draws(), kwargs["optimizer"].state_dict(),
+                              kwargs["scheduler"].state_dict())
+        opd.assert_same(restored["elastic"], restored["exact"], f"rank {rank}")
+        assert restored["elastic"][2] == _draws_of(opd, states[rank])
+        assert restored["exact"][0]["successful_updates"] == 2 and restored["exact"][3]["state"]
+
+
 def test_derived_rng_is_a_function_of_the_checkpoint_only():
     first = ElasticResume(saved_world_size=2, world_size=4, rank=3, step=10, config_fingerprint="f" * 64)
     again = ElasticResume(saved_world_size=1, world_size=8, rank=3, step=10, config_fingerprint="f" * 64)
