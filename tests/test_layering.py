@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("retention", ("opd_store.retention", "opd_store.pruning", "opd_store.orphans")),
     ("pipeline", ("opd_store.pipeline", "opd_store.pipeline.*")),
     ("tiered", ("opd_store.tier_routing", "opd_store.tier_uploads", "opd_store.tiered")),
+    ("dcp", ("opd_store.dcp", "opd_store.dcp.*")),
     ("opd", ("opd_store.opd", "opd_store.opd.*")),
     ("integrations", ("opd_store.integrations", "opd_store.integrations.*")),
     ("job", ("opd_store.job", "opd_store.job.*")),
