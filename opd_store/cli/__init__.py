@@ -22,13 +22,13 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo_cmd, inspect_cmd, migrate_cmd, store_cmds, train_cmd
+    from . import demo_cmd, import_dcp_cmd, inspect_cmd, migrate_cmd, store_cmds, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="opd-store",
         description="Crash-safe PyTorch checkpoints on any fsspec URL.",
         epilog="exit codes: 0 ok, 2 usage or unreachable store, 3 not found, 4 incomplete/corrupt, "
-        "5 resume mismatch, 6 commit conflict",
+        "5 resume mismatch, 6 commit conflict, 7 (train --nproc) a rank gave up on a lost rank",
     )
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at INFO level on stderr, client libraries' logging and warnings included, "
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_parser(subparsers)
     demo_cmd.add_parser(subparsers)
     migrate_cmd.add_parser(subparsers)
+    import_dcp_cmd.add_parser(subparsers)
     inspect_cmd.add_parsers(subparsers)
     store_cmds.add_parsers(subparsers)
     return parser

@@ -36,6 +36,8 @@ EXIT_NOT_FOUND = 3
 EXIT_CORRUPT = 4
 EXIT_RESUME_MISMATCH = 5
 EXIT_CONFLICT = 6
+EXIT_RANK_LOST = 7
+"""``opd-store train --nproc N``: a rank gave up because another rank died or stopped answering."""
 
 
 class CliError(Exception):
