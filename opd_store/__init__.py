@@ -16,6 +16,7 @@ from .errors import (
     ResumeMismatchError,
     RetentionError,
     PayloadUploadError,
+    StoreNotFoundError,
     StoreUnreachableError,
     UnsafeCheckpointError,
     UnsupportedBackendError,
@@ -41,6 +42,9 @@ _LAZY = {
     "AsyncCheckpointer": "opd_store.opd.async_save",
     "SaveHandle": "opd_store.opd.async_save",
     "PreemptionWatcher": "opd_store.preemption",
+    "save_sharded_opd_checkpoint": "opd_store.opd.sharded",
+    "load_sharded_opd_checkpoint": "opd_store.opd.sharded_load",
+    "GlobalSamplePosition": "opd_store.opd.data",
 }
 
 
@@ -64,6 +68,9 @@ __all__ = [
     "load_opd_checkpoint",
     "migrate_legacy",
     "save_opd_checkpoint",
+    "save_sharded_opd_checkpoint",
+    "load_sharded_opd_checkpoint",
+    "GlobalSamplePosition",
     "AmbiguousCommitError",
     "BaseStore",
     "CheckpointInfo",
@@ -82,6 +89,7 @@ __all__ = [
     "ResumeMismatchError",
     "RetentionError",
     "PayloadUploadError",
+    "StoreNotFoundError",
     "StoreUnreachableError",
     "TieredStore",
     "Transaction",

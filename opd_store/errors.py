@@ -96,7 +96,14 @@ class PayloadUploadError(OpdStoreError, OSError):
 
 
 class StoreUnreachableError(OpdStoreError, OSError):
-    """The store cannot be used at all: no such bucket, no credentials, no connection."""
+    """The store cannot be used at all: no such bucket, no credentials, no connection, an endpoint
+    that does not answer within its timeout, a local root that cannot be created or written. The
+    message names the URL, the operation and the cause; the backend's error is the ``__cause__``."""
+
+
+class StoreNotFoundError(CheckpointNotFoundError):
+    """A read found no store at all: the local root directory does not exist (a typo looks like
+    an empty store otherwise). A save creates the root; only reads raise this."""
 
 
 class UploadError(OpdStoreError, OSError):
@@ -170,6 +177,7 @@ __all__ = [
     "ResumeMismatchError",
     "RetentionError",
     "StoragePermissionError",
+    "StoreNotFoundError",
     "StoreUnreachableError",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",

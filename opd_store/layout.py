@@ -6,6 +6,8 @@ Layout under a store root (a local directory or a bucket prefix)::
     step-000042/manifest.json             the commit record; the step exists iff this exists
     step-000042/attempt-<utc>-<hex>/...   payload objects of one save attempt
     step-000042/COMPLETE                  seed (legacy) layout marker, with its files beside it
+    .opd-store-probe-<hex>                a reachability probe (created and deleted at once by
+                                          ``check_reachable``); not a step, never listed as one
 
 Step order is numeric, never lexicographic (``step-1000000`` follows ``step-999999``).
 """
@@ -19,6 +21,7 @@ import time
 MANIFEST_NAME = "manifest.json"
 LEGACY_MARKER = "COMPLETE"
 STEP_PREFIX = "step-"
+PROBE_PREFIX = ".opd-store-probe-"
 
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _ATTEMPT_RE = re.compile(r"^attempt-(\d{8}T\d{6}Z)-([0-9a-f]{12})$")
@@ -66,6 +69,16 @@ def new_attempt_id(now_secs: float | None = None) -> str:
     return f"attempt-{stamp}-{secrets.token_hex(6)}"
 
 
+def probe_name() -> str:
+    """A fresh name for a reachability probe object at the store root (``.opd-store-probe-<hex>``).
+
+    It lies outside every step prefix, so listings, ``ls``, retention and ``gc`` never see it as
+    a step or an attempt (they read only ``step-NNNNNN/`` prefixes); 64 random bits keep two
+    concurrent checks apart.
+    """
+    return f"{PROBE_PREFIX}{secrets.token_hex(8)}"
+
+
 def is_attempt_id(name: str) -> bool:
     """True when ``name`` is an attempt id made by :func:`new_attempt_id`."""
     return isinstance(name, str) and _ATTEMPT_RE.fullmatch(name) is not None
@@ -107,11 +120,13 @@ def check_payload_name(name: str) -> str:
 __all__ = [
     "LEGACY_MARKER",
     "MANIFEST_NAME",
+    "PROBE_PREFIX",
     "STEP_PREFIX",
     "attempt_created_secs",
     "check_payload_name",
     "is_attempt_id",
     "new_attempt_id",
     "parse_step_dirname",
+    "probe_name",
     "step_dirname",
 ]

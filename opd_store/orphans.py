@@ -2,17 +2,45 @@
 
 Retention goes through the one executor (:func:`opd_store.pruning.apply_retention`). What counts
 as an orphan: an ``attempt-<utc>-<hex>`` prefix under a step that no manifest names (a killed
-save, a lost commit race, the payloads of a step whose deletion was interrupted), older than a
-grace period (default 1 hour, so a live writer is never raced; its age comes from the UTC time in
-its id). Objects outside that layout (a checkpoint copied in by another tool, a seed ``COMPLETE``
-directory, anything unknown) are never touched; nor is a step whose manifest cannot be parsed
-(which attempt it names is unknown). On S3, multipart uploads under the store prefix that were
-started more than the grace period ago are aborted and reported (they are invisible to listings
-but billed).
+save, a lost commit race, the payloads of a step whose deletion was interrupted) and that nothing
+has written to for longer than a grace period (default 1 hour). Objects outside that layout (a
+checkpoint copied in by another tool, a seed ``COMPLETE`` directory, anything unknown) are never
+touched; nor is a step whose manifest cannot be parsed (which attempt it names is unknown).
+Multipart uploads under the store prefix that nothing has written to for longer than the grace
+period are aborted and reported (they are invisible to listings but billed, S3).
+
+**Age is measured on the store's clock, never the writer's.** The UTC time in an attempt id is
+the writer's clock, and the machines of a fleet do not share one: a VM restored from a snapshot,
+a container whose host has not synced its time yet, a laptop copying checkpoints up. With the id
+as the age, a writer 2 hours behind had its live attempt deleted under it by ``gc`` (its save then
+failed at the commit), and one 2 hours ahead left abandoned attempts that looked young for as long
+as its clock ran ahead. So an attempt's *last activity* is the newest of
+
+- the modification time the backend recorded for each object under it (S3 ``LastModified``, GCS
+  ``updated``, the local file's mtime: :meth:`Storage.list_tree_modified
+  <opd_store.storage.base.Storage.list_tree_modified>`), and
+- for each unfinished multipart upload under it, its ``Initiated`` time and the ``LastModified``
+  of its newest part (both the server's),
+
+and its age is the store's notion of now (:meth:`Storage.clock_secs
+<opd_store.storage.base.Storage.clock_secs>`: the ``Date`` an S3 or GCS server sends, the time a
+local filesystem stamps on a new file), read *before* the listing, minus that activity. An attempt
+is an orphan only when that age reaches the grace period; the attempt id's time is reported as a
+hint (``writer_clock_age_secs``) and never decides anything. An object without a recorded time (a
+backend that reports none) keeps its attempt. A multipart upload under an attempt prefix lives and
+dies with its attempt; one outside every attempt is judged by its own activity. Before an orphan is
+deleted its prefix is listed again against a fresh reading of the clock, so a writer that came
+back meanwhile keeps it.
+
+The grace period must exceed the longest time a live save goes without writing: on S3 a payload's
+parts and on local disk its bytes count as writes while it streams, but a GCS resumable upload is
+invisible until it completes, so there it must exceed the longest single payload upload.
 
 A tiered store is collected tier by tier (:meth:`BaseStore.retention_tiers
-<opd_store.store_api.BaseStore.retention_tiers>`): the bucket with the policy asked for, the local
-tier with its own, and a local step that is not durable yet is never deleted.
+<opd_store.store_api.BaseStore.retention_tiers>`), each tier on its own clock: the bucket with the
+policy asked for, the local tier with its own, and a local step that is not durable yet is never
+deleted. Attempts written by the tier uploader (the bucket copy of a step) and by an asynchronous
+save's background writer are judged by the same rule: only their objects' times count.
 """
 
 from __future__ import annotations
@@ -22,18 +50,18 @@ import logging
 import time
 from collections.abc import Iterable
 
-from .layout import MANIFEST_NAME, is_attempt_id, parse_step_dirname, step_dirname
+from .layout import MANIFEST_NAME, attempt_created_secs, is_attempt_id, parse_step_dirname, step_dirname
 from .pruning import GcReport, apply_retention, execute_plan
 from .retention import RetentionPolicy
-from .status import LEGACY, objects_by_step
+from .status import LEGACY
 from .store import CheckpointStore
 from .store_api import BaseStore
 
 logger = logging.getLogger("opd_store.orphans")
 
 DEFAULT_ORPHAN_GRACE_SECS = 3600.0
-"""Grace period before an uncommitted attempt counts as an orphan: one hour, far longer than any
-save takes between its first payload and its commit, so a live writer is never raced."""
+"""Grace period before an uncommitted attempt nothing writes to counts as an orphan: one hour, far
+longer than a live save goes between two writes, so a live writer is never raced."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +74,9 @@ class Orphan:
         rel (str): its prefix relative to the store root.
         url (str): its URL.
         size_bytes (int): bytes under it.
-        age_secs (float): seconds since the attempt started (from its id).
+        age_secs (float): seconds since anything was last written under it, on the store's clock.
+        writer_clock_age_secs (float | None): the same age by the UTC time in its id (the writer's
+            clock): a hint for people, never used to decide.
     """
 
     step: int
@@ -55,6 +85,7 @@ class Orphan:
     url: str
     size_bytes: int
     age_secs: float
+    writer_clock_age_secs: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +95,8 @@ class StaleUpload:
     Attributes:
         rel (str): the object key relative to the store root.
         upload_id (str): its upload id.
-        age_secs (float): seconds since it was initiated.
+        age_secs (float): seconds since it (or, under an attempt prefix, its attempt) was last
+            written to, on the store's clock.
     """
 
     rel: str
@@ -72,44 +104,159 @@ class StaleUpload:
     age_secs: float
 
 
-def find_orphans(
-    store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS, now_secs: float | None = None
-) -> list[Orphan]:
-    """Attempt prefixes no manifest names, older than ``older_than_secs`` (one listing plus one
-    manifest read per committed step). Legacy steps and steps with an unreadable manifest are
-    skipped (see module docs)."""
-    now = time.time() if now_secs is None else now_secs
-    by_step = objects_by_step(store.storage.list_tree(""))
-    orphans = []
-    for step, objects in sorted(by_step.items()):
-        attempts: dict[str, int] = {}
-        for name, size in objects.items():
-            first, sep, _rest = name.partition("/")
-            if sep and is_attempt_id(first):
-                attempts[first] = attempts.get(first, 0) + size
-        if not attempts:
+@dataclasses.dataclass
+class _Attempt:
+    step: int
+    attempt_id: str
+    size_bytes: int = 0
+    last_secs: float | None = None  # newest activity on the store's clock
+    untimed: bool = False  # an object without a recorded time: never an orphan
+
+    def saw(self, secs: float | None) -> None:
+        if secs is None:
+            self.untimed = True
+        elif self.last_secs is None or secs > self.last_secs:
+            self.last_secs = secs
+
+
+def _attempt_of(rel: str) -> tuple[int, str] | None:
+    parts = rel.split("/")
+    if len(parts) >= 3 and is_attempt_id(parts[1]):
+        step = parse_step_dirname(parts[0])
+        if step is not None:
+            return step, parts[1]
+    return None
+
+
+@dataclasses.dataclass
+class Survey:
+    """What one pass over a store found (see :func:`survey`).
+
+    Attributes:
+        now_secs (float): the store's clock when the pass began.
+        orphans (list[Orphan]): orphan attempts.
+        uploads (list[StaleUpload]): stale multipart uploads.
+        live (list[Orphan]): uncommitted attempts written to within the grace period (age and
+            size as for an orphan), for ``ls --all``.
+    """
+
+    now_secs: float
+    orphans: list[Orphan]
+    uploads: list[StaleUpload]
+    live: list[Orphan]
+
+
+def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS,
+           now_secs: float | None = None) -> Survey:
+    """Orphan attempts and stale multipart uploads of ``store`` (module docstring), read only.
+
+    One reading of the store's clock, one flat listing, one listing of multipart uploads (S3), one
+    ``ListParts`` per upload initiated longer ago than the grace period, one manifest read per
+    committed step (which attempt it names), one listing per step without a manifest (legacy?).
+
+    Args:
+        store (CheckpointStore): the store (one tier).
+        older_than_secs (float): the grace period in seconds.
+        now_secs (float | None): the store's notion of now, when the caller read it (tests);
+            :meth:`Storage.clock_secs <opd_store.storage.base.Storage.clock_secs>` by default.
+
+    Raises:
+        OSError: a backend failure.
+    """
+    storage = store.storage
+    now = storage.clock_secs() if now_secs is None else now_secs  # before the listing (module docs)
+    attempts: dict[tuple[int, str], _Attempt] = {}
+    by_step: dict[int, dict[str, int]] = {}  # the listing by step, for the manifest reads
+    for rel, (size, modified) in storage.list_tree_modified("").items():
+        head, _, tail = rel.partition("/")
+        step = parse_step_dirname(head)
+        if step is None or not tail:
             continue
+        by_step.setdefault(step, {})[tail] = size
+        key = _attempt_of(rel)
+        if key is not None:
+            attempt = attempts.setdefault(key, _Attempt(*key))
+            attempt.size_bytes += size
+            attempt.saw(modified)
+    uploads: list[tuple[str, str, float]] = []
+    for rel, upload_id, initiated in storage.list_uploads():
+        last = initiated
+        if now - initiated >= older_than_secs:  # a live upload has a recent part (moto: Initiated is fixed)
+            newest_part = storage.newest_part_secs(rel, upload_id)
+            last = initiated if newest_part is None else max(initiated, newest_part)
+        uploads.append((rel, upload_id, last))
+        key = _attempt_of(rel)
+        if key is not None and key in attempts:
+            attempts[key].saw(last)
+
+    orphans, live = [], []
+    committed = _committed_attempts(store, by_step, {key[0] for key in attempts})
+    for (step, attempt_id), attempt in sorted(attempts.items()):
+        if step not in committed or committed[step] == attempt_id:
+            continue  # legacy or unreadable step (kept), or the committed attempt
+        rel = f"{step_dirname(step)}/{attempt_id}"
+        created = attempt_created_secs(attempt_id)
+        found = Orphan(step, attempt_id, rel, storage.url(rel), attempt.size_bytes,
+                       now - attempt.last_secs if attempt.last_secs is not None else 0.0,
+                       None if created is None else time.time() - created)
+        old = attempt.last_secs is not None and not attempt.untimed and found.age_secs >= older_than_secs
+        (orphans if old else live).append(found)
+    ages = {(o.step, o.attempt_id): o.age_secs for o in orphans + live}
+    stale = []
+    for rel, upload_id, last in uploads:
+        key = _attempt_of(rel)
+        age = ages[key] if key in ages else now - last
+        if age >= older_than_secs:
+            stale.append(StaleUpload(rel, upload_id, age))
+    return Survey(now, orphans, stale, live)
+
+
+def _committed_attempts(store: CheckpointStore, by_step: dict[int, dict[str, int]],
+                        steps: set[int]) -> dict[int, str | None]:
+    """For each step with attempts: the attempt its manifest names (``None``: no manifest). Steps
+    whose manifest cannot be parsed, and legacy steps, are left out (nothing there is collected)."""
+    out: dict[int, str | None] = {}
+    for step in sorted(steps):
+        objects = by_step.get(step, {})
         if MANIFEST_NAME in objects:
             manifest = store.step_state(step, objects).manifest
             if manifest is None:  # unreadable manifest: which attempt it names is unknown
                 continue
-            attempts.pop(manifest.attempt_id, None)
-        elif store.status(step) == LEGACY:
-            continue
-        for attempt_id, size in sorted(attempts.items()):
-            age = store.attempt_age_secs(attempt_id, now)
-            if age is not None and age >= older_than_secs:
-                rel = f"{step_dirname(step)}/{attempt_id}"
-                orphans.append(Orphan(step, attempt_id, rel, store.storage.url(rel), size, age))
-    return orphans
+            out[step] = manifest.attempt_id
+        elif store.status(step) != LEGACY:
+            out[step] = None
+    return out
 
 
-def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan]) -> list[Orphan]:
-    """Delete orphan attempt prefixes; one that a manifest names by now is skipped.
+def find_orphans(
+    store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS, now_secs: float | None = None
+) -> list[Orphan]:
+    """Attempt prefixes no manifest names that nothing wrote to for ``older_than_secs`` on the
+    store's clock (see :func:`survey`). Legacy steps and steps with an unreadable manifest are
+    skipped (module docstring)."""
+    return survey(store, older_than_secs=older_than_secs, now_secs=now_secs).orphans
+
+
+def find_stale_uploads(
+    store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS, now_secs: float | None = None
+) -> list[StaleUpload]:
+    """Unfinished multipart uploads under the store prefix that nothing wrote to for
+    ``older_than_secs`` on the store's clock; one under an attempt prefix only when its whole
+    attempt is that old (see :func:`survey`)."""
+    return survey(store, older_than_secs=older_than_secs, now_secs=now_secs).uploads
+
+
+def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
+                   older_than_secs: float | None = None) -> list[Orphan]:
+    """Delete orphan attempt prefixes. One that a manifest names by now is kept, and so, when
+    ``older_than_secs`` is given, is one written to within the grace period by now (its prefix is
+    listed again against a fresh reading of the store's clock: a writer that came back).
 
     Returns:
         list[Orphan]: the orphans deleted.
     """
+    orphans = list(orphans)
+    now = store.storage.clock_secs() if orphans and older_than_secs is not None else None
     deleted = []
     for orphan in orphans:
         try:
@@ -119,34 +266,14 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan]) -> list[Or
         if manifest is not None and manifest.attempt_id == orphan.attempt_id:
             logger.warning("gc: %s was committed meanwhile; kept", orphan.url)
             continue
+        if now is not None:
+            times = [modified for _size, modified in store.storage.list_tree_modified(orphan.rel).values()]
+            if any(modified is None or now - modified < older_than_secs for modified in times):
+                logger.warning("gc: %s was written to meanwhile; kept", orphan.url)
+                continue
         store.storage.delete_tree(orphan.rel)
         deleted.append(orphan)
     return deleted
-
-
-def find_stale_uploads(
-    store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS, now_secs: float | None = None
-) -> list[StaleUpload]:
-    """Unfinished multipart uploads under the store prefix started ``older_than_secs`` ago (S3).
-
-    The age is the server's ``Initiated`` time, or the attempt id's time when the key lies in an
-    attempt prefix and that is younger (a clock-skewed or emulated server never makes a live
-    writer's upload look old).
-    """
-    now = time.time() if now_secs is None else now_secs
-    stale = []
-    for rel, upload_id, initiated in store.storage.list_uploads():
-        age = now - initiated
-        # An upload of one of our payloads is as young as its attempt id says, whatever the
-        # server reports (moto reports one fixed 2010 date for every upload; field notes).
-        parts = rel.split("/")
-        if len(parts) >= 3 and parse_step_dirname(parts[0]) is not None and is_attempt_id(parts[1]):
-            attempt_age = store.attempt_age_secs(parts[1], now)
-            if attempt_age is not None:
-                age = min(age, attempt_age)
-        if age >= older_than_secs:
-            stale.append(StaleUpload(rel, upload_id, age))
-    return stale
 
 
 def collect_garbage(
@@ -165,10 +292,13 @@ def collect_garbage(
             module docstring).
         policy (RetentionPolicy): steps to keep (a policy with no rule deletes no step); on a
             tiered store, the bucket's.
-        orphans_older_than_secs (float): grace period of uncommitted attempts and uploads.
+        orphans_older_than_secs (float): grace period of uncommitted attempts and uploads: seconds
+            since anything was written under them, on the store's clock (module docstring).
         deep (bool): recompute checksums of the newest complete steps before planning.
         dry_run (bool): only report (the default).
-        now_secs (float | None): the current time (seconds since the epoch), for tests.
+        now_secs (float | None): the store's notion of now (seconds since the epoch), for tests;
+            read from the store (:meth:`Storage.clock_secs
+            <opd_store.storage.base.Storage.clock_secs>`) by default.
 
     Returns:
         GcReport: the plan, orphans and uploads, and what was deleted, of the store (of the bucket
@@ -206,12 +336,13 @@ def _collect_tier(store: CheckpointStore, policy: RetentionPolicy, not_durable: 
                   grace_secs: float, deep: bool, dry_run: bool, now_secs: float | None) -> GcReport:
     report = apply_retention(store, policy, not_durable=not_durable, deep=deep, dry_run=True)
     report.dry_run = dry_run
-    report.orphans = find_orphans(store, older_than_secs=grace_secs, now_secs=now_secs)
-    report.uploads = find_stale_uploads(store, older_than_secs=grace_secs, now_secs=now_secs)
+    found = survey(store, older_than_secs=grace_secs, now_secs=now_secs)
+    report.orphans, report.uploads = found.orphans, found.uploads
     if dry_run:
         return report
     report.deleted_steps = execute_plan(store, report.plan)
-    report.orphans = delete_orphans(store, report.orphans)
+    # A given now_secs (tests) is the store's clock for the whole pass: no second reading.
+    report.orphans = delete_orphans(store, report.orphans, older_than_secs=grace_secs if now_secs is None else None)
     for upload in report.uploads:
         store.storage.abort_upload(upload.rel, upload.upload_id)
     return report
@@ -221,9 +352,11 @@ __all__ = [
     "DEFAULT_ORPHAN_GRACE_SECS",
     "Orphan",
     "StaleUpload",
+    "Survey",
     "collect_garbage",
     "collect_garbage_tiers",
     "delete_orphans",
     "find_orphans",
     "find_stale_uploads",
+    "survey",
 ]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from . import kill_points
 from .checksum import Crc32c
-from .errors import OpdStoreError, SaveAbandonedError, StoragePermissionError
+from .errors import OpdStoreError, SaveAbandonedError, StoragePermissionError, StoreUnreachableError
 from .manifest import PayloadEntry
 from .storage.backend_errors import Meaning, backend_operation, classify
 
@@ -115,13 +115,23 @@ class PayloadWriter:
         return count
 
     def _reported(self, exc: BaseException) -> BaseException:
-        """``exc``, or a :class:`StoragePermissionError` naming the refused backend operation when
-        the table of backend failures says the backend denied it."""
-        if isinstance(exc, OpdStoreError) or classify(exc) is not Meaning.DENIED:
+        """``exc``, or the typed error naming the payload and the step: a
+        :class:`StoragePermissionError` naming the refused backend operation when the table of
+        backend failures says the backend denied it, a :class:`StoreUnreachableError` when the
+        store could not be reached (no credentials, no connection, no answer within the timeout)."""
+        if isinstance(exc, OpdStoreError):
+            return exc
+        meaning = classify(exc)
+        where = f"{self._storage.url(self._rel)}: "
+        if meaning in (Meaning.UNREACHABLE, Meaning.NO_CREDENTIALS):
+            return StoreUnreachableError(
+                f"{where}cannot write payload {self.name!r} of step {self.step}: {self._storage.explain(exc)}; "
+                f"step {self.step} is not committed")
+        if meaning is not Meaning.DENIED:
             return exc
         operation = backend_operation(exc) or "the write"
         return StoragePermissionError(
-            f"{self._storage.url(self._rel)}: permission denied: the backend refused {operation} while "
+            f"{where}permission denied: the backend refused {operation} while "
             f"writing payload {self.name!r} of step {self.step} ({exc}); step {self.step} is not committed"
         )
 

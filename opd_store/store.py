@@ -19,7 +19,6 @@ from .errors import CheckpointNotFoundError, CommitConflictError, UnsupportedBac
 from .layout import (
     LEGACY_MARKER,
     MANIFEST_NAME,
-    attempt_created_secs,
     is_attempt_id,
     new_attempt_id,
     parse_step_dirname,
@@ -101,14 +100,18 @@ class CheckpointStore(BaseStore):
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
 
-    def check_reachable(self) -> None:
-        """Fail fast, before any work, when the store cannot be used.
+    def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
+        """Fail fast, before any work, when the store cannot be used: a real probe (a listing;
+        with ``write`` a probe object created and deleted, a missing local root created) that
+        answers within ``timeout_secs`` (default: the ``connect_timeout_secs`` storage option,
+        15 s) whatever the backend does (:mod:`opd_store.storage.reachability`).
 
         Raises:
-            StoreUnreachableError: no such bucket, missing credentials, no connection, or a local
-                root that is not a writable directory; the message names the URL and the cause.
+            StoreUnreachableError: no such bucket, missing credentials, no connection, no answer
+                in time, a local root that cannot be created or written (URL, operation, cause).
+            StoreNotFoundError: ``write`` is false and the local root does not exist.
         """
-        self.storage.check_reachable()
+        self.storage.check_reachable(write=write, timeout_secs=timeout_secs)
 
     # -- listing ---------------------------------------------------------------------------
     def _step_prefixes(self) -> list[int]:
@@ -352,11 +355,6 @@ class CheckpointStore(BaseStore):
         kill_points.reach("step_delete", step=step)  # test-only (the soak); nothing when not armed
         self.storage.delete(f"{prefix}/{LEGACY_MARKER}")
         self.storage.delete_tree(prefix)
-
-    def attempt_age_secs(self, attempt_id: str, now_secs: float) -> float | None:
-        """Age in seconds of an attempt, from the UTC time in its id."""
-        created = attempt_created_secs(attempt_id)
-        return None if created is None else now_secs - created
 
     # -- durability: a committed step of a plain store is durable --------------------------------
     def durable_steps(self) -> list[int]:

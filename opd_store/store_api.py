@@ -61,11 +61,18 @@ class BaseStore(abc.ABC):
         """URL of ``step``'s checkpoint (its step prefix)."""
 
     @abc.abstractmethod
-    def check_reachable(self) -> None:
-        """Fail fast, before any work, when the store cannot be used.
+    def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
+        """Fail fast, before any work, when the store cannot be used; answers within the bound.
+
+        Args:
+            write (bool): prove a save can write (a probe object is created and deleted, a missing
+                local root created); ``False`` proves reads only.
+            timeout_secs (float | None): the bound in seconds; the store's ``connect_timeout_secs``
+                storage option (default 15) when not given.
 
         Raises:
-            StoreUnreachableError: naming the URL and the cause.
+            StoreUnreachableError: naming the URL, the operation and the cause.
+            StoreNotFoundError: a read-only check of a local root that does not exist.
         """
 
     # -- reads ---------------------------------------------------------------------------------

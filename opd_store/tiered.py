@@ -128,14 +128,15 @@ class TieredStore(BaseStore):
     def __repr__(self) -> str:
         return f"TieredStore(local={self.local.url!r}, bucket={self.bucket.url!r})"
 
-    def check_reachable(self) -> None:
-        """Check both tiers (see :meth:`CheckpointStore.check_reachable`).
+    def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
+        """Check both tiers, the local one first (see :meth:`CheckpointStore.check_reachable`).
 
         Raises:
             StoreUnreachableError: either tier cannot be used; the message names its URL.
+            StoreNotFoundError: a read-only check of a local tier that does not exist.
         """
-        self.local.check_reachable()
-        self.bucket.check_reachable()
+        self.local.check_reachable(write=write, timeout_secs=timeout_secs)
+        self.bucket.check_reachable(write=write, timeout_secs=timeout_secs)
 
     # -- choosing a tier -----------------------------------------------------------------------
     def tier_for(self, step: int) -> CheckpointStore:

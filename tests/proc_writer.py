@@ -3,7 +3,7 @@
 Two ways to run it, same commands and messages:
 
 * ``python tests/proc_writer.py BACKEND_JSON COMMAND [ARGS...]`` (stdin/stdout lines; handy by
-  hand), where BACKEND_JSON is ``Backend.to_json()`` from ``tests/backends.py``;
+  hand), where BACKEND_JSON is ``Backend.to_json()`` (:mod:`opd_store.testing.stores`);
 * :func:`start` (used by the tests): a ``multiprocessing`` child forked from a ``forkserver``
   that has already imported opd_store, s3fs and gcsfs, talking over a ``Pipe``. Each child is a
   separate process with its own store instance, clients and caches; only the import cost is

@@ -4,8 +4,9 @@ Exit codes (documented in docs/cli.md and ``opd-store --help``):
 
 ==  ==========================================
 0   ok
+1   an unexpected error (a bug: rerun with -v for the traceback)
 2   usage error, or the store cannot be reached
-3   not found (no such step, no complete checkpoint)
+3   not found (no such step, no complete checkpoint, no such local store directory)
 4   incomplete or corrupt checkpoint
 5   resume mismatch
 6   commit conflict (the step already exists)
@@ -29,11 +30,14 @@ from ..errors import (
 )
 
 EXIT_OK = 0
+EXIT_UNEXPECTED = 1
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_CORRUPT = 4
 EXIT_RESUME_MISMATCH = 5
 EXIT_CONFLICT = 6
+EXIT_RANK_LOST = 7
+"""``opd-store train --nproc N``: a rank gave up because another rank died or stopped answering."""
 
 
 class CliError(Exception):
@@ -92,8 +96,20 @@ def parse_storage_options(pairs: list[str] | None, s3_endpoint_url: str | None) 
     return options
 
 
+def positive_secs(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
 def add_store_options(parser: argparse.ArgumentParser) -> None:
-    """``--storage-option KEY=VALUE`` (repeatable) and ``--s3-endpoint-url``."""
+    """``--storage-option KEY=VALUE`` (repeatable), ``--s3-endpoint-url``, ``--connect-timeout-secs``
+    and ``--allow-check-then-put``."""
     parser.add_argument(
         "--storage-option",
         action="append",
@@ -102,21 +118,59 @@ def add_store_options(parser: argparse.ArgumentParser) -> None:
         help="fsspec storage option for the store (repeatable; JSON values; dotted keys nest)",
     )
     parser.add_argument("--s3-endpoint-url", default=None, help="endpoint of an S3-compatible server")
+    parser.add_argument(
+        "--connect-timeout-secs", type=positive_secs, default=None, metavar="SECS",
+        help="refuse a store that cannot be reached and used within SECS seconds, and give up on a "
+        "connection after SECS (default 15; the storage option connect_timeout_secs)")
+    parser.add_argument(
+        "--allow-check-then-put", action="store_true",
+        help="accept a URL whose backend has no create-only write (any fsspec protocol beyond local, "
+        "memory://, s3://, gs://): commits are then an exists check and a put, and two writers of one "
+        "step can both commit (docs/protocol.md)")
 
 
-def open_store(url: str, args: argparse.Namespace, *, check: bool = True):
-    """The :class:`~opd_store.store.CheckpointStore` at ``url`` with the command's store options.
+def store_options(args: argparse.Namespace, *, prefix: str = "") -> dict[str, Any]:
+    """The storage options of a command's store (``prefix="dst_"``: ``cp``'s destination ones).
 
     Raises:
         CliError: a malformed ``--storage-option`` (exit 2).
-        StoreUnreachableError: the store cannot be reached (exit 2), when ``check``.
+    """
+    options = parse_storage_options(getattr(args, f"{prefix}storage_option"), getattr(args, f"{prefix}s3_endpoint_url"))
+    if getattr(args, "connect_timeout_secs", None) is not None:
+        options.setdefault("connect_timeout_secs", args.connect_timeout_secs)
+    return options
+
+
+def open_store(url: str, args: argparse.Namespace, *, check: bool = True, write: bool = False,
+               create: bool = False, options: dict[str, Any] | None = None):
+    """The :class:`~opd_store.store.CheckpointStore` at ``url`` with the command's store options,
+    checked before any work (:meth:`~opd_store.store.CheckpointStore.check_reachable`).
+
+    Args:
+        url (str): the store URL.
+        args (argparse.Namespace): the command's arguments (store options).
+        check (bool): check the store.
+        write (bool): the command changes an existing store (``gc --yes``, ``pin``): prove reads,
+            then writes.
+        create (bool): the command saves into the store (``cp``'s destination): prove writes,
+            creating a missing local root as a save would.
+        options (dict | None): storage options to use instead of the command's own.
+
+    Raises:
+        CliError: a malformed ``--storage-option`` (exit 2).
+        UnsupportedBackendError: a URL scheme opd_store cannot commit to (exit 2).
+        StoreUnreachableError: the store cannot be used (exit 2), when ``check``.
+        StoreNotFoundError: a local root that does not exist, for a read (exit 3).
     """
     from ..store import CheckpointStore
 
-    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
-    store = CheckpointStore(url, storage_options=options)
+    store = CheckpointStore(url, storage_options=store_options(args) if options is None else options,
+                            allow_check_then_put=getattr(args, "allow_check_then_put", False))
     if check:
-        store.check_reachable()
+        if not create:
+            store.check_reachable(write=False)  # a missing local root is "not found" (exit 3)
+        if write or create:
+            store.check_reachable(write=True)
     return store
 
 
@@ -195,12 +249,15 @@ __all__ = [
     "EXIT_NOT_FOUND",
     "EXIT_OK",
     "EXIT_RESUME_MISMATCH",
+    "EXIT_UNEXPECTED",
     "EXIT_USAGE",
     "add_json_option",
     "add_store_options",
     "open_store",
     "parse_duration",
     "positive_int",
+    "positive_secs",
+    "store_options",
     "print_json",
     "progress_callback",
     "step_arg",

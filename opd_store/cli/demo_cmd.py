@@ -7,7 +7,7 @@ import datetime as _dt
 import os
 from pathlib import Path
 
-from .common import CliError, add_store_options, parse_storage_options
+from .common import CliError, add_store_options, open_store, store_options
 
 
 def add_parser(subparsers) -> None:
@@ -34,14 +34,16 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..job.demo import run_demo
-
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     workdir = Path(args.workdir or Path.cwd() / "opd-demo" / stamp).resolve()
-    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+    options = store_options(args)
     store_args = [arg for pair in args.storage_option for arg in ("--storage-option", pair)]
     if args.s3_endpoint_url:
         store_args += ["--s3-endpoint-url", args.s3_endpoint_url]
+    if args.connect_timeout_secs is not None:
+        store_args += ["--connect-timeout-secs", str(args.connect_timeout_secs)]
+    if args.allow_check_then_put:
+        store_args += ["--allow-check-then-put"]
     storage_env: dict[str, str] = {}
     server = None
     if args.s3_emulator:
@@ -62,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         store_url = str(workdir / "store")
     try:
+        # Before the reference run: an unusable store is refused in seconds, not after minutes of work.
+        open_store(store_url, args, create=True, options=options)
+        from ..job.demo import run_demo  # torch and the job's models: after the check
+
         return run_demo(
             store_url=store_url,
             store_args=store_args,

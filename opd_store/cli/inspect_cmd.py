@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 from .common import (
     EXIT_CORRUPT,
@@ -68,7 +67,7 @@ def _iso(value) -> str | None:
 
 def run_ls(args: argparse.Namespace) -> int:
     """``opd-store ls``: one row per step (exit 0; 2 when the store is unreachable)."""
-    from ..orphans import find_orphans
+    from ..orphans import survey
     from ..pins import pinned_steps
     from ..status import UNCOMMITTED
 
@@ -77,7 +76,8 @@ def run_ls(args: argparse.Namespace) -> int:
     pinned = pinned_steps(store)
     leftovers: dict[int, list] = {}
     if args.all:
-        for orphan in find_orphans(store, older_than_secs=0.0, now_secs=time.time()):
+        found = survey(store, older_than_secs=0.0)  # every uncommitted attempt, aged on the store's clock
+        for orphan in sorted(found.orphans + found.live, key=lambda o: (o.step, o.attempt_id)):
             leftovers.setdefault(orphan.step, []).append(orphan)
     rows = []
     for info in infos:
@@ -96,7 +96,8 @@ def run_ls(args: argparse.Namespace) -> int:
         }
         if args.all:
             row["uncommitted_attempts"] = [
-                {"attempt_id": o.attempt_id, "age_secs": round(o.age_secs, 1), "size_bytes": o.size_bytes}
+                {"attempt_id": o.attempt_id, "age_secs": round(o.age_secs, 1), "size_bytes": o.size_bytes,
+                 "writer_clock_age_secs": None if o.writer_clock_age_secs is None else round(o.writer_clock_age_secs, 1)}
                 for o in leftovers.get(info.step, [])
             ]
         rows.append(row)

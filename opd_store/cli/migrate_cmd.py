@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_store_options, parse_storage_options, progress_callback
+from .common import add_store_options, open_store, progress_callback, store_options
 
 
 def add_parser(subparsers) -> None:
@@ -28,14 +28,12 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..opd.legacy import migrate_legacy
-    from ..store import CheckpointStore
 
-    options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
-    destination = CheckpointStore(args.dst, storage_options=options)
-    destination.check_reachable()
+    options = store_options(args)
+    destination = open_store(args.dst, args, create=True, options=options)
     # A bucket source (a seed checkpoint copied into a bucket by another tool) is read
     # with the same options as the destination.
-    source = CheckpointStore(args.src, storage_options=options) if "://" in args.src else args.src
+    source = open_store(args.src, args, options=options) if "://" in args.src else args.src
     callback = progress_callback("migrate", unit="step")
     if callback is None:
         result = migrate_legacy(source, destination, steps=args.step)

@@ -11,11 +11,11 @@ from .common import (
     add_store_options,
     open_store,
     parse_duration,
-    parse_storage_options,
     positive_int,
     print_json,
     progress_callback,
     step_arg,
+    store_options,
 )
 
 
@@ -49,7 +49,8 @@ def add_parsers(subparsers) -> None:
     gc = subparsers.add_parser(
         "gc", help="apply a retention policy and remove orphans (dry run unless --yes)",
         description="Plan retention (--keep-last/--keep-every; without either no step is deleted) "
-        "and find orphan attempts and stale S3 multipart uploads older than the grace period. "
+        "and find orphan attempts and stale S3 multipart uploads that nothing has written to for longer than "
+        "the grace period, measured on the store's own clock (never the writer's). "
         "Prints what it would delete and the bytes freed; deletes only with --yes. Never deleted: "
         "pinned steps, the newest complete step, a run's resume parent until the run has a second "
         "checkpoint, damaged or legacy steps, and objects outside the attempt layout.",
@@ -59,7 +60,8 @@ def add_parsers(subparsers) -> None:
     gc.add_argument("--keep-every", type=positive_int, default=None, metavar="K",
                     help="also keep complete steps that are multiples of K")
     gc.add_argument("--orphans-older-than", type=parse_duration, default=3600.0, metavar="DURATION",
-                    help="grace period of uncommitted attempts and multipart uploads (default 1h; 90s, 30m, 2d)")
+                    help="grace period: an uncommitted attempt or multipart upload is collected only when nothing "
+                    "has been written under it for this long by the store's clock (default 1h; 90s, 30m, 2d)")
     gc.add_argument("--deep", action="store_true",
                     help="recompute checksums of the newest complete steps so a corrupt one never counts as kept")
     gc.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
@@ -77,18 +79,17 @@ def _protocol(url: str) -> str:
 
 def run_cp(args: argparse.Namespace) -> int:
     """``opd-store cp``: copy one step with :func:`opd_store.transfer.copy_checkpoint` (exit 3/4/6 on errors)."""
-    from ..store import CheckpointStore
     from ..transfer import copy_checkpoint
 
     src = open_store(args.src, args)
     if args.dst_storage_option is not None or args.dst_s3_endpoint_url:
-        dst_options = parse_storage_options(args.dst_storage_option, args.dst_s3_endpoint_url)
+        args.dst_storage_option = args.dst_storage_option or []
+        dst_options = store_options(args, prefix="dst_")
     elif _protocol(args.src) == _protocol(args.dst):
-        dst_options = parse_storage_options(args.storage_option, args.s3_endpoint_url)
+        dst_options = store_options(args)
     else:
-        dst_options = {}
-    dst = CheckpointStore(args.dst, storage_options=dst_options)
-    dst.check_reachable()
+        dst_options = {} if args.connect_timeout_secs is None else {"connect_timeout_secs": args.connect_timeout_secs}
+    dst = open_store(args.dst, args, create=True, options=dst_options)
     callback = progress_callback(f"cp step {args.step}")
     try:
         url = copy_checkpoint(src, args.step, dst, callback=callback)
@@ -106,7 +107,7 @@ def run_pin(args: argparse.Namespace) -> int:
     """``opd-store pin``: pin a committed step (exit 3 when there is none)."""
     from ..pins import pin
 
-    store = open_store(args.url, args)
+    store = open_store(args.url, args, write=True)
     created = pin(store, args.step, reason=args.reason)
     print(f"{'pinned' if created else 'already pinned'}: step {args.step} at {store.step_url(args.step)}")
     return EXIT_OK
@@ -116,7 +117,7 @@ def run_unpin(args: argparse.Namespace) -> int:
     """``opd-store unpin``: remove a pin (exit 0 also when there was none)."""
     from ..pins import unpin
 
-    store = open_store(args.url, args)
+    store = open_store(args.url, args, write=True)
     if unpin(store, args.step):
         print(f"unpinned: step {args.step} at {store.step_url(args.step)}")
     else:
@@ -130,11 +131,14 @@ def run_gc(args: argparse.Namespace) -> int:
     from ..orphans import collect_garbage_tiers
     from ..retention import RetentionPolicy
 
-    store = open_store(args.url, args)
+    store = open_store(args.url, args, write=args.yes)
     if args.local_tier is not None:
         from ..tiered import TieredStore
 
         store = TieredStore(args.local_tier, store)
+        store.local.check_reachable(write=False)
+        if args.yes:
+            store.local.check_reachable(write=True)
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
     reports = collect_garbage_tiers(
         store, policy, orphans_older_than_secs=args.orphans_older_than, deep=args.deep, dry_run=not args.yes
@@ -164,7 +168,9 @@ def _gc_json(report) -> dict:
         "keep_steps": {str(s): list(why) for s, why in plan.keep.items()},
         "untouched_steps": {str(s): status for s, status in plan.untouched.items()},
         "orphans": [{"url": o.url, "step": o.step, "attempt_id": o.attempt_id, "size_bytes": o.size_bytes,
-                     "age_secs": round(o.age_secs, 1)} for o in report.orphans],
+                     "age_secs": round(o.age_secs, 1),
+                     "writer_clock_age_secs": None if o.writer_clock_age_secs is None else round(o.writer_clock_age_secs, 1)}
+                    for o in report.orphans],
         "stale_uploads": [{"key": u.rel, "upload_id": u.upload_id, "age_secs": round(u.age_secs, 1)}
                           for u in report.uploads],
         "freed_bytes": report.freed_bytes,

@@ -1,4 +1,4 @@
-"""The main job's built-in prompt corpus (no downloads). ``query_update`` is the cursor into it."""
+"""The main job's built-in prompt corpus (no downloads), read at a global sample index."""
 
 from __future__ import annotations
 
@@ -30,10 +30,9 @@ CORPUS: tuple[str, ...] = (
 )
 
 
-def prompts_for(query_update: int, batch_size: int) -> list[str]:
-    """The ``batch_size`` prompts of update cursor ``query_update`` (wrapping around the corpus)."""
-    start = query_update * batch_size
-    return [CORPUS[(start + i) % len(CORPUS)] for i in range(batch_size)]
+def prompts_at(start: int, count: int) -> list[str]:
+    """``count`` prompts from global sample index ``start`` (wrapping around the corpus)."""
+    return [CORPUS[(start + i) % len(CORPUS)] for i in range(count)]
 
 
-__all__ = ["CORPUS", "prompts_for"]
+__all__ = ["CORPUS", "prompts_at"]

@@ -26,6 +26,7 @@ import torch
 from ..layout import MANIFEST_NAME, step_dirname
 from ..store import CheckpointStore
 from ..testing.machines import fresh_machine
+from .compare import adapter_and_optimizer_differences
 
 
 @dataclasses.dataclass
@@ -127,22 +128,7 @@ def _log_entries(paths: list[Path]) -> dict[int, list[dict[str, Any]]]:
 
 
 def _compare_states(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
-    problems = []
-    if reference["adapter"].keys() != candidate["adapter"].keys():
-        problems.append("adapter parameter names differ")
-    for name, tensor in reference["adapter"].items():
-        other = candidate["adapter"].get(name)
-        if other is None or not torch.equal(tensor, other):
-            problems.append(f"adapter weight {name} differs")
-    ref_opt, cand_opt = reference["optimizer"], candidate["optimizer"]
-    if ref_opt["param_groups"] != cand_opt["param_groups"]:
-        problems.append("optimizer param_groups differ")
-    for key, state in ref_opt["state"].items():
-        other = cand_opt["state"].get(key, {})
-        for field, value in state.items():
-            same = torch.equal(value, other.get(field)) if torch.is_tensor(value) else value == other.get(field)
-            if not same:
-                problems.append(f"optimizer state {key}.{field} differs")
+    problems = adapter_and_optimizer_differences(reference, candidate)
     if reference["trainer"] != candidate["trainer"]:
         problems.append(f"trainer counters differ: {reference['trainer']} vs {candidate['trainer']}")
     return problems

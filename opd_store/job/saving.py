@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from ..errors import CheckpointNotFoundError
 from ..opd.async_save import AsyncCheckpointer, SaveHandle
 from ..opd.save import save_opd_checkpoint
-from ..preemption import PreemptionWatcher
+from ..preemption import PreemptionNotice
 from ..store_api import BaseStore
 
 
@@ -36,14 +36,19 @@ class JobSaves:
         save_kwargs (dict): the arguments every save shares (store, model, optimizer, ...,
             ``retention``, ``lineage``).
         async_save (bool): periodic saves on the background worker.
+        save (Callable): the synchronous save, called with ``trainer_state``, ``teacher_state``
+            and ``save_kwargs`` (:func:`~opd_store.opd.save.save_opd_checkpoint`, or
+            :func:`~opd_store.opd.sharded.save_sharded_opd_checkpoint` for a sharded student).
 
     Attributes:
         saves (list[dict]): one record per committed save (``step``, ``url``, ``seconds``,
             ``size_bytes``; ``blocked_seconds`` for asynchronous ones).
     """
 
-    def __init__(self, store: BaseStore, events: TextIO, save_kwargs: dict[str, Any], *, async_save: bool) -> None:
+    def __init__(self, store: BaseStore, events: TextIO, save_kwargs: dict[str, Any], *, async_save: bool,
+                 save: Callable[..., str] = save_opd_checkpoint) -> None:
         self.store = store
+        self.save = save
         self.events = events
         self.save_kwargs = save_kwargs
         self.checkpointer = AsyncCheckpointer() if async_save else None
@@ -67,7 +72,7 @@ class JobSaves:
         """A synchronous save of the current state; records and emits ``saved``."""
         step = trainer["successful_updates"]
         started = time.perf_counter()
-        url = save_opd_checkpoint(trainer_state=dict(trainer), teacher_state=teacher_state, **self.save_kwargs)
+        url = self.save(trainer_state=dict(trainer), teacher_state=teacher_state, **self.save_kwargs)
         record = self._record(step, url, time.perf_counter() - started)
         emit(self.events, {"event": "saved", **record})
         return record
@@ -92,13 +97,13 @@ class JobSaves:
         if self.checkpointer is not None:
             self.checkpointer.close()
 
-    def on_notice(self, preemption: PreemptionWatcher, trainer: dict[str, Any],
+    def on_notice(self, notice: PreemptionNotice, trainer: dict[str, Any],
                   teacher_state: dict[str, Any]) -> dict[str, Any]:
         """The preemption path: the update in progress has finished; wait for an asynchronous save
         in flight, then save the current state on this thread (unless its step is already
         committed: that checkpoint is this state's, or one the run replays exactly) and return the
-        ``preempted`` event, emitted."""
-        notice = preemption.notice
+        ``preempted`` event, emitted. Several ranks: every rank calls it at the same boundary (the
+        notice was agreed) and the save is the multi-rank save, committed once."""
         started = time.perf_counter()
         try:
             self.finish()

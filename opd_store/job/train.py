@@ -24,14 +24,18 @@ from .._version import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.adapter import load_adapter
 from ..opd.config import OPDConfig
-from ..opd.distributed import current_group, decide_on_rank0
+from ..opd.distributed import agree_on_notice, agreement_group, current_group, decide_on_rank0
 from ..opd.load import latest_complete_checkpoint, load_opd_checkpoint
+from ..opd.save import save_opd_checkpoint
+from ..opd.sharded import save_sharded_opd_checkpoint
+from ..opd.sharded_load import load_sharded_opd_checkpoint
 from ..preemption import PreemptionWatcher
 from ..retention import RetentionPolicy, RunLineage
 from ..store_api import BaseStore
-from .corpus import CORPUS, prompts_for
+from .corpus import CORPUS, prompts_at
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
 from .saving import JobSaves, emit
+from .sharding import full_state, prompt_batches, run_sharded_update, sample_position, shard_student
 from .update import run_update
 
 STUDENT_NAME = "opd-store/tiny-llama-2x64-lora"
@@ -150,6 +154,8 @@ def train(
     preemption: PreemptionWatcher | None = None,
     async_save: bool = False,
     retention: RetentionPolicy | None = None,
+    shard: bool = False,
+    rank_timeout_secs: float = 30.0,
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
@@ -166,7 +172,9 @@ def train(
         seed (int): seeds models, data order and every RNG.
         log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
             ``step``, ``ok``, ``loss``, ``lr``); losses are written with full float precision.
-        events (TextIO | None): receives one JSON line per event (``resumed``, ``update``,
+        events (TextIO | None): receives one JSON line per event (``resumed`` (with
+            ``saved_world_size``, ``world_size`` and ``unclaimed_ranks`` after an elastic change),
+            ``started`` (several ranks: ``world_size`` and every rank's ``pids``), ``update``,
             ``save_begin``, ``save_snapshot`` (async), ``saved``, ``save_failed``, ``preempted``,
             and last ``flushed`` with the newest durable step); the demo uses these to time its
             kills.
@@ -188,10 +196,22 @@ def train(
             tier keeps its own (``local_keep_last``). The step the run resumed from is kept until
             the run has a second checkpoint: every manifest records the run's ``run_id`` and
             ``parent_step`` (:class:`~opd_store.retention.RunLineage`).
+        shard (bool): shard the student over the ranks with FSDP2 and checkpoint through DCP
+            (:mod:`opd_store.job.sharding`); a resume at another world size needs
+            ``resume_mode="elastic"``.
+        rank_timeout_secs (float): with a process group and ``preemption``, the timeout of the
+            group the ranks agree on a notice in at every update boundary: a rank that stops
+            answering there makes the others fail within this time.
+
+    With a process group and ``preemption``, a notice seen by any rank (its signal, the AWS or
+    GCE notice) is agreed at the next update boundary (:func:`~opd_store.opd.distributed.agree_on_notice`),
+    so every rank saves the same step, the save commits once, and every rank returns.
 
     Rank obligations: with a ``torch.distributed`` process group initialised, every rank
     calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
-    update cursor ``query_update * N + r``'s prompts, and the ranks average their gradients; only
+    ``queries_per_update`` prompts from global sample index ``samples_done + r * queries_per_update``
+    (``trainer_state["samples_done"]``; with ``shard``: a shuffled global sample position,
+    :mod:`opd_store.job.sharding`), and the ranks average their gradients; only
     rank 0 writes ``log``, ``events`` and ``final_state_path``. Checkpoints are multi-rank saves
     (each rank its own RNG part); the resume target is decided on rank 0.
 
@@ -214,6 +234,7 @@ def train(
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
     resumed_from = _resume_target(store, resume, group)  # bad --resume fails before models are built
+    gather_final = final_state_path is not None
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
         final_state_path = None
@@ -226,6 +247,8 @@ def train(
 
     tokenizer = build_tokenizer()
     student = build_student(len(tokenizer), seed)
+    if shard:
+        shard_student(student, world_size)  # before the optimizer: FSDP2 replaces the parameters
     teacher = build_teacher(len(tokenizer), seed)
     teacher_state = TeacherState(TEACHER_NAME)
     provenance = provenance_fingerprints(tokenizer)
@@ -247,18 +270,28 @@ def train(
 
     resumed_step = None
     if resumed_from is not None:
-        load_adapter(resumed_from, student, storage_options=store.storage_options)
-        trainer = load_opd_checkpoint(
-            resumed_from,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            config=config,
-            provenance_fingerprints=provenance,
-            teacher_state_loader=teacher_state.load,
-            storage_options=store.storage_options,
-        )
+        load_kwargs = dict(optimizer=optimizer, scheduler=scheduler, config=config, provenance_fingerprints=provenance,
+                           teacher_state_loader=teacher_state.load, storage_options=store.storage_options)
+        extra: dict[str, Any] = {}
+        if shard:
+            resumed = load_sharded_opd_checkpoint(resumed_from, model=student, **load_kwargs)
+            trainer = resumed.trainer_state
+            if resumed.elastic.changed:
+                extra = {"saved_world_size": resumed.elastic.saved_world_size, "world_size": world_size,
+                         "unclaimed_ranks": list(resumed.elastic.unclaimed_ranks)}
+        else:
+            load_adapter(resumed_from, student, storage_options=store.storage_options)
+            trainer = load_opd_checkpoint(resumed_from, **load_kwargs)
         resumed_step = int(trainer["successful_updates"])
-        emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step})
+        emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step, **extra})
+    position = sample_position(seed, rank, world_size, config.training.queries_per_update) if shard else None
+    if position is not None and "data_position" in trainer:
+        position.load_state_dict(trainer["data_position"])
+    batches = prompt_batches(position) if position is not None else None
+    agreement = None  # with several ranks and a watcher: the group a notice is agreed in, at every boundary
+    if group is not None:
+        emit(events, {"event": "started", "world_size": world_size, "pids": group.all_gather(os.getpid())})
+        agreement = agreement_group(rank_timeout_secs) if preemption is not None else None
 
     # Every manifest records this run's id and the step it resumed from, so retention (here or an
     # operator's `opd-store gc`) keeps that step until the run has a second checkpoint.
@@ -268,27 +301,32 @@ def train(
         checkpoints_dir=store, model=student, processor=tokenizer, optimizer=optimizer, scheduler=scheduler,
         config=config, provenance_fingerprints=provenance, lineage=lineage, retention=retention,
     )
-    saves = JobSaves(store, events, save_kwargs, async_save=async_save)
+    saves = JobSaves(store, events, save_kwargs, async_save=async_save,
+                     save=save_sharded_opd_checkpoint if shard else save_opd_checkpoint)
     preempted: dict[str, Any] | None = None
+    update_kwargs = dict(student=student, teacher=teacher, tokenizer=tokenizer, optimizer=optimizer,
+                         scheduler=scheduler, max_new_tokens=config.rollout.max_new_tokens,
+                         temperature=config.rollout.temperature, grad_clip=config.training.grad_clip or float("inf"))
     try:
         while trainer["successful_updates"] < updates:
-            if preemption is not None and preemption.should_checkpoint_now():
-                preempted = saves.on_notice(preemption, trainer, teacher_state.state_dict())
+            notice = agree_on_notice(preemption, agreement) if preemption is not None else None
+            if notice is not None:  # every rank, at the same boundary
+                preempted = saves.on_notice(notice, trainer, teacher_state.state_dict())
                 break
             kill_points.update_started(trainer["attempted_updates"] + 1)  # test-only (the soak); nothing when not armed
-            prompts = prompts_for(trainer["query_update"] * world_size + rank, config.training.queries_per_update)
-            outcome = run_update(
-                student=student,
-                teacher=teacher,
-                tokenizer=tokenizer,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                prompts=prompts,
-                max_new_tokens=config.rollout.max_new_tokens,
-                temperature=config.rollout.temperature,
-                grad_clip=config.training.grad_clip or float("inf"),
-                world_size=world_size,
-            )
+            if batches is not None:
+                outcome = run_sharded_update(prompts=next(batches), width=config.training.queries_per_update,
+                                             **update_kwargs)
+                trainer["data_position"] = position.state_dict()
+            else:
+                # A global sample index (the same on every rank), so an elastic resume re-splits the
+                # corpus without skipping or repeating a prompt; at a constant world size it is the
+                # cursor query_update * N + r of earlier versions.
+                width = config.training.queries_per_update
+                done = trainer.setdefault("samples_done", trainer["query_update"] * world_size * width)
+                outcome = run_update(prompts=prompts_at(done + rank * width, width), world_size=world_size,
+                                     **update_kwargs)
+                trainer["samples_done"] = done + world_size * width
             trainer["attempted_updates"] += 1
             trainer["query_update"] += 1
             if outcome.ok:
@@ -320,9 +358,14 @@ def train(
     except CheckpointNotFoundError:
         durable = None
     emit(events, {"event": "flushed", "durable_step": durable})
-    if final_state_path is not None and preempted is None:
-        adapter = {name: p.detach().clone() for name, p in student.named_parameters() if p.requires_grad}
-        torch.save({"adapter": adapter, "optimizer": optimizer.state_dict(), "trainer": dict(trainer)}, final_state_path)
+    if gather_final and preempted is None:
+        if shard:  # a collective: every rank takes part, rank 0 writes
+            final = {**full_state(student, optimizer), "trainer": dict(trainer)}
+        else:
+            final = {"adapter": {name: p.detach().clone() for name, p in student.named_parameters() if p.requires_grad},
+                     "optimizer": optimizer.state_dict(), "trainer": dict(trainer)}
+        if final_state_path is not None:
+            torch.save(final, final_state_path)
     return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"],
                        saves.saves, preempted)
 

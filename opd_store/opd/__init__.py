@@ -12,5 +12,8 @@
 - :mod:`opd_store.opd.rng`: per-rank RNG capture/restore, ``preserve_global_rng``.
 - :mod:`opd_store.opd.safe_load`: weights-only loading with a narrow allow-list; save-time sanitiser.
 - :mod:`opd_store.opd.legacy`: migration of seed-layout checkpoints into any store.
-- :mod:`opd_store.opd.data`: ``LoaderPosition``, a shuffled DataLoader's position for mid-epoch resume.
+- :mod:`opd_store.opd.data`: ``LoaderPosition``, a shuffled DataLoader's position for mid-epoch
+  resume; ``GlobalSamplePosition``, a global sample index re-split over any number of ranks.
+- :mod:`opd_store.opd.sharded`, :mod:`opd_store.opd.sharded_load`: checkpoints of a sharded
+  (FSDP2) student through DCP; :mod:`opd_store.opd.elastic`: the elastic-resume policy.
 """

@@ -15,6 +15,8 @@ from ..store_api import BaseStore
 from .names import ADAPTER_DIR, PROCESSOR_DIR, PROCESSOR_MARKERS, CheckpointRef, require_complete, resolve_checkpoint
 from .safe_load import load_payload
 
+DCP_METADATA = ".metadata"  # a sharded (DCP) checkpoint; opd_store.dcp.metadata_io.METADATA_NAME
+
 
 def _adapter_weights(store: BaseStore, step: int, names: list[str], prefix: str, url: str) -> dict:
     safetensors_name = f"{prefix}adapter_model.safetensors"
@@ -116,6 +118,41 @@ def _load_processor(store: BaseStore, step: int, names: list[str], url: str, cla
         raise ValueError(f"cannot load the processor saved at {url}: {'; '.join(errors)}")
 
 
+def _restore_from_shards(store: BaseStore, step: int, model: Any, url: str) -> None:
+    """Gather the adapter of a sharded checkpoint (DCP) into this process's unsharded PEFT model.
+
+    One process, no collectives: DCP's planner reads every shard of each adapter tensor from the
+    checked files (:mod:`opd_store.dcp.reader`) into a full tensor, which is then copied into the
+    parameter and compared bit for bit.
+    """
+    from ..dcp import api as dcp_api
+    from ..dcp.reader import StoreReader
+
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, Mapping) or not peft_config:
+        raise TypeError(f"load_adapter restores PEFT adapters in place; {type(model).__name__} has no peft_config")
+    saved = {key[len("model."):]: meta for key, meta in StoreReader(store, step).read_metadata()
+             .state_dict_metadata.items() if key.startswith("model.")}
+    params = dict(model.named_parameters())
+    adapter = {name for name in params if any(f".{adapter_name}." in name for adapter_name in peft_config)}
+    missing, unexpected = sorted(adapter - set(saved)), sorted(set(saved) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"adapter at {url} does not fit the model: missing keys {missing}, unexpected keys {unexpected}")
+    mismatched = [f"{name}: saved {tuple(meta.size)} {meta.properties.dtype}, model {tuple(params[name].shape)} "
+                  f"{params[name].dtype}" for name, meta in sorted(saved.items())
+                  if tuple(meta.size) != tuple(params[name].shape) or meta.properties.dtype != params[name].dtype]
+    if mismatched:
+        raise ValueError(f"adapter at {url} has mismatched tensors: {mismatched}")
+    gathered = {name: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for name, meta in saved.items()}
+    dcp_api.load({"model": gathered}, store, step, single_process=True)
+    with torch.no_grad():
+        for name, tensor in gathered.items():
+            params[name].copy_(tensor)
+    differing = sorted(name for name, tensor in gathered.items() if not torch.equal(params[name].detach().cpu(), tensor))
+    if differing:
+        raise ValueError(f"adapter at {url} did not restore exactly: {differing}")
+
+
 def load_adapter(checkpoint: CheckpointRef, model: Any, *, storage_options: dict[str, Any] | None = None) -> Any:
     """Restore the student's LoRA adapter weights in place, exactly; return the saved processor.
 
@@ -156,7 +193,10 @@ def load_adapter(checkpoint: CheckpointRef, model: Any, *, storage_options: dict
     report = require_complete(store, step)
     url = report.url
     names = store.names(step)
-    _restore_peft_adapter(store, step, names, model, url)
+    if DCP_METADATA in names:
+        _restore_from_shards(store, step, model, url)
+    else:
+        _restore_peft_adapter(store, step, names, model, url)
     class_name = None
     if report.status == COMPLETE:
         class_name = store.manifest(step).metadata.get("processor_class")

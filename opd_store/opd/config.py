@@ -43,7 +43,7 @@ EXECUTION_ONLY_KEY = "execution_only"
 ROLLOUT_LIMIT_KEY = "rollout_limit"
 """``json_schema_extra`` key marking the rollout limit (stopping rule) field."""
 
-ResumeMode = Literal["exact", "execution_change", "rollout_limit_change"]
+ResumeMode = Literal["exact", "execution_change", "rollout_limit_change", "elastic"]
 """Resume modes; must equal ``opd_store.opd.resume.RESUME_MODES`` (a test checks it)."""
 
 

@@ -43,6 +43,30 @@ from .rng import preserve_global_rng
 STATE_KEYS = ("epoch", "batches_done", "epoch_start_generator_state")
 
 
+def _checked_position(state: Mapping[str, Any], keys: tuple[str, ...], what: str,
+                      generator: torch.Generator) -> tuple[int, int, torch.Tensor]:
+    """``(epoch, counter, epoch-start generator state)`` of a saved position whose ``keys`` are
+    ``(epoch, <counter>, epoch_start_generator_state)``; ``what`` names it in errors.
+
+    Raises:
+        ValueError: a key is missing, a counter is not a non-negative int, or the generator state
+            is not a ``torch.uint8`` tensor of ``generator``'s state size.
+    """
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{what} is missing {missing}")
+    epoch_key, counter_key, start_key = keys
+    epoch, counter, start = state[epoch_key], state[counter_key], state[start_key]
+    for name, value in ((epoch_key, epoch), (counter_key, counter)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{what} {name} must be a non-negative int, got {value!r}")
+    current = generator.get_state()
+    if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
+        raise ValueError(f"{what} {start_key} must be a torch.uint8 tensor of shape {tuple(current.shape)} "
+                         f"(this generator's state), got {start!r:.80}")
+    return epoch, counter, start
+
+
 class LoaderPosition:
     """Where a run is in the data order of a shuffled ``DataLoader``, saveable in trainer state.
 
@@ -89,20 +113,7 @@ class LoaderPosition:
             ValueError: a key is missing, a counter is not a non-negative int, or the generator
                 state is not a ``torch.uint8`` tensor of this generator's state size.
         """
-        missing = [key for key in STATE_KEYS if key not in state]
-        if missing:
-            raise ValueError(f"loader position is missing {missing}")
-        epoch, done, start = state["epoch"], state["batches_done"], state["epoch_start_generator_state"]
-        for name, value in (("epoch", epoch), ("batches_done", done)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"loader position {name} must be a non-negative int, got {value!r}")
-        current = self.generator.get_state()
-        if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
-            raise ValueError(
-                "loader position epoch_start_generator_state must be a torch.uint8 tensor of shape "
-                f"{tuple(current.shape)} (this generator's state), got {start!r:.80}"
-            )
-        self.epoch, self.batches_done = epoch, done
+        self.epoch, self.batches_done, start = _checked_position(state, STATE_KEYS, "loader position", self.generator)
         self._epoch_start_state = start.clone()
         self._resume_pending = True
 
@@ -161,4 +172,89 @@ class LoaderPosition:
 
 _END = object()
 
-__all__ = ["LoaderPosition"]
+GLOBAL_STATE_KEYS = ("epoch", "samples_done", "epoch_start_generator_state")
+
+
+class GlobalSamplePosition:
+    """Where a multi-rank run is in its data order, as a global sample index (elastic-safe).
+
+    Each epoch's order is one permutation of ``range(dataset_size)`` drawn from ``generator`` when
+    the epoch starts. Every step hands out the next ``world_size * batch_size`` samples of that
+    order: rank ``r`` takes ``batch_size`` of them starting at ``samples_done + r * batch_size``;
+    then ``samples_done`` (the same on every rank: replicated state, saved once) advances by
+    ``world_size * batch_size``. Resumed at another world size (``resume_mode: elastic``), the
+    position is the same global index and the rest of the epoch is split over the new ranks: no
+    sample is skipped or repeated. The last step of an epoch hands out what remains (a rank may
+    get a short or an empty batch, so every rank takes the same number of steps).
+
+    Args:
+        generator (torch.Generator): a CPU generator seeded the same on every rank.
+        dataset_size (int): samples in the dataset, ``> 0``.
+        batch_size (int): samples per rank per step, ``> 0``.
+        rank (int): this rank, ``0 <= rank < world_size``.
+        world_size (int): ranks of this run.
+
+    Attributes:
+        epoch (int): the epoch in progress.
+        samples_done (int): samples of the epoch's order handed out to all ranks together.
+    """
+
+    def __init__(self, generator: torch.Generator, *, dataset_size: int, batch_size: int, rank: int,
+                 world_size: int) -> None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"GlobalSamplePosition needs a torch.Generator, got {type(generator).__name__}")
+        if dataset_size < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need dataset_size, batch_size, world_size >= 1 and 0 <= rank < world_size, got "
+                             f"{dataset_size}, {batch_size}, {world_size}, rank {rank}")
+        self.generator = generator
+        self.dataset_size, self.batch_size = dataset_size, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.samples_done = 0
+        self._epoch_start_state: torch.Tensor | None = None
+        self._resume_pending = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """``epoch`` (int), ``samples_done`` (int, global) and ``epoch_start_generator_state``
+        (``torch.uint8`` tensor); the same on every rank."""
+        start = self._epoch_start_state if self._epoch_start_state is not None else self.generator.get_state()
+        return {"epoch": int(self.epoch), "samples_done": int(self.samples_done),
+                "epoch_start_generator_state": start.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved position (saved at any world size); the next :meth:`iterate` continues it.
+
+        Raises:
+            ValueError: a key is missing, a counter is not a non-negative int, or the generator
+                state is not a ``torch.uint8`` tensor of this generator's state size.
+        """
+        self.epoch, self.samples_done, start = _checked_position(state, GLOBAL_STATE_KEYS, "sample position",
+                                                                 self.generator)
+        self._epoch_start_state = start.clone()
+        self._resume_pending = True
+
+    def iterate(self, epoch: int) -> Iterator[list[int]]:
+        """Yield this rank's sample indices of ``epoch``, one list per step, continuing a loaded
+        position. A step counts as handed out when it is yielded: save after training on it.
+
+        Raises:
+            ValueError: ``epoch`` is before the position's epoch.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < self.epoch:
+            raise ValueError(f"epoch {epoch!r} is before the sample position's epoch {self.epoch}")
+        if self._resume_pending and epoch == self.epoch:
+            assert self._epoch_start_state is not None
+            self.generator.set_state(self._epoch_start_state)
+        else:
+            self.epoch, self.samples_done = epoch, 0
+            self._epoch_start_state = self.generator.get_state()
+        self._resume_pending = False
+        order = torch.randperm(self.dataset_size, generator=self.generator).tolist()
+        step = self.world_size * self.batch_size
+        while self.samples_done < self.dataset_size:
+            start = self.samples_done + self.rank * self.batch_size
+            self.samples_done = min(self.samples_done + step, self.dataset_size)
+            yield order[start:min(start + self.batch_size, self.samples_done)]
+
+
+__all__ = ["GlobalSamplePosition", "LoaderPosition"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from ..errors import DistributedLoadError
 from ..pipeline.collective import describe_failure, failure_text
+from ..preemption import PreemptionNotice, PreemptionWatcher
 
 logger = logging.getLogger("opd_store.opd.distributed")
 
@@ -33,23 +35,30 @@ class RankGroup:
     """This process's place in the default ``torch.distributed`` process group.
 
     Attributes:
-        rank (int): this process's rank, ``0 <= rank < world_size``.
+        rank (int): this process's rank in ``group``, ``0 <= rank < world_size``.
         world_size (int): ranks in the group (``> 1``).
+        group (ProcessGroup | None): the process group; ``None`` is the default group.
     """
 
     rank: int
     world_size: int
+    group: Any = None
+
+    @classmethod
+    def of(cls, process_group: Any = None) -> "RankGroup":
+        """This process's place in ``process_group`` (default: the default group), initialised."""
+        return cls(dist.get_rank(process_group), dist.get_world_size(process_group), process_group)
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), index = rank. A collective: every rank must call it."""
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank. A collective: every rank must call it."""
         box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
         return box[0]
 
 
@@ -155,4 +164,53 @@ def decide_on_rank0(group: RankGroup, decide: Callable[[], T]) -> T:
     return value
 
 
-__all__ = ["RankGroup", "check_group_args", "current_group", "decide_on_rank0", "load_collective"]
+def agreement_group(timeout_secs: float) -> RankGroup:
+    """A gloo group of every rank with a timeout of its own, for :func:`agree_on_notice`: a rank
+    that stops answering makes the others fail there within ``timeout_secs``, whatever the default
+    group's timeout. Rank obligations: every rank calls it (creating a group is a collective)."""
+    import datetime
+
+    return RankGroup.of(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs)))
+
+
+def agree_on_notice(watcher: PreemptionWatcher | None, group: RankGroup | None) -> PreemptionNotice | None:
+    """At an update boundary: the preemption notice any rank has seen, agreed by every rank.
+
+    One small collective per call (an ``all_reduce`` of one flag; a gather of the notices only
+    when a rank has one), so every rank checkpoints the same step: a notice seen by one rank
+    (its SIGTERM, the AWS or GCE metadata notice) stops every rank at the same boundary. The
+    agreed notice is the one with the earliest deadline (the first rank's when none has one); its
+    ``detail`` names the rank that saw it, its deadline is on this rank's monotonic clock.
+
+    Rank obligations: every rank of ``group`` calls it at the same boundaries (a collective). Run
+    it on a group with a short timeout (``dist.new_group(backend="gloo", timeout=...)``): a rank
+    that died makes it fail within that time (gloo: at once, the peer's connection is closed),
+    never after the default group's long timeout.
+
+    Returns:
+        PreemptionNotice | None: the agreed notice, or ``None`` when no rank has one.
+
+    Raises:
+        RuntimeError: the collective failed (a rank died or did not answer within the group's timeout).
+    """
+    local = watcher.notice if watcher is not None and watcher.should_checkpoint_now() else None
+    if group is None:
+        return local
+    import torch
+
+    flag = torch.tensor([0 if local is None else 1], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.group)
+    if not int(flag.item()):
+        return None
+    reports = group.all_gather(None if local is None else (local.source, local.detail, local.secs_left()))
+    seen = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    rank, (source, detail, secs_left) = min(seen, key=lambda item: (item[1][2] is None, item[1][2] or 0.0, item[0]))
+    now = time.monotonic()
+    notice = PreemptionNotice(source, f"{detail} (seen by rank {rank})", now,
+                              None if secs_left is None else now + secs_left)
+    if watcher is not None:
+        watcher.notify(notice.source, notice.detail, notice.deadline_monotonic)
+    return notice
+
+
+__all__ = ["RankGroup", "agree_on_notice", "agreement_group", "check_group_args", "current_group", "decide_on_rank0", "load_collective"]

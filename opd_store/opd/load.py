@@ -20,6 +20,7 @@ from ..errors import CheckpointNotFoundError
 from ..store_api import BaseStore
 from ..store_refs import as_store
 from .distributed import check_group_args, current_group, decide_on_rank0, load_collective
+from .elastic import ElasticResume
 from .names import (
     CONFIG_YAML,
     PAYLOAD_KEYS,
@@ -40,13 +41,46 @@ from .rng import restore_rng_state
 from .safe_load import load_payload
 
 
-def _read_config_dict(store: BaseStore, step: int) -> dict | None:
+def read_config_dict(store: BaseStore, step: int) -> dict | None:
+    """The step's ``config.yaml`` as a dict (``None`` when absent or not a mapping): consulted
+    only when the config fingerprints differ (:func:`~opd_store.opd.resume.validate_resume`)."""
     try:
         data = store.read(step, CONFIG_YAML)
     except CheckpointNotFoundError:
         return None
     parsed = yaml.safe_load(data.decode("utf-8"))
     return parsed if isinstance(parsed, dict) else None
+
+
+def check_teacher_count(trainer: Mapping[str, Any], teacher: Mapping[str, Any], url: str) -> None:
+    """The saved teacher's ``update_count``, when present, equals ``successful_updates`` (seed).
+
+    Raises:
+        ValueError: it differs (naming ``url`` and both counts).
+    """
+    if teacher.get("update_count") not in (None, trainer["successful_updates"]):
+        raise ValueError(
+            f"restored teacher update count differs from OPD state at {url} "
+            f"({teacher.get('update_count')!r} != {trainer['successful_updates']!r})"
+        )
+
+
+def finish_resume(*, trainer: dict, teacher: dict, scheduler: Any, scheduler_state: Any,
+                  teacher_state_loader: Callable[[dict], None], decision: Any, elastic: ElasticResume,
+                  rng_state: Any) -> None:
+    """The last restores of a resume, once every check passed and the model and optimizer are
+    restored: the scheduler, the teacher, a changed rollout limit's new validation baseline (seed:
+    the validation keys dropped from ``trainer``, ``rollout_limit_changed_at_update`` set), the
+    elastic report, and this rank's RNG state last (``rng_state``, or one derived from the
+    checkpoint for a rank the saved run did not have)."""
+    scheduler.load_state_dict(scheduler_state)
+    teacher_state_loader(teacher)
+    if decision.rollout_limit_changed:
+        for key in VALIDATION_KEYS:
+            trainer.pop(key, None)
+        trainer["rollout_limit_changed_at_update"] = trainer["successful_updates"]
+    elastic.report()
+    restore_rng_state(rng_state if rng_state is not None else elastic.derived_rng())
 
 
 def load_opd_checkpoint(
@@ -67,7 +101,9 @@ def load_opd_checkpoint(
     Order (seed, with every check moved before the first restore so a refused resume changes
     nothing): completeness; schema; resume validation by
     :func:`opd_store.opd.resume.validate_resume` (config fingerprint, provenance and world size
-    under ``config.checkpoint.resume_mode``; a world-size change is always refused); the seed's
+    under ``config.checkpoint.resume_mode``; a world-size change is refused except under
+    ``elastic``, whose policy is :mod:`opd_store.opd.elastic`: a rank beyond the saved world size
+    gets an RNG state derived from the checkpoint); the seed's
     teacher ``update_count`` check; then optimizer, scheduler, teacher (through
     ``teacher_state_loader``), and this rank's RNG state last, so nothing that runs during the
     restore can move the generators afterwards (field notes: "RNG captured first, restored last").
@@ -99,8 +135,8 @@ def load_opd_checkpoint(
         teacher_state_loader (Callable[[dict], None]): receives the saved teacher state.
         rank (int | None): this process's rank, ``0 <= rank < world_size``; default the process
             group's, or 0 without one.
-        world_size (int | None): this run's world size; must equal the saved one; default the
-            process group's, or 1 without one.
+        world_size (int | None): this run's world size; must equal the saved one (except under
+            ``elastic``); default the process group's, or 1 without one.
         storage_options (dict | None): fsspec options for a URL.
         allow_pickle (bool): opt-in to load old pickle-only payloads with plain pickle; honoured
             only for local directories (a bucket checkpoint never runs code on load).
@@ -172,7 +208,7 @@ def _load_one(
 
     saved_fingerprint = payload.get("config_fingerprint")
     # config.yaml is only consulted when the fingerprints differ (validate_resume, rules 2 and 5).
-    saved_config = None if saved_fingerprint == config.fingerprint() else _read_config_dict(store, step)
+    saved_config = None if saved_fingerprint == config.fingerprint() else read_config_dict(store, step)
     decision = validate_resume(
         checkpoint_url=url,
         saved_config_fingerprint=saved_fingerprint,
@@ -184,32 +220,25 @@ def _load_one(
         world_size=world_size,
     )
 
-    rng_name = RNG_SINGLE if schema == SCHEMA_V1 else rng_payload_name(rank, saved_world_size)
-    try:
-        rng_bytes = store.read(step, rng_name)
-    except CheckpointNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{url}: step {step} has no RNG state of rank {rank} ({rng_name}); it cannot resume that rank"
-        ) from exc
-    rng_state = load_payload(rng_bytes, source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
+    elastic = ElasticResume(saved_world_size=saved_world_size, world_size=world_size, rank=rank, step=step,
+                            config_fingerprint=str(saved_fingerprint))
+    rng_state = None
+    if elastic.restores_own_rng:  # else (an elastic resume's new rank) derived from the checkpoint
+        rng_name = RNG_SINGLE if schema == SCHEMA_V1 else rng_payload_name(rank, saved_world_size)
+        try:
+            rng_bytes = store.read(step, rng_name)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{url}: step {step} has no RNG state of rank {rank} ({rng_name}); it cannot resume that rank"
+            ) from exc
+        rng_state = load_payload(rng_bytes, source=f"{url}/{rng_name}", allow_pickle=allow_pickle)
 
     state = payload["trainer"]
-    teacher = payload["teacher"]
-    if teacher.get("update_count") not in (None, state["successful_updates"]):
-        raise ValueError(
-            f"restored teacher update count differs from OPD state at {url} "
-            f"({teacher.get('update_count')!r} != {state['successful_updates']!r})"
-        )
+    check_teacher_count(state, payload["teacher"], url)
 
     optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
-    teacher_state_loader(teacher)
-    if decision.rollout_limit_changed:
-        # A new stopping rule needs its own validation baseline (seed).
-        for key in VALIDATION_KEYS:
-            state.pop(key, None)
-        state["rollout_limit_changed_at_update"] = state["successful_updates"]
-    restore_rng_state(rng_state)
+    finish_resume(trainer=state, teacher=payload["teacher"], scheduler=scheduler, scheduler_state=payload["scheduler"],
+                  teacher_state_loader=teacher_state_loader, decision=decision, elastic=elastic, rng_state=rng_state)
     return state
 
 

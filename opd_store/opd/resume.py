@@ -13,8 +13,12 @@ Modes (``config.checkpoint.resume_mode``):
   fields the config marks execution-only; provenance only in keys it marks execution-only.
 * ``rollout_limit_change``: as ``execution_change``, and the rollout limit (stopping rule) may
   change.
+* ``elastic``: as ``execution_change``, and the world size may change (a job back from a
+  preemption with fewer or more machines). What the loaders then restore is the elastic policy of
+  :mod:`opd_store.opd.elastic` (docs/resume.md, "Elastic resume").
 
-Whatever the mode, a world-size change is refused: each rank restores its own RNG state.
+Under every other mode a world-size change is refused, naming both sizes: each rank restores its
+own RNG state, and a different number of ranks has no exact next update.
 
 The config is duck-typed. It must offer ``fingerprint() -> str`` and ``as_dict() -> dict``
 (the seed's contract). It may also offer the markings that
@@ -52,7 +56,8 @@ from .config_diff import (
     unmarked_reason,
 )
 
-RESUME_MODES = ("exact", "execution_change", "rollout_limit_change")
+RESUME_MODES = ("exact", "execution_change", "rollout_limit_change", "elastic")
+ELASTIC = "elastic"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +73,20 @@ class ResumeDecision:
             that differed but were allowed. The config is diffed only when its fingerprint
             differs, so execution-only config changes are listed only then; empty when
             fingerprint and provenance both matched.
+        saved_world_size (int | None): the parent's world size.
+        world_size (int | None): this run's; differs from ``saved_world_size`` only under ``elastic``.
     """
 
     mode: str
     rollout_limit_changed: bool
     accepted_changes: tuple[str, ...]
+    saved_world_size: int | None = dataclasses.field(default=None, compare=False)
+    world_size: int | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def world_size_changed(self) -> bool:
+        """True when an ``elastic`` resume changes the world size."""
+        return self.saved_world_size is not None and self.saved_world_size != self.world_size
 
 
 def resume_mode_of(config: Any) -> str:
@@ -194,7 +208,7 @@ def validate_resume(
 
     Order of the rules:
 
-    1. World size must match, under every mode (each rank restores its own RNG).
+    1. World size must match, under every mode but ``elastic`` (each rank restores its own RNG).
     2. Fingerprint and provenance both match: accepted without diffing (the seed's ``exact`` rule;
        the fingerprint stands for the config).
     3. ``exact``: any mismatch is refused (the seed). The message lists the differing config fields
@@ -227,18 +241,20 @@ def validate_resume(
         ValueError: the config asks for an unknown resume mode.
     """
     url = checkpoint_url or "<unnamed>"
-    if saved_world_size != world_size:
+    if saved_world_size != world_size and _mode_or_none(config) != ELASTIC:
         raise ResumeMismatchError(
             f"cannot resume OPD checkpoint {url}: it was saved with world_size {saved_world_size} "
             f"and this run has world_size {world_size}; a world-size change is refused under "
-            "every resume mode (each rank restores its own RNG state)"
+            f"every resume mode except {ELASTIC!r} (each rank restores its own RNG state; "
+            "docs/resume.md, 'Elastic resume')"
         )
     mode = resume_mode_of(config)
+    sizes = {"saved_world_size": saved_world_size, "world_size": world_size}
     current_fingerprint = config.fingerprint()
     fingerprint_matches = saved_config_fingerprint == current_fingerprint
     provenance_diffs = provenance_diff(saved_provenance, provenance_fingerprints)
     if fingerprint_matches and not provenance_diffs:
-        return ResumeDecision(mode=mode, rollout_limit_changed=False, accepted_changes=())
+        return ResumeDecision(mode=mode, rollout_limit_changed=False, accepted_changes=(), **sizes)
 
     fingerprint_diff = Difference(
         "config_fingerprint", saved_config_fingerprint, current_fingerprint
@@ -280,7 +296,15 @@ def validate_resume(
             saved_config_dict, config, saved_provenance, provenance_fingerprints,
             allow_rollout_limit_change=allow, checkpoint_url=url,
         )
-    return ResumeDecision(mode=mode, rollout_limit_changed=changed, accepted_changes=accepted)
+    return ResumeDecision(mode=mode, rollout_limit_changed=changed, accepted_changes=accepted, **sizes)
+
+
+def _mode_or_none(config: Any) -> str | None:
+    """The config's resume mode, or ``None`` when it names no valid one (decided later)."""
+    try:
+        return resume_mode_of(config)
+    except ValueError:
+        return None
 
 
 def _exact_refusal(
@@ -327,6 +351,7 @@ def _exact_refusal(
 
 
 __all__ = [
+    "ELASTIC",
     "RESUME_MODES",
     "ResumeDecision",
     "resume_mode_of",

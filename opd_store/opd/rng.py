@@ -102,6 +102,36 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def derived_rng_state(seed: int) -> dict[str, Any]:
+    """A fresh ``opd_rng_v1`` state of every global generator, seeded from ``seed`` alone.
+
+    The same ``seed`` gives the same state on every machine and torch/numpy build of the same
+    generator algorithms (Mersenne Twister for Python and numpy, torch's CPU Philox/MT): the
+    state new ranks of an elastic resume start from (:mod:`opd_store.opd.elastic`).
+
+    Args:
+        seed (int): ``0 <= seed < 2**63``; numpy's legacy generator takes ``seed % 2**32``, and
+            CUDA device ``d`` (when CUDA is available) is seeded with ``seed + d``.
+
+    Returns:
+        dict: as :func:`capture_rng_state` (``cuda`` only when CUDA is available).
+    """
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    name, key, pos, has_gauss, cached = np.random.RandomState(seed % 2**32).get_state(legacy=True)
+    state: dict[str, Any] = {
+        "format": RNG_FORMAT,
+        "python": random.Random(seed).getstate(),
+        "numpy": {"bit_generator": str(name), "key": torch.from_numpy(np.asarray(key, dtype=np.int64).copy()),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.Generator().manual_seed(seed).get_state(),
+    }
+    if _cuda_available():
+        state["cuda"] = [torch.Generator(device=f"cuda:{device}").manual_seed(seed + device).get_state()
+                         for device in range(torch.cuda.device_count())]
+    return state
+
+
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Set the global RNGs of this process from a captured state.
 
@@ -184,4 +214,4 @@ def preserve_global_rng() -> Iterator[None]:
             torch.cuda.set_rng_state_all(snapshot["cuda"])
 
 
-__all__ = ["RNG_FORMAT", "capture_rng_state", "preserve_global_rng", "restore_rng_state"]
+__all__ = ["RNG_FORMAT", "capture_rng_state", "derived_rng_state", "preserve_global_rng", "restore_rng_state"]

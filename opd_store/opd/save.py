@@ -43,16 +43,16 @@ logger = logging.getLogger("opd_store.opd.save")
 _COPY_CHUNK_BYTES = 8 * 1024 * 1024
 
 
-def _stream_pretrained(txn, obj: Any, directory: Path, prefix: str, state_dict: dict | None = None) -> None:
+def stream_pretrained(txn, obj: Any, directory: Path, prefix: str, state_dict: dict | None = None) -> None:
     """``obj.save_pretrained(directory)``, then every file into the transaction as ``prefix/...``."""
     if state_dict is None:
         obj.save_pretrained(str(directory))
     else:
         obj.save_pretrained(str(directory), state_dict=state_dict)
-    _stream_directory(txn, directory, prefix, f"{type(obj).__name__}.save_pretrained")
+    stream_directory(txn, directory, prefix, f"{type(obj).__name__}.save_pretrained")
 
 
-def _stream_directory(txn, directory: Path, prefix: str, writer_name: str) -> None:
+def stream_directory(txn, directory: Path, prefix: str, writer_name: str) -> None:
     """Every file under ``directory`` into the transaction as ``prefix/...``."""
     files = sorted(path for path in directory.rglob("*") if path.is_file())
     if not files:
@@ -215,12 +215,12 @@ def _write_payloads(txn, snapshot: OpdSnapshot, shared: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
         if shared:
             if snapshot.adapter_dir is not None:
-                _stream_directory(txn, Path(snapshot.adapter_dir), ADAPTER_DIR, "save_pretrained")
+                stream_directory(txn, Path(snapshot.adapter_dir), ADAPTER_DIR, "save_pretrained")
             else:
-                _stream_pretrained(txn, snapshot.model, Path(tmp) / ADAPTER_DIR, ADAPTER_DIR,
+                stream_pretrained(txn, snapshot.model, Path(tmp) / ADAPTER_DIR, ADAPTER_DIR,
                                    state_dict=snapshot.adapter_state_dict)
             if snapshot.processor is not None:
-                _stream_pretrained(txn, snapshot.processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
+                stream_pretrained(txn, snapshot.processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
         for rank, state in snapshot.rng_payloads.items():
             _save_torch(txn, rng_payload_name(rank, snapshot.world_size), state)
         if shared:
@@ -268,4 +268,4 @@ def write_opd_checkpoint(snapshot: OpdSnapshot, *, before_commit: Callable[[], N
     return url
 
 
-__all__ = ["save_opd_checkpoint", "save_request", "write_opd_checkpoint"]
+__all__ = ["save_opd_checkpoint", "save_request", "stream_directory", "stream_pretrained", "write_opd_checkpoint"]

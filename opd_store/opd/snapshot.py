@@ -29,7 +29,7 @@ from .rng import capture_rng_state
 from .safe_load import plain_config_dict, sanitize_state
 
 
-def _check_trainer_state(trainer_state: Any, teacher_state: Any) -> int:
+def check_trainer_state(trainer_state: Any, teacher_state: Any) -> int:
     """The seed's rules on what may be checkpointed; returns the step."""
     if not isinstance(trainer_state, Mapping):
         raise ValueError(f"OPD trainer state must be a mapping, got {type(trainer_state).__name__}")
@@ -55,7 +55,12 @@ def _check_trainer_state(trainer_state: Any, teacher_state: Any) -> int:
     return step
 
 
-def _check_provenance(provenance: Any) -> dict[str, str]:
+def check_provenance(provenance: Any) -> dict[str, str]:
+    """The provenance fingerprints as a plain ``dict[str, str]``.
+
+    Raises:
+        ValueError: anything else.
+    """
     if not isinstance(provenance, Mapping) or not all(
         isinstance(key, str) and isinstance(value, str) for key, value in provenance.items()
     ):
@@ -63,7 +68,7 @@ def _check_provenance(provenance: Any) -> dict[str, str]:
     return dict(provenance)
 
 
-def _json_value(value: Any) -> Any:
+def json_value(value: Any) -> Any:
     """``value`` if it survives JSON unchanged, else ``None`` (manifest metadata is JSON)."""
     try:
         return value if json.loads(json.dumps(value, allow_nan=False)) == value else None
@@ -71,7 +76,8 @@ def _json_value(value: Any) -> Any:
         return None
 
 
-def _class_name(obj: Any) -> str | None:
+def class_name(obj: Any) -> str | None:
+    """The class name of ``obj`` (the manifest records the processor class), ``None`` for ``None``."""
     return None if obj is None else type(obj).__name__
 
 
@@ -118,6 +124,40 @@ class OpdSnapshot:
     processor: Any
     retention: RetentionPolicy | None = None
     lineage: RunLineage | None = None
+
+
+def config_record(config: Any) -> tuple[str, bytes]:
+    """``(fingerprint, config.yaml bytes)`` of a run's config, checked before anything is written.
+
+    Raises:
+        ValueError: ``config.fingerprint()`` is not a ``str``, or ``config.as_dict()`` is not plain
+            YAML data (naming its key: a ``Path`` or an enum would make ``config.yaml``
+            unloadable with ``yaml.safe_load``).
+    """
+    fingerprint = config.fingerprint()
+    if not isinstance(fingerprint, str):
+        raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
+    return fingerprint, yaml.safe_dump(plain_config_dict(config.as_dict()), sort_keys=False).encode("utf-8")
+
+
+def manifest_metadata(*, schema: str, trainer_state: Mapping[str, Any], step: int, fingerprint: str,
+                      provenance: dict[str, str], world_size: int, processor: Any,
+                      lineage: RunLineage | None) -> dict[str, Any]:
+    """The manifest metadata of an OPD checkpoint (readable without torch): schema, the trainer's
+    counters, fingerprints, ``world_size``, the processor's class and the run's lineage."""
+    metadata = {
+        "opd_schema": schema,
+        "attempted_updates": json_value(trainer_state["attempted_updates"]),
+        "successful_updates": step,
+        "query_update": json_value(trainer_state["query_update"]),
+        "config_fingerprint": fingerprint,
+        "provenance_fingerprints": provenance,
+        "world_size": world_size,
+        "processor_class": class_name(processor),
+    }
+    if lineage is not None:
+        metadata.update(lineage.as_metadata())
+    return metadata
 
 
 def _accepts_state_dict(model: Any) -> bool:
@@ -192,7 +232,7 @@ def snapshot_opd_checkpoint(
     """
     if rank_rng_parts is None:
         own_rng = capture_rng_state() if rank_rng_states is None else None
-        step = _check_trainer_state(trainer_state, teacher_state)
+        step = check_trainer_state(trainer_state, teacher_state)
         world_size = check_world_size(world_size)
         rng_states = [own_rng] if rank_rng_states is None else list(rank_rng_states)
         if len(rng_states) != world_size:
@@ -202,14 +242,11 @@ def snapshot_opd_checkpoint(
             )
         rng_parts = dict(enumerate(rng_states))
     else:
-        step = _check_trainer_state(trainer_state, teacher_state)
+        step = check_trainer_state(trainer_state, teacher_state)
         world_size = check_world_size(world_size)
         rng_parts = dict(rank_rng_parts)
-    provenance = _check_provenance(provenance_fingerprints)
-    fingerprint = config.fingerprint()
-    if not isinstance(fingerprint, str):
-        raise ValueError(f"config.fingerprint() must return a str, got {type(fingerprint).__name__}")
-    config_yaml = yaml.safe_dump(plain_config_dict(config.as_dict()), sort_keys=False).encode("utf-8")
+    provenance = check_provenance(provenance_fingerprints)
+    fingerprint, config_yaml = config_record(config)
     schema = SCHEMA_V1 if world_size == 1 else SCHEMA_V2
     training_state = {
         "schema": schema,
@@ -224,18 +261,9 @@ def snapshot_opd_checkpoint(
     rng_payloads = {
         rank: sanitize_state(state, path=f"rank_rng_states[{rank}]") for rank, state in rng_parts.items()
     }
-    metadata = {
-        "opd_schema": schema,
-        "attempted_updates": _json_value(training_state["trainer"]["attempted_updates"]),
-        "successful_updates": step,
-        "query_update": _json_value(training_state["trainer"]["query_update"]),
-        "config_fingerprint": fingerprint,
-        "provenance_fingerprints": provenance,
-        "world_size": world_size,
-        "processor_class": _class_name(processor),
-    }
-    if lineage is not None:
-        metadata.update(lineage.as_metadata())
+    metadata = manifest_metadata(schema=schema, trainer_state=training_state["trainer"], step=step,
+                                 fingerprint=fingerprint, provenance=provenance, world_size=world_size,
+                                 processor=processor, lineage=lineage)
     store = as_store(checkpoints_dir, storage_options)
     if retention is not None and not retention.keeps_all:
         store.check_save_retention(retention)  # before anything is written
@@ -261,4 +289,5 @@ def snapshot_opd_checkpoint(
     )
 
 
-__all__ = ["OpdSnapshot", "snapshot_opd_checkpoint"]
+__all__ = ["OpdSnapshot", "check_provenance", "check_trainer_state", "class_name", "config_record", "json_value",
+           "manifest_metadata", "snapshot_opd_checkpoint"]

@@ -17,6 +17,13 @@ object with ``rank``, ``world_size``, ``all_gather(obj)`` and ``broadcast(obj)``
    manifest and broadcasts the outcome: every rank returns the committed URL or raises the same
    error.
 
+**Deferred commit** (``defer``, an asynchronous multi-rank save): rank 0 writes nothing in stage 2;
+in stage 3 it records the other ranks' entries and hands ``finish`` (write rank 0's payloads into
+the attempt, commit) to ``defer``, e.g. a :class:`~opd_store.pipeline.worker.BackgroundWorker`
+task, and every rank returns at once. The other ranks' parts are sealed by then, so they never
+wait for rank 0's upload; a failure of ``finish`` deletes the attempt with every rank's part and
+reaches rank 0's caller through ``defer``'s owner (its next sync point).
+
 A rank that dies (SIGKILL, OOM) makes the collectives fail on the others (gloo: connection closed)
 or time out (the process group's ``timeout``); rank 0 then never reaches the manifest create, so
 nothing is committed. Every rank calls the collectives in the same order whatever happens locally,
@@ -25,6 +32,7 @@ so a local failure never leaves another rank waiting.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 from ..errors import CommitConflictError, DistributedCommitConflictError, DistributedSaveError
@@ -53,20 +61,30 @@ def _save_error(url: str | None, step: Any, failures: dict[int, tuple[str, str, 
     )
 
 
-def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest]) -> tuple[str, SaveRequest]:
+FinishCommit = Callable[..., str]
+"""``finish(cancelled=None) -> url``: rank 0's deferred write and commit (see the module docstring);
+``cancelled`` is the running worker's exit-deadline event."""
+
+
+def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], *,
+                                defer: Callable[[FinishCommit], None] | None = None) -> tuple[str | None, SaveRequest]:
     """Save one checkpoint with every rank writing its part; commit once all parts are durable.
 
     Rank obligations: every rank of ``group`` calls this for the same step, in the same order as
     its other collectives, after the update has ended on every rank. Payload names must not
-    collide across ranks.
+    collide across ranks. ``defer`` is given on every rank or on none.
 
     Args:
         group: the process group (``rank``, ``world_size``, ``all_gather``, ``broadcast``).
         prepare (Callable[[], SaveRequest]): this rank's snapshot stage. Runs on every rank.
+        defer (Callable[[FinishCommit], None] | None): (rank 0) takes ``finish`` and runs it later
+            (the deferred commit of the module docstring); ``finish`` releases the request's
+            snapshot and aborts the attempt when it fails. Ignored on other ranks.
 
     Returns:
-        tuple[str, SaveRequest]: the committed checkpoint's URL (the same on every rank) and this
-        rank's request (rank 0 runs the after-commit hooks with it).
+        tuple[str | None, SaveRequest]: the committed checkpoint's URL (the same on every rank;
+        ``None`` with ``defer``: the commit is still to come) and this rank's request (rank 0 runs
+        the after-commit hooks with it, after ``finish`` when deferred).
 
     Raises:
         opd_store.errors.DistributedCommitConflictError: (a ``FileExistsError``) the step is
@@ -78,7 +96,8 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest]) 
             attempt is discarded by rank 0 when it can still run.
     """
     request = txn = None
-    committing = False
+    committing = handed_over = False
+    deferred = defer is not None and group.rank == 0
     local_error: BaseException | None = None
     try:
         try:
@@ -108,7 +127,8 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest]) 
         entries: list[dict] | None = None
         try:
             if group.rank == 0:
-                request.write(txn, True)
+                if not deferred:
+                    request.write(txn, True)
             else:
                 with request.store.begin_part(
                     request.step, attempt_id=attempt_id, rank=group.rank, world_size=group.world_size
@@ -118,7 +138,8 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest]) 
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             local_error = exc
         finally:
-            request.finish_write_stage()
+            if not deferred:
+                request.finish_write_stage()
         reports = group.all_gather((entries, describe_failure(local_error)))
         failures = {rank: report[1] for rank, report in enumerate(reports) if report[1] is not None}
         if failures:
@@ -130,8 +151,13 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest]) 
                 for rank_entries, _error in reports[1:]:
                     for entry in rank_entries:
                         txn.add_entry(PayloadEntry(**entry))
-                committing = True
-                outcome = (txn.commit(), None)
+                if deferred:
+                    defer(_finish_later(request, txn))
+                    handed_over = True
+                    outcome = (None, None)
+                else:
+                    committing = True
+                    outcome = (txn.commit(), None)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 local_error = exc
                 outcome = (None, describe_failure(exc))
@@ -142,11 +168,27 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest]) 
     except BaseException:
         # Before the manifest create nothing names the attempt: rank 0 deletes it (every rank's
         # parts). After a failed create the payloads stay (a delayed create may still land).
-        if txn is not None and not committing:
+        if txn is not None and not committing and not handed_over:
             txn.abort()
-        if request is not None:
+        if request is not None and not handed_over:
             request.finish_write_stage()
         raise
 
 
-__all__ = ["describe_failure", "failure_text", "write_and_commit_collective"]
+def _finish_later(request: SaveRequest, txn: Any) -> FinishCommit:
+    """Rank 0's deferred stages 2 and 3 (module docstring): its payloads, then the manifest."""
+
+    def finish(cancelled: threading.Event | None = None) -> str:
+        try:
+            with txn:  # commits on a clean exit; aborts (every rank's part) on an exception
+                if cancelled is not None:
+                    txn.cancel_when(cancelled)
+                request.write(txn, True)
+        finally:
+            request.finish_write_stage()
+        return txn.committed_url
+
+    return finish
+
+
+__all__ = ["FinishCommit", "describe_failure", "failure_text", "write_and_commit_collective"]

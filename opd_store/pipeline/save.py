@@ -9,6 +9,10 @@ synchronous       caller's thread       caller's thread             caller's thr
 asynchronous      caller's thread       the background worker       the background worker
 multi-rank        every rank            every rank its part;        rank 0
                                         rank 0 commits
+multi-rank,       every rank            every other rank its part;  the background worker (rank 0)
+asynchronous                            rank 0 its own and the
+                                        commit on the background
+                                        worker
 tiered            as the mode above     as the mode above, on the   the tier's upload worker, after
                                         local tier                  the upload (retention)
 ================  ====================  ==========================  ==================================

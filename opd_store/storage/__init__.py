@@ -2,8 +2,11 @@
 
 :class:`Storage` declares the verbs (:mod:`opd_store.storage.base`), :class:`FsspecStorage`
 implements them over an fsspec filesystem, :mod:`opd_store.storage.backends` adds each backend's
-create-only write and picks the backend for a URL, and :mod:`opd_store.storage.backend_errors` is
-the one table that says what a backend failure means.
+create-only write, probe and clock, :mod:`opd_store.storage.open_url` picks the backend for a URL,
+:mod:`opd_store.storage.client_options` gives every client opd_store's timeouts,
+:mod:`opd_store.storage.reachability` (with :mod:`opd_store.storage.remote_probes`) proves a store
+usable in bounded time, and :mod:`opd_store.storage.backend_errors` is the one table that says
+what a backend failure means.
 """
 
 from .backend_errors import Meaning, classify
@@ -13,10 +16,10 @@ from .backends import (
     LocalStorage,
     MemoryStorage,
     S3Storage,
-    open_storage,
 )
 from .base import NoMultipartUploads, Storage, join
 from .fsspec_storage import FsspecStorage
+from .open_url import open_storage
 
 __all__ = [
     "CheckThenPutStorage",

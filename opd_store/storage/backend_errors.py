@@ -40,15 +40,30 @@ local        ``FileExistsError`` (``link(2)``: EEXIST)                  LOST_RAC
 memory       ``FileExistsError`` (exists check under the lock)          LOST_RACE    this package
 local        ``FileNotFoundError`` / ``PermissionError``                NOT_FOUND /  open(2)
                                                                         DENIED
+S3           botocore ``NoCredentialsError``, ``PartialCredentials     NO_CREDEN-   botocore's
+             Error``, ``CredentialRetrievalError``                      TIALS        credential chain
+GCS          google-auth ``DefaultCredentialsError``                    NO_CREDEN-   google-auth
+                                                                        TIALS        ``default()``
+any          a connection refused, a name that does not resolve, a      UNREACHABLE  botocore,
+             timeout (botocore ``EndpointConnectionError``,                          aiohttp,
+             ``Connect/ReadTimeoutError``, aiohttp ``ClientConnector                 requests,
+             Error``, ``ServerTimeoutError``, requests ``Connection                  google-auth
+             Error``/``Timeout``, google-auth ``TransportError``,                    exception
+             builtin ``ConnectionError``/``TimeoutError``/``gaierror``)              hierarchies
 ===========  ======================================================  ===========  =================
 
-Anything else is :attr:`Meaning.OTHER`: for a write, an outcome that is unknown until read back.
+Anything else is :attr:`Meaning.OTHER`: for a write, an outcome that is unknown until read back
+(so is a timeout: the request may have landed). :func:`explain` turns a failure into the cause a
+person reads (``endpoint http://HOST:PORT did not answer within 60 s``, ``no credentials found
+(...)``); every message that reports a backend failure takes its cause from there.
 """
 
 from __future__ import annotations
 
 import enum
+import socket
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 
 class Meaning(str, enum.Enum):
@@ -63,8 +78,13 @@ class Meaning(str, enum.Enum):
     """The backend refused the request for lack of permission (credentials, bucket policy)."""
     THROTTLED = "throttled"
     """The backend asked the client to slow down; the request may be retried later."""
+    NO_CREDENTIALS = "no_credentials"
+    """The client found no credentials to sign requests with (nothing was sent)."""
+    UNREACHABLE = "unreachable"
+    """No answer from the endpoint: connection refused, a host name that does not resolve, a
+    connect or read timeout. A write's outcome is unknown until read back."""
     OTHER = "other"
-    """Anything else (network, server error): a write's outcome is unknown until read back."""
+    """Anything else (a server error): a write's outcome is unknown until read back."""
 
 
 # S3 error codes (botocore ``ClientError.response["Error"]["Code"]``).
@@ -97,6 +117,27 @@ _GCS_STATUSES: dict[int, Meaning] = {
     503: Meaning.THROTTLED,
 }
 
+# Exception class names (anywhere in an exception's MRO) of the clients' credential and connection
+# failures: matched by name so this module imports none of botocore, aiohttp, requests or google-auth.
+_NO_CREDENTIALS_NAMES = frozenset({
+    "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "DefaultCredentialsError",
+})
+_UNREACHABLE_NAMES = frozenset({
+    "ConnectionError",  # builtin (refused, reset) and requests' own
+    "TimeoutError",  # builtin, asyncio's and fsspec's FSTimeoutError
+    "gaierror",  # socket: the host name does not resolve
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    "ProxyConnectionError",  # botocore
+    "ClientConnectorError", "ClientConnectionError", "ServerTimeoutError", "SocketTimeoutError",  # aiohttp
+    "Timeout",  # requests
+    "TransportError",  # google-auth: the token or metadata endpoint did not answer
+})
+_TIMEOUT_NAMES = frozenset({"TimeoutError", "ConnectTimeoutError", "ReadTimeoutError", "ServerTimeoutError",
+                            "SocketTimeoutError", "Timeout", "ConnectTimeout", "ReadTimeout"})
+_CLOSED_NAMES = frozenset({"ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "ConnectionClosedError",
+                           "ServerDisconnectedError", "RemoteDisconnected"})
+_CONNECT_TIMEOUT_NAMES = frozenset({"ConnectTimeoutError", "ConnectTimeout", "ConnectionTimeoutError"})
+
 # Builtins raised by s3fs, gcsfs and the local filesystem after their own translation.
 _BUILTINS: tuple[tuple[type[BaseException], Meaning], ...] = (
     (FileExistsError, Meaning.LOST_RACE),
@@ -128,6 +169,10 @@ def s3_error_code(exc: BaseException) -> str | None:
     return None
 
 
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
 def _gcs_status(exc: BaseException) -> int | None:
     for error in _chain(exc):
         if type(error).__name__ == "HttpError" and isinstance(getattr(error, "code", None), int):
@@ -139,7 +184,8 @@ def classify(exc: BaseException) -> Meaning:
     """The :class:`Meaning` of a failure raised by a backend (or by a storage verb).
 
     The most specific signal wins: an S3 error code anywhere in the chain, then a GCS HTTP status,
-    then the builtin type s3fs/gcsfs/the OS raised, then gcsfs's ``Forbidden`` text.
+    then the builtin type s3fs/gcsfs/the OS raised, then a credential or connection failure
+    anywhere in the chain, then gcsfs's ``Forbidden`` text.
 
     Args:
         exc (BaseException): the exception caught around a backend call.
@@ -156,6 +202,12 @@ def classify(exc: BaseException) -> Meaning:
     for builtin, meaning in _BUILTINS:
         if isinstance(exc, builtin):
             return meaning
+    for error in _chain(exc):
+        names = _names(error)
+        if names & _NO_CREDENTIALS_NAMES:
+            return Meaning.NO_CREDENTIALS
+        if names & _UNREACHABLE_NAMES:
+            return Meaning.UNREACHABLE
     if isinstance(exc, OSError) and str(exc).startswith("Forbidden"):
         return Meaning.DENIED  # gcsfs: validate_response raises OSError(f"Forbidden: {path}...") for 403
     return Meaning.OTHER
@@ -191,4 +243,107 @@ def describe(exc: BaseException) -> str:
     return f"{text} ({meaning.value}{', ' + code if code else ''})"
 
 
-__all__ = ["Meaning", "backend_operation", "classify", "describe", "is_missing", "s3_error_code"]
+def is_unreachable(exc: BaseException) -> bool:
+    """True when ``exc`` means the store could not be reached at all (no credentials, no answer)."""
+    return classify(exc) in (Meaning.NO_CREDENTIALS, Meaning.UNREACHABLE)
+
+
+_CLIENT_PACKAGES = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "requests", "urllib3", "fsspec")
+
+
+def is_backend_failure(exc: BaseException) -> bool:
+    """True when ``exc`` (or a cause) was raised by a backend client library rather than by a bug:
+    a meaning the table knows, or an exception class of botocore, s3fs, gcsfs, google-auth,
+    aiohttp, requests or fsspec (a GCS ``HttpError`` 500 after gcsfs's retries, a botocore error
+    the table has no row for)."""
+    if classify(exc) is not Meaning.OTHER:
+        return True
+    return any(type(error).__module__.split(".")[0] in _CLIENT_PACKAGES for error in _chain(exc, implicit=True))
+
+
+def endpoint_of(exc: BaseException) -> str | None:
+    """``scheme://host:port`` of the endpoint a connection failure names, if it names one
+    (botocore's ``endpoint_url``, aiohttp's connection key, requests' request URL)."""
+    for error in _chain(exc, implicit=True):
+        url = (getattr(error, "kwargs", None) or {}).get("endpoint_url") if isinstance(
+            getattr(error, "kwargs", None), dict) else None
+        request = getattr(error, "request", None)
+        url = url or getattr(request, "url", None)
+        if isinstance(url, str) and "://" in url:
+            parts = urlsplit(url)
+            return f"{parts.scheme}://{parts.netloc}"
+        host, port = getattr(error, "host", None), getattr(error, "port", None)
+        if isinstance(host, str) and isinstance(port, int):
+            return f"{host}:{port}"
+    return None
+
+
+def explain(
+    exc: BaseException,
+    *,
+    endpoint: str | None = None,
+    connect_timeout_secs: float | None = None,
+    read_timeout_secs: float | None = None,
+    credential_sources: str | None = None,
+) -> str:
+    """The cause of a backend failure in words, for a one-line message (no type names, no stack).
+
+    Args:
+        exc (BaseException): the failure (its whole chain is read).
+        endpoint (str | None): the endpoint the store talks to, named when the failure does not
+            name one itself.
+        connect_timeout_secs (float | None): the connect timeout in force, named for a connect
+            timeout.
+        read_timeout_secs (float | None): the read timeout in force, named for a read timeout.
+        credential_sources (str | None): where the client looks for credentials, named when it
+            found none (``GOOGLE_APPLICATION_CREDENTIALS, gcloud, metadata server``).
+
+    Returns:
+        str: e.g. ``endpoint http://127.0.0.1:9000 did not answer within 60 s``,
+        ``endpoint http://127.0.0.1:9000 refused the connection``, ``no credentials found (...)``,
+        ``access denied (AccessDenied)``, or :func:`describe` for anything else.
+    """
+    meaning = classify(exc)
+    if meaning is Meaning.NO_CREDENTIALS:
+        return f"no credentials found ({credential_sources})" if credential_sources else "no credentials found"
+    if meaning is Meaning.DENIED:
+        code = s3_error_code(exc) or _gcs_status(exc)
+        return f"access denied ({code or _first_line(exc)})"
+    if meaning is not Meaning.UNREACHABLE:
+        return describe(exc)
+    where = f"endpoint {endpoint_of(exc) or endpoint or 'of the store'}"
+    chain = list(_chain(exc, implicit=True))
+    names = set().union(*(_names(error) for error in chain))
+    # Refused and unresolvable first: urllib3's NewConnectionError subclasses its ConnectTimeoutError.
+    if any(isinstance(error, ConnectionRefusedError) for error in chain):
+        return f"{where} refused the connection"
+    resolve = next((error for error in chain if isinstance(error, socket.gaierror)), None)
+    if resolve is not None:
+        return f"{where}: its host name does not resolve ({resolve.strerror or resolve})"
+    if names & _CONNECT_TIMEOUT_NAMES:
+        within = f" within {connect_timeout_secs:g} s" if connect_timeout_secs else ""
+        return f"{where} did not accept a connection{within}"
+    if names & _TIMEOUT_NAMES:
+        within = f" within {read_timeout_secs:g} s" if read_timeout_secs else ""
+        return f"{where} did not answer{within}"
+    if names & _CLOSED_NAMES:
+        return f"{where} closed the connection ({_first_line(exc)})"
+    return f"cannot connect to {where} ({_first_line(exc)})"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+__all__ = [
+    "Meaning",
+    "backend_operation",
+    "classify",
+    "describe",
+    "endpoint_of",
+    "explain",
+    "is_backend_failure",
+    "is_missing",
+    "is_unreachable",
+    "s3_error_code",
+]

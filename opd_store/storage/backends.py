@@ -1,4 +1,4 @@
-"""Per-backend create-only writes, and the choice of backend for a URL.
+"""Per-backend create-only writes, probes and clocks.
 
 How each backend makes the manifest create-only (the commit point):
 
@@ -14,11 +14,13 @@ s3         one ``PutObject`` with ``If-None-Match: *`` (s3fs ``pipe_file(mode="c
 gs         one single-request upload with ``ifGenerationMatch=0`` (gcsfs ``pipe_file(mode=
            "create")`` below its chunk size; fake-gcs-server ignores preconditions on resumable
            uploads, field notes).
-other      refused (:class:`~opd_store.errors.UnsupportedBackendError`) unless the caller passes
-           ``allow_check_then_put=True``: then an ``exists`` check followed by a plain put, which
-           lets two writers that check within the same window both "win" (the later put
-           overwrites the earlier manifest).
+other      refused (:class:`~opd_store.errors.UnsupportedBackendError`, naming the URL and what
+           is supported) unless the caller passes ``allow_check_then_put=True``: then an
+           ``exists`` check followed by a plain put, which lets two writers that check within the
+           same window both "win" (the later put overwrites the earlier manifest).
 =========  ===================================================================================
+
+:func:`opd_store.storage.open_url.open_storage` picks the backend for a URL.
 """
 
 from __future__ import annotations
@@ -27,15 +29,14 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from typing import Any, BinaryIO
-
-import fsspec
 
 from ..checksum import Crc32c
 from ..errors import UnsupportedBackendError
+from . import reachability, remote_probes
 from .base import NoMultipartUploads, Storage
 from .fsspec_storage import FsspecStorage
-from .parts import TransferSettings
 
 _MEMORY_LOCK = threading.Lock()
 
@@ -125,16 +126,17 @@ class LocalStorage(NoMultipartUploads, FsspecStorage):
             handle.close()
             raise
 
-    def check_reachable(self) -> None:
-        from ..errors import StoreUnreachableError
+    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
+        reachability.local_probe_read(self, stage)
 
-        existing = self.root
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        if not os.path.isdir(existing):
-            raise StoreUnreachableError(f"{self.url_root}: {existing} exists and is not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise StoreUnreachableError(f"{self.url_root}: {existing} is not writable")
+    def probe_write(self, stage: dict[str, str]) -> None:
+        reachability.local_probe_write(self, stage)
+
+    def clock_secs(self) -> float:
+        # The filesystem's clock where a file can be created (a network filesystem stamps files
+        # with its server's time), else this machine's, which stamps local disks.
+        stamped = reachability.local_clock_secs(self)
+        return time.time() if stamped is None else stamped
 
     def sync_prefix(self, rel: str) -> None:
         # Every directory of the attempt, then each ancestor up to the store root, so that the
@@ -202,18 +204,34 @@ class _BucketStorage(FsspecStorage):
 class S3Storage(_BucketStorage):
     """Amazon S3 (or an S3-compatible server) through s3fs.
 
-    Payloads move in parallel (:mod:`opd_store.storage.s3_transfers`): uploads as multipart parts
+    Payloads move in parallel: uploads (:mod:`opd_store.storage.s3_transfers`) as multipart parts
     of ``transfers.part_size_bytes``, up to ``transfers.parts_in_flight`` at once across the
-    store's payloads; reads as parallel ranged GETs into one buffer.
+    store's payloads; reads (:mod:`opd_store.storage.s3_reads`) as parallel ranged GETs into one
+    buffer.
     """
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
-    # Only requests inside the store's prefix (least privilege: deploy/iam/s3-policy.json grants
-    # s3:ListBucket only for the run's prefix). HeadBucket needs s3:ListBucket without a prefix,
-    # and s3fs's ls() of an empty prefix lists the parent prefix to see whether the name is an
-    # object: both are denied by that policy. The root listing alone tells a missing bucket
-    # (NoSuchBucket) from an empty store (no keys).
-    probe_bucket = False
+    credential_sources = remote_probes.S3_CREDENTIAL_SOURCES
+
+    @property
+    def endpoint(self) -> str | None:
+        """The configured endpoint (``endpoint_url``, ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``),
+        or ``None`` for AWS's own (botocore's errors then name the endpoint they tried)."""
+        options = self.client_options
+        return (options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+
+    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
+        # Only requests inside the store's prefix (least privilege: deploy/iam/s3-policy.json
+        # grants s3:ListBucket only for the run's prefix; HeadBucket would be denied). The prefix
+        # listing alone tells a missing bucket (NoSuchBucket) from an empty store (no keys).
+        remote_probes.s3_probe_read(self, timeout_secs, stage)
+
+    def clock_secs(self) -> float:
+        return remote_probes.s3_clock_secs(self)
+
+    def newest_part_secs(self, rel: str, upload_id: str) -> float | None:
+        return remote_probes.s3_newest_part_secs(self, rel, upload_id)
 
     def _list_dir(self, base: str) -> list[dict]:
         from fsspec.asyn import sync
@@ -251,7 +269,7 @@ class S3Storage(_BucketStorage):
         handle.discard()
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
-        from .s3_transfers import read_checked
+        from .s3_reads import read_checked
 
         if size_bytes is None:
             size_bytes = self.size(rel)
@@ -288,6 +306,22 @@ class GCSStorage(NoMultipartUploads, _BucketStorage):
     """Google Cloud Storage through gcsfs."""
 
     commit_primitive = "single-request upload with ifGenerationMatch=0 (412 when the object exists)"
+    credential_sources = remote_probes.GCS_CREDENTIAL_SOURCES
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint gcsfs talks to (``endpoint_url``, ``STORAGE_EMULATOR_HOST``, or Google's),
+        without building the client."""
+        location = self.client_options.get("endpoint_url") or os.environ.get("STORAGE_EMULATOR_HOST", "")
+        if location in ("", "default"):
+            return "https://storage.googleapis.com"
+        return location if location.startswith(("http://", "https://")) else f"http://{location}"
+
+    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
+        remote_probes.gcs_probe_read(self, timeout_secs, stage)
+
+    def clock_secs(self) -> float:
+        return remote_probes.gcs_clock_secs(self)
 
 
 class CheckThenPutStorage(NoMultipartUploads, FsspecStorage):
@@ -296,8 +330,8 @@ class CheckThenPutStorage(NoMultipartUploads, FsspecStorage):
     commit_primitive = "exists check, then plain put (NOT atomic: racing writers can both win)"
     atomic_create = False
 
-    def __init__(self, fs, root: str, url_root: str, *, allow_check_then_put: bool) -> None:
-        super().__init__(fs, root, url_root)
+    def __init__(self, fs, root: str, url_root: str, *, allow_check_then_put: bool, timeouts=None) -> None:
+        super().__init__(fs, root, url_root, timeouts=timeouts)
         self.allow_check_then_put = allow_check_then_put
 
     def create_exclusive(self, rel: str, data: bytes) -> None:
@@ -314,86 +348,10 @@ class CheckThenPutStorage(NoMultipartUploads, FsspecStorage):
         self.fs.pipe_file(path, data)
 
 
-_BY_PROTOCOL: dict[str, type[Storage]] = {
-    "file": LocalStorage,
-    "local": LocalStorage,
-    "memory": MemoryStorage,
-    "s3": S3Storage,
-    "s3a": S3Storage,
-    "gs": GCSStorage,
-    "gcs": GCSStorage,
-}
-
-
-def open_storage(
-    url: str | os.PathLike,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    allow_check_then_put: bool = False,
-) -> Storage:
-    """Build the :class:`Storage` for a store URL.
-
-    Args:
-        url (str | os.PathLike): a local path, ``file://``, ``memory://``, ``s3://``, ``gs://`` or any
-            fsspec URL naming the store root.
-        storage_options (dict | None): keyword arguments for the fsspec filesystem (``endpoint_url``,
-            ``key``, ``token``, ...); they reach every request the store makes. Except opd_store's
-            own: ``part_size_bytes`` and ``parts_in_flight`` (parallel transfers,
-            :class:`~opd_store.storage.parts.TransferSettings`).
-        allow_check_then_put (bool): accept a non-atomic commit on backends without a create-only
-            write (see module docstring).
-
-    Raises:
-        ValueError: the URL is empty or chained (``a::b``), or a transfer setting is out of range.
-    """
-    text = os.fspath(url)
-    if not text:
-        raise ValueError("store URL is empty")
-    if "::" in text:
-        raise ValueError(f"chained fsspec URLs are not supported as stores: {text}")
-    options = dict(storage_options or {})
-    transfers = TransferSettings.pop_from(options)  # opd_store's own options, never fsspec's
-    # A private instance: fsspec returns one cached instance per argument set, and the store drops
-    # that instance's listing caches before every decision.
-    options.setdefault("skip_instance_cache", True)
-    fs, root = fsspec.core.url_to_fs(text, **options)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    cls = _BY_PROTOCOL.get(protocol)
-    root = root.rstrip("/") or "/"
-    if cls is LocalStorage:
-        root = os.path.abspath(root)
-        storage: Storage = LocalStorage(fs, root, root)
-    else:
-        url_root = _keep_scheme(text, fs, fs.unstrip_protocol(root))
-        if cls is None:
-            storage = CheckThenPutStorage(fs, root, url_root, allow_check_then_put=allow_check_then_put)
-        else:
-            storage = cls(fs, root, url_root)
-    storage.use_transfers(transfers)
-    return storage
-
-
-def _keep_scheme(text: str, fs, url_root: str) -> str:
-    """``url_root`` spelled with the scheme the caller wrote, when it is an alias of ``fs``.
-
-    fsspec's ``unstrip_protocol`` spells every URL with the filesystem's first protocol, so a store
-    opened as ``gcs://bucket/run`` (an alias of ``gs``) or ``s3a://bucket/run`` would hand back
-    ``gs://``/``s3://`` URLs. Every URL the API returns keeps the caller's protocol: tools that
-    match on the prefix, or configs that compare URLs, see what they gave.
-    """
-    scheme, sep, _rest = text.partition("://")
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    current, sep2, tail = url_root.partition("://")
-    if sep and sep2 and scheme != current and scheme in protocols:
-        return f"{scheme}://{tail}"
-    return url_root
-
-
 __all__ = [
     "CheckThenPutStorage",
     "GCSStorage",
     "LocalStorage",
     "MemoryStorage",
     "S3Storage",
-    "open_storage",
 ]

@@ -20,6 +20,12 @@ The other verbs have defaults built on these. Every verb that can decide a check
 (list, size, read) must answer from the backend as it is now (see
 :class:`~opd_store.storage.fsspec_storage.FsspecStorage`). ``tests/core/test_storage_conformance.py``
 checks every verb of every backend against the backend's own client.
+
+Two more things every backend answers, both on the *store's* clock (never the caller's):
+:meth:`~Storage.list_tree_modified` (each object's modification time as the backend records it)
+and :meth:`~Storage.clock_secs` (the backend's notion of now). Garbage collection compares the
+two (:mod:`opd_store.orphans`). :meth:`~Storage.check_reachable` proves, in bounded time, that the
+store can be used the way a read or a save will use it (:mod:`opd_store.storage.reachability`).
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ import abc
 import io
 import logging
 import posixpath
-from typing import TYPE_CHECKING, Any, BinaryIO
+import threading
+import time
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
+from .client_options import ClientTimeouts
 from .parts import PartPool, TransferSettings
 
 if TYPE_CHECKING:
@@ -42,9 +51,14 @@ class Storage(abc.ABC):
     """One backend rooted at a prefix.
 
     Args:
-        fs (Any): the backend client (an ``fsspec.AbstractFileSystem`` for every backend here).
+        fs (Any | Callable[[], Any]): the backend client (an ``fsspec.AbstractFileSystem`` for
+            every backend here), or a function that builds it on first use: a client whose
+            construction does I/O (gcsfs looks for credentials, which can take tens of seconds
+            off-cloud) is then built inside the bounded reachability check, not by a constructor.
         root (str): the root in the client's own path spelling; a trailing ``/`` is dropped.
         url_root (str): the root as a URL (a plain absolute path for local stores).
+        timeouts (ClientTimeouts | None): the client's connect and read timeouts, named in errors
+            (:mod:`opd_store.storage.client_options`); the defaults when not given.
 
     Attributes:
         commit_primitive (str): one line naming how :meth:`create_exclusive` is create-only.
@@ -52,7 +66,10 @@ class Storage(abc.ABC):
         write_slice_bytes (int): the largest single ``write()`` a payload writer hands this
             backend's writer (zero-copy slices of larger buffers).
         bucketed (bool): the root's first component is a bucket.
-        probe_bucket (bool): :meth:`check_reachable` asks for the bucket before listing the root.
+        endpoint (str | None): the endpoint requests go to, named in errors when a failure does
+            not name one itself.
+        credential_sources (str | None): where the client looks for credentials, named when it
+            finds none.
         transfers (TransferSettings): part size and parts in flight of parallel transfers.
     """
 
@@ -62,19 +79,38 @@ class Storage(abc.ABC):
     # 1 GiB tensor would cost ~3 GiB of RSS. 8 MiB slices keep it to one part.
     write_slice_bytes = 8 << 20
     bucketed = False
-    probe_bucket = True
+    endpoint: str | None = None
+    credential_sources: str | None = None
 
-    transfers = TransferSettings()
-    """How payloads move (part size, parts in flight): the storage options ``part_size_bytes`` and
-    ``parts_in_flight`` (:class:`~opd_store.storage.parts.TransferSettings`)."""
+    transfers = TransferSettings()  # storage options part_size_bytes and parts_in_flight
 
-    def __init__(self, fs: Any, root: str, url_root: str) -> None:
-        self.fs = fs
+    def __init__(self, fs: Any | Callable[[], Any], root: str, url_root: str, *,
+                 timeouts: ClientTimeouts | None = None) -> None:
+        self._fs_factory = fs if callable(fs) else None
+        self._fs = None if callable(fs) else fs
+        self._fs_lock = threading.Lock()
+        self.timeouts = timeouts or ClientTimeouts()
+        self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
         self._part_pool: PartPool | None = None
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
         self.url_root = stripped if stripped and not stripped.endswith(":") else url_root
+
+    @property
+    def fs(self) -> Any:
+        """The backend client, built on first use (see the ``fs`` argument)."""
+        fs = self._fs
+        if fs is None:
+            with self._fs_lock:
+                if self._fs is None:
+                    self._fs = self._fs_factory()
+                fs = self._fs
+        return fs
+
+    @fs.setter
+    def fs(self, value: Any) -> None:
+        self._fs = value
 
     def use_transfers(self, settings: TransferSettings) -> None:
         """Move payloads with ``settings`` from now on (before the first transfer)."""
@@ -82,8 +118,7 @@ class Storage(abc.ABC):
         self._part_pool = None
 
     def part_pool(self) -> PartPool:
-        """This store's part buffers: ``parts_in_flight`` of ``part_size_bytes``, reused (made on
-        first use)."""
+        """This store's reused part buffers: ``parts_in_flight`` of ``part_size_bytes``."""
         if self._part_pool is None:
             self._part_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
         return self._part_pool
@@ -104,6 +139,15 @@ class Storage(abc.ABC):
     def describe(self) -> str:
         return f"{type(self).__name__}({self.url_root})"
 
+    def explain(self, exc: BaseException) -> str:
+        """The cause of a backend failure in words, naming this store's endpoint and timeouts
+        (:func:`opd_store.storage.backend_errors.explain`)."""
+        from .backend_errors import explain
+
+        return explain(exc, endpoint=self.endpoint, connect_timeout_secs=self.timeouts.connect_timeout_secs,
+                       read_timeout_secs=self.timeouts.read_timeout_secs,
+                       credential_sources=self.credential_sources)
+
     __repr__ = describe
 
     # -- reads (abstract; always fresh) --------------------------------------------------------
@@ -120,6 +164,27 @@ class Storage(abc.ABC):
 
         One flat listing (no per-object request). A missing prefix lists as empty.
         """
+
+    @abc.abstractmethod
+    def list_tree_modified(self, rel: str = "") -> dict[str, tuple[int, float | None]]:
+        """Every object below ``rel`` with its size and modification time, from one flat listing:
+        ``{path relative to rel: (size_bytes, modified_secs)}``.
+
+        ``modified_secs`` is seconds since the epoch as the *backend* recorded it (S3
+        ``LastModified``, GCS ``updated``, the local file's mtime): the store's clock, comparable
+        with :meth:`clock_secs` and never with the writer's. ``None`` where the backend reports
+        no time. A missing prefix lists as empty.
+        """
+
+    def clock_secs(self) -> float:
+        """The store's notion of now, in seconds since the epoch (the clock that stamps
+        :meth:`list_tree_modified`). The default is this machine's clock, which is what stamps
+        local files and the memory store.
+
+        Raises:
+            OSError: the backend could not be asked (a remote store's clock is read from a response).
+        """
+        return time.time()
 
     @abc.abstractmethod
     def size(self, rel: str) -> int | None:
@@ -178,6 +243,11 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def abort_upload(self, rel: str, upload_id: str) -> None:
         """Abort one unfinished multipart upload from :meth:`list_uploads`."""
+
+    def newest_part_secs(self, rel: str, upload_id: str) -> float | None:
+        """When the newest part of an unfinished multipart upload was stored (the store's clock),
+        or ``None`` when it has no part yet; ``None`` on backends without multipart uploads."""
+        return None
 
     # -- defaults built on the verbs above -----------------------------------------------------
     def refresh(self) -> None:
@@ -249,21 +319,60 @@ class Storage(abc.ABC):
         data = self.read_bytes(rel)
         return io.BytesIO(data), len(data), crc32c_hex(data)
 
-    def check_reachable(self) -> None:
-        """Fail fast when the store cannot be used: missing bucket, credentials or connection.
+    def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
+        """Fail fast when the store cannot be used, within ``timeout_secs`` whatever the backend does.
 
-        The default lists the root once.
+        See :func:`opd_store.storage.reachability.check_storage`.
+
+        Args:
+            write (bool): prove a save can write here too (a probe object is created and deleted;
+                a missing local root is created); ``False`` for read-only use.
+            timeout_secs (float | None): the bound; the store's ``connect_timeout_secs`` by default.
 
         Raises:
-            StoreUnreachableError: naming the store URL and the backend's cause.
+            StoreUnreachableError: naming the store URL, the operation and the cause.
+            StoreNotFoundError: ``write`` is false and a local root does not exist.
         """
-        from ..errors import StoreUnreachableError
-        from .backend_errors import describe
+        from .reachability import check_storage
 
-        try:
-            self.list_children("")
-        except Exception as exc:  # noqa: BLE001 - every backend failure is reported the same way
-            raise StoreUnreachableError(f"{self.url_root}: cannot reach the store ({describe(exc)})") from exc
+        check_storage(self, write=write, timeout_secs=timeout_secs or self.timeouts.connect_timeout_secs)
+
+    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
+        """The read half of :meth:`check_reachable`: authenticate and list the root once. Backends
+        whose client would retry for longer than ``timeout_secs`` override it with a bounded probe.
+
+        Args:
+            timeout_secs (float): the check's bound (for the requests' own timeouts).
+            stage (dict[str, str]): ``stage["operation"]`` is set to the operation under way
+                (``list the store``), which the check names if it fails or runs out of time.
+
+        Raises:
+            Exception: whatever the backend raised (the check names the cause).
+        """
+        stage["operation"] = "list the store"
+        self.list_children("")
+
+    def probe_write(self, stage: dict[str, str]) -> None:
+        """The write half of :meth:`check_reachable`: create a probe object under a reserved name
+        with the create-only write every commit uses, then delete it (a save's cleanup and
+        retention delete too). The name (:func:`opd_store.layout.probe_name`) is no step and no
+        attempt: no listing, ``ls`` or ``gc`` sees it, and one left behind by a killed check is
+        harmless.
+
+        Args:
+            stage (dict[str, str]): as for :meth:`probe_read`.
+
+        Raises:
+            Exception: whatever the backend raised (the check names the cause).
+        """
+        from ..layout import probe_name
+        from .reachability import PROBE_BYTES
+
+        name = probe_name()
+        stage["operation"] = "write a probe object"
+        self.create_exclusive(name, PROBE_BYTES)
+        stage["operation"] = "delete the probe object"
+        self.delete(name)
 
 
 class NoMultipartUploads:

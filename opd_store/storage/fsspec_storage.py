@@ -6,14 +6,71 @@ s3fs return a truncated body without error), so each such verb drops the instanc
 Stores get a private filesystem instance (``skip_instance_cache=True``), so dropping its caches
 costs other code nothing. A missing object or prefix is recognised through the one table of
 backend failures (:mod:`opd_store.storage.backend_errors`).
+
+A verb that fails because the store cannot be reached at all (no credentials, a refused
+connection, a host name that does not resolve, a connect or read timeout) raises
+:class:`~opd_store.errors.StoreUnreachableError` naming the object's URL, the operation and the
+cause (``s3://b/run/step-000002/manifest.json: cannot read: endpoint http://HOST:PORT did not
+answer within 60 s``) with the client's error as ``__cause__``: botocore raises those failures
+as its own exception types, which are neither the builtins callers catch nor anything a person
+can act on. Every backend below gets this by subclassing (:meth:`FsspecStorage.__init_subclass__`).
 """
 
 from __future__ import annotations
 
+import datetime
+import functools
 from typing import BinaryIO
 
-from .backend_errors import describe, is_missing
+from ..errors import OpdStoreError, StoreUnreachableError
+from .backend_errors import is_missing, is_unreachable
 from .base import Storage
+
+# The verbs whose failures name an object, and what each was doing (``cannot <operation>``).
+_VERB_OPERATIONS = {
+    "list_children": "list", "list_tree": "list", "list_tree_modified": "list", "size": "read the size of",
+    "read_bytes": "read", "open_read": "open", "open_checked": "read", "open_write": "start writing",
+    "finish_write": "write", "create_exclusive": "create", "delete": "delete", "delete_tree": "delete",
+    "sync_prefix": "sync", "list_uploads": "list the multipart uploads of", "abort_upload": "abort an upload under",
+    "newest_part_secs": "list the parts of an upload under", "clock_secs": "read the clock of",
+}
+
+
+def _translating(operation: str, method):
+    @functools.wraps(method)
+    def verb(self: "FsspecStorage", *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OpdStoreError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - only unreachable-store failures are translated
+            if not is_unreachable(exc):
+                raise
+            rel = kwargs.get("rel") or next((arg for arg in args if isinstance(arg, str)), "")  # finish_write(handle, rel)
+            raise StoreUnreachableError(f"{self.url(rel)}: cannot {operation}: {self.explain(exc)}") from exc
+
+    verb.translates_failures = True
+    return verb
+
+
+def modified_secs(info: dict) -> float | None:
+    """Seconds since the epoch at which the backend last modified an object, from an fsspec
+    ``info``/``find(detail=True)`` entry: local ``mtime``, S3 ``LastModified``, GCS ``mtime``
+    (gcsfs's parsed ``updated``), memory ``created``; ``None`` when the entry has no time."""
+    for key in ("mtime", "LastModified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:  # backends report UTC
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return value.timestamp()
+    return None
 
 
 class FsspecStorage(Storage):
@@ -22,6 +79,11 @@ class FsspecStorage(Storage):
     A concrete backend adds the create-only write (:meth:`Storage.create_exclusive`) and says
     whether it has multipart uploads (:class:`~opd_store.storage.base.NoMultipartUploads`).
     """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """Every verb a backend defines translates unreachable-store failures (module docstring)."""
+        super().__init_subclass__(**kwargs)
+        _translate_verbs(cls)
 
     def _rel(self, full: str, base: str) -> str:
         full = self.fs._strip_protocol(full).rstrip("/")  # noqa: SLF001 - fsspec's documented path normaliser
@@ -68,6 +130,9 @@ class FsspecStorage(Storage):
         return self.fs.ls(base, detail=True, refresh=True)
 
     def list_tree(self, rel: str = "") -> dict[str, int]:
+        return {name: size for name, (size, _modified) in self.list_tree_modified(rel).items()}
+
+    def list_tree_modified(self, rel: str = "") -> dict[str, tuple[int, float | None]]:
         self.refresh()
         base = self.path(rel)
         try:
@@ -76,13 +141,13 @@ class FsspecStorage(Storage):
             if is_missing(exc):
                 return {}
             raise
-        out: dict[str, int] = {}
+        out: dict[str, tuple[int, float | None]] = {}
         for full, info in found.items():
             if info.get("type") == "directory":
                 continue
             name = self._rel(full, base)
             if name:
-                out[name] = int(info.get("size") or 0)
+                out[name] = (int(info.get("size") or 0), modified_secs(info))
         return out
 
     def size(self, rel: str) -> int | None:
@@ -134,43 +199,16 @@ class FsspecStorage(Storage):
         finally:
             self.refresh()
 
-    # -- reachability --------------------------------------------------------------------------
-    def check_reachable(self) -> None:
-        """Fail fast when the store cannot be used: missing bucket, credentials or connection.
-
-        Bucketed backends ask for the bucket first (``probe_bucket``) or let the root listing
-        tell a missing bucket from an empty store; a missing root of a store is fine (the first
-        save creates it).
-
-        Raises:
-            StoreUnreachableError: naming the store URL and the backend's cause.
-        """
-        from ..errors import StoreUnreachableError
-
-        self.refresh()
-        bucket = self.root.split("/", 1)[0] if self.bucketed else None
-        missing_bucket = f"{self.url_root}: bucket {bucket!r} does not exist"
-        try:
-            if bucket is not None and self.probe_bucket:
-                try:
-                    self.fs.info(bucket)
-                except Exception as exc:  # noqa: BLE001 - classified below
-                    if is_missing(exc):
-                        raise StoreUnreachableError(missing_bucket) from exc
-                    raise
-            try:
-                self._list_dir(self.root)
-            except Exception as exc:  # noqa: BLE001 - classified below
-                if not is_missing(exc):
-                    raise
-                if bucket is not None and not self.probe_bucket:
-                    # The listing is the probe: it raises only when the bucket is missing.
-                    raise StoreUnreachableError(missing_bucket) from exc
-                # else: an empty store; the first save creates it
-        except StoreUnreachableError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every backend failure is reported the same way
-            raise StoreUnreachableError(f"{self.url_root}: cannot reach the store ({describe(exc)})") from exc
 
 
-__all__ = ["FsspecStorage"]
+def _translate_verbs(cls: type, *, inherited: bool = False) -> None:
+    for name, operation in _VERB_OPERATIONS.items():
+        method = cls.__dict__.get(name) or (getattr(cls, name, None) if inherited else None)
+        if callable(method) and not getattr(method, "translates_failures", False):
+            setattr(cls, name, _translating(operation, method))
+
+
+_translate_verbs(FsspecStorage, inherited=True)  # with the defaults of Storage (finish_write, ...)
+
+
+__all__ = ["FsspecStorage", "modified_secs"]

@@ -4,7 +4,7 @@ one buffer, and the completion of a publish that runs in the background.
 Real object stores give each connection a bounded share of bandwidth (AWS S3: roughly 50-100 MB/s
 per connection; its performance guidelines recommend parallel ranged requests and multipart parts
 of 8-16 MB); a payload moves at the network's speed only over several connections at once. The
-remote writers and readers (:mod:`opd_store.storage.s3_transfers`, :mod:`opd_store.storage.gcs_transfers`)
+S3 writer and reader (:mod:`opd_store.storage.s3_transfers`, :mod:`opd_store.storage.s3_reads`)
 cut a payload into parts of :attr:`TransferSettings.part_size_bytes` and keep up to
 :attr:`TransferSettings.parts_in_flight` of them moving at once.
 
@@ -96,6 +96,8 @@ class PartPool:
         self._free: list[bytearray] = []
         self._in_use = 0
         self._in_flight = 0
+        self._allocated = 0
+        self._peak_in_use = 0
         self._cond = threading.Condition()
 
     def acquire(self) -> bytearray:
@@ -104,10 +106,13 @@ class PartPool:
             while not self._free and self._in_use >= self.count and self._in_flight > 0:
                 self._cond.wait()
             self._in_use += 1
+            self._peak_in_use = max(self._peak_in_use, self._in_use)
             if self._free:
                 return self._free.pop()
-        if self._in_use > self.count:
-            logger.debug("part pool: %d buffers in use, none in flight: lending one more", self._in_use)
+            self._allocated += 1
+            lending = self._in_use > self.count
+        if lending:
+            logger.debug("part pool: more than %d buffers in use, none in flight: lending one more", self.count)
         return bytearray(self.part_size_bytes)
 
     def flying(self) -> None:
@@ -121,13 +126,17 @@ class PartPool:
             self._in_use -= 1
             if was_flying:
                 self._in_flight -= 1
-            if len(self._free) + self._in_use < self.count:
+            # A buffer cut to a last part's size is not reused (the next part needs a whole one).
+            if len(buffer) == self.part_size_bytes and len(self._free) + self._in_use < self.count:
                 self._free.append(buffer)
             self._cond.notify_all()
 
     def stats(self) -> dict[str, int]:
+        """Buffers ``in_use`` (being filled or in flight), ``in_flight``, ``free`` (kept for reuse),
+        ``allocated`` (made since the pool was, reuse excluded) and ``peak_in_use``."""
         with self._cond:
-            return {"in_use": self._in_use, "in_flight": self._in_flight, "free": len(self._free)}
+            return {"in_use": self._in_use, "in_flight": self._in_flight, "free": len(self._free),
+                    "allocated": self._allocated, "peak_in_use": self._peak_in_use}
 
 
 class MemoryReader(io.RawIOBase):

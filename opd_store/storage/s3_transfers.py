@@ -1,24 +1,24 @@
-"""Parallel S3 transfers over s3fs's asynchronous API: a part writer and a ranged reader.
+"""Parallel S3 uploads over s3fs's asynchronous API: the part writer.
 
 s3fs's file writer uploads a multipart upload one part at a time (its source: "TODO: concurrent
-here") and ``cat_file`` is one GET, or ranges gathered into per-range copies. A store here moves a
-payload over several connections at once, on s3fs's own event loop and client (its credentials,
-endpoint, timeouts and botocore's retries, which back off on ``503 SlowDown``):
+here"). A store here moves a payload over several connections at once, on s3fs's own event loop
+and client (its credentials, endpoint, timeouts and botocore's retries, which back off on ``503
+SlowDown``); the reads are :mod:`opd_store.storage.s3_reads`.
 
-* :class:`S3PartWriter` (``Storage.open_write``): the bytes written are copied into part buffers
+:class:`S3PartWriter` (``Storage.open_write``): the bytes written are copied into part buffers
   from the store's :class:`~opd_store.storage.parts.PartPool`; each full buffer goes up as an
   ``UploadPart`` while the caller keeps writing, up to ``parts_in_flight`` at once. A payload of at
   most one part is one ``PutObject``. :meth:`S3PartWriter.finish` seals the payload and returns a
   :class:`~opd_store.storage.parts.Completion` that completes the upload in the background, so the
-  next payload of the save streams while this one's last parts are still moving. If any request
+  next payload of the save streams while this one's last parts are still moving. Each request's
+  body is a seekable reader over its part buffer (:class:`~opd_store.storage.parts.MemoryReader`),
+  sent in chunks: a ``bytes`` body is copied whole into asyncio's transport buffer while the socket
+  drains, a second copy of every part in flight (docs/performance.md). If any request
   fails after the client's retries, the whole multipart upload is aborted once the parts in flight
   have settled (no upload is left open on the server) and the failure is raised as
-  :class:`~opd_store.errors.PayloadUploadError` naming the object and the request.
-* :func:`read_checked` (``Storage.open_checked``): the object is read with ranged GETs of
-  ``part_size_bytes``, up to ``parts_in_flight`` at once, each streamed into its place in one
-  preallocated buffer (no copy per range). The CRC32C is computed over the ranges in order as they
-  land. A range that answers with fewer bytes than it asked for is an
-  :class:`~opd_store.errors.IntegrityError` naming the object; a body cut mid-way is retried.
+  :class:`~opd_store.errors.PayloadUploadError` naming the object and the request
+  (a failure to reach the store at all is left to the payload writer, which reports it as
+  :class:`~opd_store.errors.StoreUnreachableError`).
 """
 
 from __future__ import annotations
@@ -29,19 +29,14 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ..checksum import Crc32c
-from ..errors import IntegrityError, PayloadUploadError
-from .backend_errors import Meaning, classify, describe, s3_error_code
-from .parts import Completion, MemoryReader, PartPool, TransferSettings
+from ..errors import PayloadUploadError
+from .backend_errors import Meaning, classify, describe, is_unreachable
+from .parts import Completion, MemoryReader, PartPool
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
 logger = logging.getLogger("opd_store.storage")
-
-_RANGE_ATTEMPTS = 3
-"""Attempts per range whose body was cut mid-way (the request itself is retried by botocore)."""
-
 
 def _run(fs, coroutine: "Coroutine") -> concurrent.futures.Future:
     """Schedule ``coroutine`` on s3fs's event loop thread; its future, at once."""
@@ -150,18 +145,24 @@ class S3PartWriter:
 
     async def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
         upload_id = await asyncio.wrap_future(self._upload_id)
+        reader = MemoryReader(body)
         try:
             answer = await self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=upload_id,
-                                             PartNumber=number, Body=body)
+                                             PartNumber=number, Body=reader)
         except Exception as exc:  # noqa: BLE001 - named below
             raise self._error(f"UploadPart {number}", exc)  # noqa: B904 - the cause is set by _error
+        finally:
+            reader.close()
         return {"PartNumber": number, "ETag": answer["ETag"]}
 
     def _error(self, request: str, exc: BaseException) -> BaseException:
-        """``exc`` named: a :class:`PayloadUploadError` naming the object and the request (the
-        backend's error as its cause); a refusal (403) stays as it is, for the payload writer to
-        report as a permission error naming the operation."""
-        if classify(exc) is Meaning.DENIED:
+        """``exc`` named: a :class:`PayloadUploadError` naming the object and the request, with
+        the backend's error as its cause. A refusal (403) and a failure to reach the store (a
+        refused or closed connection, a timeout) stay as they are: the payload writer reports
+        them as a permission error naming the operation or as a
+        :class:`~opd_store.errors.StoreUnreachableError` naming the payload, the step and the
+        endpoint."""
+        if classify(exc) is Meaning.DENIED or is_unreachable(exc):
             return exc
         named = PayloadUploadError(f"{self.url}: {request} failed after the client's retries ({describe(exc)}); "
                                    "the upload is aborted and the object not written")
@@ -179,17 +180,17 @@ class S3PartWriter:
         if self._state != "open":
             raise ValueError(f"finish of a {self._state} S3 writer ({self.url})")
         self._state = "finishing"
+        tail = self._take_tail()
         if self._upload_id is None:  # at most one part: one PutObject
-            body = bytes(memoryview(self._buffer)[:self._fill]) if self._buffer is not None else b""
-            self._drop_buffer()
-            return Completion(_run(self._fs, self._put(body)))
-        if self._fill:
-            tail = bytearray(memoryview(self._buffer)[:self._fill])  # the last part: its own size
-            self._drop_buffer()
+            future = _run(self._fs, self._put(tail if tail is not None else bytearray()))
+            if tail is not None:
+                future.add_done_callback(lambda _done: self._pool.release(tail, was_flying=True))
+            return Completion(future)
+        if tail is not None:
             number = len(self._parts) + 1
-            self._parts.append(_run(self._fs, self._upload_part(number, tail)))
-        else:
-            self._drop_buffer()
+            future = _run(self._fs, self._upload_part(number, tail))
+            future.add_done_callback(lambda done: self._part_done(done, tail))
+            self._parts.append(future)
         return Completion(_run(self._fs, self._complete()))
 
     def close(self) -> None:
@@ -209,16 +210,37 @@ class S3PartWriter:
             except Exception:  # noqa: BLE001 - cleanup of an already failing save
                 logger.warning("could not abort the multipart upload of %s", self.url, exc_info=True)
 
+    def _take_tail(self) -> bytearray | None:
+        """The buffer being filled, cut in place to the bytes it holds and counted in flight (its
+        request gives it back to the pool); ``None`` when nothing is buffered.
+
+        The last part (or the only object) goes up from the pool's own buffer, so every byte a
+        save holds for upload is one of the pool's ``parts_in_flight`` buffers: payloads whose
+        publishes run in the background cannot pile up copies of their tails.
+        """
+        buffer, fill = self._buffer, self._fill
+        self._buffer, self._fill = None, 0
+        if buffer is None or not fill:
+            if buffer is not None:
+                self._pool.release(buffer, was_flying=False)
+            return None
+        del buffer[fill:]
+        self._pool.flying()
+        return buffer
+
     def _drop_buffer(self) -> None:
         if self._buffer is not None:
             self._pool.release(self._buffer, was_flying=False)
             self._buffer, self._fill = None, 0
 
-    async def _put(self, body: bytes) -> None:
+    async def _put(self, body: bytearray) -> None:
+        reader = MemoryReader(body)
         try:
-            await self._fs._call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=body)
+            await self._fs._call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=reader)
         except Exception as exc:  # noqa: BLE001 - named below
             raise self._error("PutObject", exc)  # noqa: B904 - the cause is set by _error
+        finally:
+            reader.close()
         self._state = "done"
 
     async def _settled_parts(self) -> list[Any]:
@@ -256,116 +278,4 @@ class S3PartWriter:
                 raise
 
 
-# -- reads ----------------------------------------------------------------------------------------
-class _OtherSize(Exception):
-    """The object is not as long as expected: its real length (``-1``: unknown)."""
-
-    def __init__(self, size_bytes: int) -> None:
-        super().__init__(size_bytes)
-        self.size_bytes = size_bytes
-
-
-async def _read_range(fs, bucket: str, key: str, url: str, view: memoryview, start: int, size_bytes: int) -> None:
-    """Fetch bytes ``start .. start + len(view)`` of the object into ``view``.
-
-    Raises:
-        _OtherSize: the object is not ``size_bytes`` long.
-        IntegrityError: the range came back short.
-    """
-    end = start + view.nbytes
-    for attempt in range(1, _RANGE_ATTEMPTS + 1):
-        try:
-            answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-        except Exception as exc:  # noqa: BLE001 - a range past the end: the object is shorter
-            if s3_error_code(exc) == "InvalidRange":
-                raise _OtherSize(-1) from exc
-            raise
-        body = answer["Body"]
-        try:
-            total = int(str(answer.get("ContentRange", "")).rpartition("/")[2] or -1)
-            if total != size_bytes:
-                raise _OtherSize(total)
-            got = 0
-            while got < view.nbytes:
-                count = await body.readinto(view[got:])
-                if count == 0:
-                    break
-                got += count
-            if got != view.nbytes:
-                raise IntegrityError(f"{url}: a ranged read of bytes {start}-{end - 1} returned {got} bytes "
-                                     f"instead of {view.nbytes}")
-            return
-        except (IntegrityError, _OtherSize):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a body cut mid-way: the range again
-            if attempt == _RANGE_ATTEMPTS or classify(exc) in (Meaning.NOT_FOUND, Meaning.DENIED):
-                raise
-            logger.debug("%s: range %d-%d cut (%r); reading it again", url, start, end - 1, exc)
-        finally:
-            body.close()
-
-
-async def _read_all(fs, bucket: str, key: str, url: str, settings: TransferSettings, size_bytes: int,
-                    buffer: bytearray) -> str:
-    view = memoryview(buffer)
-    part = settings.part_size_for(size_bytes)
-    starts = list(range(0, size_bytes, part))
-    slots = asyncio.Semaphore(settings.parts_in_flight)
-    landed = [False] * len(starts)
-    crc = Crc32c()
-    next_unchecked = 0
-
-    async def one(index: int) -> None:
-        nonlocal next_unchecked
-        start = starts[index]
-        async with slots:
-            await _read_range(fs, bucket, key, url, view[start:start + part], start, size_bytes)
-        landed[index] = True
-        while next_unchecked < len(starts) and landed[next_unchecked]:  # CRC32C in order, as ranges land
-            first = starts[next_unchecked]
-            crc.update(view[first:first + part])
-            next_unchecked += 1
-
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(starts))]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    finally:
-        view.release()
-    return crc.hexdigest()
-
-
-def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings,
-                 size_bytes: int) -> tuple[MemoryReader, int, str]:
-    """The object read with parallel ranged GETs into one buffer of ``size_bytes``: a reader over
-    it, the object's size and the CRC32C of the bytes read (8 hex digits).
-
-    When the object is not ``size_bytes`` long, the size returned is its real one (from a fresh
-    ``HeadObject``) and the reader is empty: the caller reports the mismatch.
-
-    Raises:
-        IntegrityError: a range came back short (names the object and the range).
-        OSError: the backend's failure after its retries (a missing object: ``FileNotFoundError``).
-    """
-    from fsspec.asyn import sync
-
-    if not size_bytes:
-        actual = int(fs.info(f"{bucket}/{key}", refresh=True).get("size") or 0)
-        return MemoryReader(b""), actual, Crc32c().hexdigest()
-    buffer = bytearray(size_bytes)
-    try:
-        crc = sync(fs.loop, _read_all, fs, bucket, key, url, settings, size_bytes, buffer)
-    except _OtherSize as other:
-        actual = other.size_bytes
-        if actual < 0:
-            fs.invalidate_cache()
-            actual = int(fs.info(f"{bucket}/{key}", refresh=True).get("size") or 0)
-        return MemoryReader(b""), actual, ""
-    return MemoryReader(buffer), size_bytes, crc
-
-
-__all__ = ["S3PartWriter", "read_checked"]
+__all__ = ["S3PartWriter"]

@@ -1,5 +1,5 @@
 """A "fresh machine" for a process start (new, empty working directory, ``HOME`` and ``TMPDIR``),
-and the CPU time of a process.
+the CPU time of a process, torch's thread count for a block, and the end of a server process.
 
 ``opd-store demo``, the soak (``bench/soak.py``) and the spot tests start the job again and again
 and must prove that only the store carries state from one start to the next. Each start gets a new
@@ -10,8 +10,11 @@ transformers' warnings off and unbuffered output (the parent reads events line b
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # Set for every start: no model is downloaded (models are built from configs) and transformers'
@@ -42,6 +45,19 @@ def fresh_machine(base: str | os.PathLike, extra_env: dict[str, str] | None = No
     return env, machine / "work"
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(count)``; the previous count is restored after."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def process_cpu_secs(pid: int | None = None) -> float:
     """CPU seconds (user + system, all threads) a process has used: this one by default, else
     ``pid``'s from ``/proc/PID/stat`` (Linux)."""
@@ -53,4 +69,14 @@ def process_cpu_secs(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-__all__ = ["MACHINE_ENV", "fresh_machine", "process_cpu_secs"]
+def end_process(process: subprocess.Popen, timeout_secs: float) -> None:
+    """Terminate ``process`` (SIGTERM), wait up to ``timeout_secs``, then kill it and reap it."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_secs)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+__all__ = ["MACHINE_ENV", "end_process", "fresh_machine", "process_cpu_secs", "torch_threads"]

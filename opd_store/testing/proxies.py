@@ -16,6 +16,13 @@ the server unchanged unless it was told otherwise:
                       without a response: the ambiguous outcome of a lost reply
   ``truncate``        the request is forwarded, the status line, headers and half the body
                       are sent, then the connection is closed (dropped mid-response)
+  ``short``           the request is forwarded; the reply is complete and well formed, but
+                      its body is the first half of the server's (``Content-Length`` says so)
+  ``corrupt``         the request is forwarded; the reply carries the server's body with its
+                      first byte flipped
+  ``stall``           the request is read and never answered (a stuck gateway): the
+                      connection stays open until the client gives up, the rules are
+                      cleared or the proxy stops (then it is closed without a response)
   ==================  ======================================================================
 
 * :class:`HoldProxy` holds the requests a predicate picks until :meth:`HoldProxy.release` (then
@@ -84,7 +91,7 @@ class Rule:
     Attributes:
         ops: S3 operation names to match (any when empty).
         match: extra predicate on the :class:`Request` (``path``, ``query``, ``headers`` filled in).
-        fault: ``status``, ``drop``, ``drop_after`` or ``truncate``.
+        fault: ``status``, ``drop``, ``drop_after``, ``truncate``, ``stall``, ``short`` or ``corrupt``.
         status: HTTP status for ``status`` faults.
         code: S3 error code for ``status`` faults (``SlowDown``, ``InternalError``, ``AccessDenied``).
         times: fault this many matching requests, then forward (``None``: every one).
@@ -196,7 +203,7 @@ class S3Proxy:
                     self._send_error(record, fault[1], fault[2])
                     return
                 record.fault = fault[0] if fault is not None else None
-                if record.fault == "drop":
+                if record.fault in ("drop", "stall"):
                     self._drop()
                     return
                 status, reason, headers, data = self._forward(body)
@@ -208,6 +215,10 @@ class S3Proxy:
                     if key.lower() in _HOP_BY_HOP or (key.lower() == "content-length" and self.command != "HEAD"):
                         continue
                     self.send_header(key, value)
+                if record.fault == "short":
+                    data = data[: len(data) // 2]
+                elif record.fault == "corrupt" and data:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
                 if self.command != "HEAD":
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -247,7 +258,8 @@ class S3Proxy:
 
     def _decide(self, record: Request) -> tuple | None:
         """``None`` to forward ``record``; ``("status", code, name)``, ``("drop",)``,
-        ``("drop_after",)`` or ``("truncate",)`` for a fault. Runs on the request's thread."""
+        ``("drop_after",)``, ``("truncate",)`` or ``("stall",)`` (returned once the stall ends: the
+        connection is then closed without a response) for a fault. Runs on the request's thread."""
         return None
 
     def ops(self) -> list[str]:
@@ -280,6 +292,7 @@ class S3FaultProxy(S3Proxy):
         self.rules: list[Rule] = []
         self.fail_puts = 0
         self.failed: list[str] = []
+        self.released = threading.Event()  # set: the requests stalled so far are let go (dropped)
         super().__init__(upstream)
 
     def _decide(self, record: Request) -> tuple | None:
@@ -289,8 +302,11 @@ class S3FaultProxy(S3Proxy):
                 self.fail_puts -= 1
                 self.failed.append(record.path + (f"?{record.query}" if record.query else ""))
                 rule = Rule(fault="status", status=503, code="SlowDown")
+            released = self.released
         if rule is None:
             return None
+        if rule.fault == "stall":
+            released.wait()  # then the connection is closed without a response, as for a drop
         return ("status", rule.status, rule.code) if rule.fault == "status" else (rule.fault,)
 
     def add(self, rule: Rule | None = None, **kwargs) -> Rule:
@@ -301,12 +317,19 @@ class S3FaultProxy(S3Proxy):
         return rule
 
     def clear(self) -> None:
-        """Drop every rule and every recorded request."""
+        """Drop every rule and every recorded request; let stalled requests go (dropped)."""
         with self.lock:
             self.rules.clear()
             self.requests.clear()
             self.failed.clear()
             self.fail_puts = 0
+            self.released.set()
+            self.released = threading.Event()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.released.set()
+        super().stop()
 
 
 class HoldProxy(S3Proxy):
@@ -321,6 +344,7 @@ class HoldProxy(S3Proxy):
     def __init__(self, upstream: str, hold: Callable[[str, str], bool]) -> None:
         self.hold = hold
         self.held: list[str] = []
+        self._held_changed = threading.Condition()
         self._released = threading.Event()
         self._dropping = False
         super().__init__(upstream)
@@ -329,10 +353,22 @@ class HoldProxy(S3Proxy):
         path = record.path + (f"?{record.query}" if record.query else "")
         if not self.hold(record.method, path):
             return None
-        with self.lock:
+        with self._held_changed:
             self.held.append(f"{record.method} {path}")
+            self._held_changed.notify_all()
         self._released.wait()
         return ("drop",) if self._dropping else None
+
+    def wait_held(self, count: int, timeout_secs: float = 60.0) -> list[str]:
+        """Block until at least ``count`` requests are held; the held ones.
+
+        Raises:
+            TimeoutError: fewer were held after ``timeout_secs``.
+        """
+        with self._held_changed:
+            if not self._held_changed.wait_for(lambda: len(self.held) >= count, timeout_secs):
+                raise TimeoutError(f"{len(self.held)} requests held after {timeout_secs} s, expected {count}: {self.held}")
+            return list(self.held)
 
     def release(self) -> None:
         self._released.set()

@@ -25,7 +25,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import parse_qs
 
-from .machines import process_cpu_secs
+from .machines import end_process, process_cpu_secs
 from .stores import EMULATOR_ENV, Backend
 
 # -- requests -------------------------------------------------------------------------------------
@@ -311,12 +311,7 @@ class MotoProcess(S3Endpoint):
         return None
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end_process(self.process, 15)
         self.process.stdout.close()
         self._log.close()
 

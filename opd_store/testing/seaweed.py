@@ -36,6 +36,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from .machines import end_process
 from .s3 import S3Endpoint
 from .stores import Backend
 
@@ -197,12 +198,7 @@ class SeaweedS3(S3Endpoint):
     def _terminate(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end_process(self.process, 15)
 
     def stop(self) -> None:
         """Stop the server and delete its data."""
@@ -240,17 +236,6 @@ class SeaweedS3(S3Endpoint):
         with self._lock:
             self._buckets.append(name)
         return Backend("s3", f"s3://{name}/runs/demo", self.storage_options(), server="seaweed")
-
-    def rss_mib(self) -> float | None:
-        """The server's resident memory in MiB (``None`` once it exited)."""
-        try:
-            with open(f"/proc/{self.pid}/status") as handle:
-                for line in handle:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
 
 
 __all__ = ["SeaweedS3", "weed_binary"]

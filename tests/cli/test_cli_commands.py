@@ -15,6 +15,7 @@ from opd_store.cli import main
 from opd_store.orphans import find_orphans
 from opd_store.layout import new_attempt_id
 from opd_store.transfer import copy_checkpoint
+from opd_store.testing.aged_objects import backdate
 from opd_store.testing.stores import open_store, raw_put
 
 
@@ -50,7 +51,9 @@ def test_read_commands(backend, store_args, capsys):
     assert [(r["successful_updates"], r["attempted_updates"]) for r in rows[:3]] == [(1, 2), (2, 3), (3, 4)]
     assert rows[3]["uncommitted_attempts"][0]["attempt_id"] == young
     assert rows[3]["uncommitted_attempts"][0]["size_bytes"] == 9
-    assert 20 <= rows[3]["uncommitted_attempts"][0]["age_secs"] < 3600
+    # Its age is the store's (written a moment ago); its id's time, 30 s ago, is only a hint.
+    assert 0 <= rows[3]["uncommitted_attempts"][0]["age_secs"] < 20
+    assert 20 <= rows[3]["uncommitted_attempts"][0]["writer_clock_age_secs"] < 3600
     assert rows[1]["total_size_bytes"] == store.checkpoints()[1].total_size_bytes
 
     assert run(capsys, "latest", backend.url, *store_args)[:2] == (0, "3\n")
@@ -108,12 +111,14 @@ def test_unreachable_bucket_is_exit_2(s3_backend, capsys):
     assert code == 2 and out == "" and "no-such-bucket" in err
 
 
-def test_gc_dry_run_then_yes_and_pins(backend, store_args, capsys):
+def test_gc_dry_run_then_yes_and_pins(backend, store_args, capsys, request):
     store = open_store(backend)
     for step in (10, 20, 30, 40):
         commit(store, step, size=100 + step)
-    old = new_attempt_id(time.time() - 7200)
+    old = new_attempt_id()
     raw_put(backend, f"step-000050/{old}/model.bin", b"o" * 77)
+    # Written two hours ago by the store's clock (the grace is one hour).
+    backdate(backend, f"step-000050/{old}", 7200, request.getfixturevalue("moto_s3") if backend.name == "s3" else None)
     sizes = {info.step: info.total_size_bytes for info in store.checkpoints()}
 
     assert run(capsys, "pin", backend.url, 10, *store_args)[:2] == (0, f"pinned: step 10 at {store.step_url(10)}\n")

@@ -173,16 +173,23 @@ def ctp_protocol(monkeypatch):
 
 
 def test_check_then_put_backend_refused_by_default(ctp_protocol):
-    store = CheckpointStore(ctp_protocol)
-    assert isinstance(store.storage, CheckThenPutStorage)
-    assert store.url.startswith("opdctp://")
+    # Refused when the store is opened, before any request: the message names the URL and what
+    # opd_store supports, and the opt-in.
     with pytest.raises(UnsupportedBackendError) as caught:
-        store.begin(1)
-    assert isinstance(caught.value, ValueError) and "allow_check_then_put" in str(caught.value)
+        CheckpointStore(ctp_protocol)
+    message = str(caught.value)
+    assert isinstance(caught.value, ValueError)
+    assert message.startswith(f"{ctp_protocol}: URL scheme 'opdctp' has no create-only write; ")
+    assert "s3://" in message and "gs://" in message and "allow_check_then_put=True" in message
     assert [k for k in MemoryFileSystem.store if "ctp-bucket" in k] == []  # nothing uploaded
+    # A backend built without the opt-in (directly) still refuses the commit itself.
+    storage = CheckThenPutStorage(MemoryFileSystem(), "/ctp-bucket/run", "opdctp://ctp-bucket/run",
+                                  allow_check_then_put=False)
     with pytest.raises(UnsupportedBackendError):
-        store.storage.create_exclusive("step-000001/manifest.json", b"{}")
-    assert store.steps() == []
+        storage.create_exclusive("step-000001/manifest.json", b"{}")
+    with pytest.raises(UnsupportedBackendError):
+        CheckpointStore.from_storage(storage).begin(1)
+    assert [k for k in MemoryFileSystem.store if "ctp-bucket" in k] == []
 
 
 def test_check_then_put_backend_with_opt_in(ctp_protocol):

@@ -16,7 +16,7 @@ from opd_store.storage.backend_errors import Meaning, classify
 
 from .helpers import crc_hex, open_store
 
-ABSTRACT_VERBS = {"list_children", "list_tree", "size", "read_bytes", "open_write", "create_exclusive", "delete",
+ABSTRACT_VERBS = {"list_children", "list_tree", "list_tree_modified", "size", "read_bytes", "open_write", "create_exclusive", "delete",
                   "delete_tree", "list_uploads", "abort_upload"}
 
 
@@ -158,6 +158,35 @@ def test_multipart_upload_listing_and_abort(backend, raw):
     storage.abort_upload(key, started["UploadId"])
     left = raw.client.list_multipart_uploads(Bucket=raw.bucket).get("Uploads", [])
     assert [u["Key"] for u in left] == ["elsewhere/big.bin"]
+
+
+@EVERY_BACKEND
+def test_the_store_clock_and_modification_times(backend, raw):
+    """Every backend reports each object's modification time and its own notion of now on one
+    clock (here the servers run on this machine, so both are this machine's time too)."""
+    storage = _storage(backend)
+    before = time.time()
+    raw.put("a/b.bin", b"12345")
+    raw.put("c.bin", b"")
+    now = storage.clock_secs()
+    after = time.time()
+    assert before - 2 <= now <= after + 2  # S3 and GCS: the server's Date header (whole seconds)
+    listed = storage.list_tree_modified("")
+    assert sorted(listed) == ["a/b.bin", "c.bin"] and listed["a/b.bin"][0] == 5
+    for _size, modified in listed.values():
+        assert before - 2 <= modified <= now + 1
+    assert storage.list_tree_modified("a") == {"b.bin": listed["a/b.bin"]}
+    assert storage.list_tree_modified("missing") == {}
+    if backend.name != "s3":
+        assert storage.newest_part_secs("a/b.bin", "id") is None
+        return
+    key = f"{raw.prefix}/step-000001/{new_attempt_id()}/model.bin"
+    upload = raw.client.create_multipart_upload(Bucket=raw.bucket, Key=key)
+    rel = key[len(raw.prefix) + 1:]
+    assert storage.newest_part_secs(rel, upload["UploadId"]) is None
+    raw.client.upload_part(Bucket=raw.bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 10)
+    assert before - 2 <= storage.newest_part_secs(rel, upload["UploadId"]) <= time.time() + 1
+    raw.client.abort_multipart_upload(Bucket=raw.bucket, Key=key, UploadId=upload["UploadId"])
 
 
 @EVERY_BACKEND

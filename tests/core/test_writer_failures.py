@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from opd_store import IncompleteCheckpointError, PayloadUploadError
+from opd_store import IncompleteCheckpointError, StoreUnreachableError
 from proc_writer import make_bytes
 
 from .helpers import open_store, save
@@ -194,9 +194,13 @@ def test_s3_failed_multipart_completion_leaves_no_open_upload(s3_backend, moto_s
         raise ConnectionResetError("connection reset during CompleteMultipartUpload")
 
     store.storage.fs.s3.meta.events.register("before-call.s3.CompleteMultipartUpload", complete_fails)
-    with pytest.raises(PayloadUploadError, match="step-000002/.*/model.pt: CompleteMultipartUpload failed") as caught:
+    with pytest.raises(StoreUnreachableError) as caught:
         with store.begin(2) as txn:
             txn.write_bytes("model.pt", make_bytes("big", 6 * 2**20))
+    # The object, the operation and the cause in one line; the client's error is the cause.
+    assert str(caught.value) == (f"{store.url}/step-000002/{txn.attempt_id}/model.pt: cannot write payload "
+                                 f"'model.pt' of step 2: endpoint {moto_s3.endpoint_url} closed the connection "
+                                 "(connection reset during CompleteMultipartUpload); step 2 is not committed")
     assert isinstance(caught.value.__cause__, ConnectionResetError)
     gc.collect()
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

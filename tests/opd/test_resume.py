@@ -100,13 +100,27 @@ def test_resume_mode_of():
 # --- world size ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", RESUME_MODES)
-def test_world_size_change_refused_under_every_mode(mode):
+@pytest.mark.parametrize("mode", [mode for mode in RESUME_MODES if mode != "elastic"])
+def test_world_size_change_refused_under_every_mode_but_elastic(mode):
     parent = make_config("exact")
     message = refusal(parent=parent, current=make_config(mode), saved_world_size=2, world_size=4)
     assert "saved with world_size 2" in message
     assert "this run has world_size 4" in message
-    assert "every resume mode" in message
+    assert "every resume mode except 'elastic'" in message
+
+
+def test_elastic_accepts_a_world_size_change_and_judges_the_rest_as_execution_change():
+    decision = check(make_config("exact"), make_config("elastic"), saved_world_size=4, world_size=2)
+    assert decision.mode == "elastic" and decision.world_size_changed
+    assert (decision.saved_world_size, decision.world_size) == (4, 2)
+    same = check(make_config("exact"), make_config("elastic"), saved_world_size=2, world_size=2)
+    assert not same.world_size_changed
+    accepted = check(make_config("exact"), make_config("elastic", **{"execution.inference_batch_size": 64}),
+                     provenance=dict(PROVENANCE, code_revision="def456"), saved_world_size=4, world_size=8)
+    assert accepted.accepted_changes == ("provenance.code_revision",) and accepted.world_size_changed
+    message = refusal(parent=make_config("exact"), current=make_config("elastic", **{"training.learning_rate": 2e-5}),
+                      saved_world_size=4, world_size=2)
+    assert "training.learning_rate" in message
 
 
 def test_world_size_checked_before_anything_else():

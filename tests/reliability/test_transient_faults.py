@@ -1,6 +1,6 @@
 """Transient S3 faults (issue 5, beyond the listed cases): HTTP 500, 503 SlowDown, connections
 dropped before the request reaches S3, dropped after it landed (the reply is lost), and bodies cut
-mid-response, injected by a proxy in front of moto (``tests/s3proxy.py``).
+mid-response, injected by a proxy in front of moto (:mod:`opd_store.testing.proxies`).
 
 Saves and loads retry with back-off (botocore's retry handler, then s3fs's own retry loop; see
 docs/protocol.md, "Retries") and either commit whole or not at all; committed data is never lost.

@@ -16,7 +16,9 @@ from opd_store.pruning import apply_retention, execute_plan, plan_store_retentio
 from opd_store.layout import new_attempt_id
 from opd_store.pins import pin, pinned_steps, unpin
 from opd_store.retention import RetentionPolicy
+from opd_store.testing.aged_objects import backdate, moto_clock
 from opd_store.testing.stores import open_store, raw_put
+
 
 def commit(store: CheckpointStore, step: int, *, payload: bytes | None = None, metadata=None) -> None:
     with store.begin(step, metadata=metadata or {"successful_updates": step}) as txn:
@@ -115,16 +117,21 @@ def test_deletion_removes_the_manifest_first_so_a_crash_leaves_no_false_complete
     )
 
 
-def test_orphans_respect_the_grace_period_and_foreign_objects_are_never_touched(backend):
+def test_orphans_respect_the_grace_period_and_foreign_objects_are_never_touched(backend, request):
     store = open_store(backend)
     commit(store, 5)
     now = time.time()
-    old = new_attempt_id(now - 7200)
-    young = new_attempt_id(now - 60)
-    lost = new_attempt_id(now - 7200)
-    raw_put(backend, f"step-000007/{old}/model.bin", b"o" * 100)  # killed save, 2 h old
-    raw_put(backend, f"step-000008/{young}/model.bin", b"y" * 10)  # a live writer, 1 min old
+    moto = request.getfixturevalue("moto_s3") if backend.name == "s3" else None
+    # The ids carry their writers' clocks, which say nothing: "old" was written by a writer whose
+    # clock ran 2 h ahead, "young" by one 2 h behind. Only the store's times decide.
+    old = new_attempt_id(now + 7200)
+    young = new_attempt_id(now - 7200)
+    lost = new_attempt_id(now)
+    raw_put(backend, f"step-000007/{old}/model.bin", b"o" * 100)  # killed save, last written 2 h ago
+    raw_put(backend, f"step-000008/{young}/model.bin", b"y" * 10)  # a live writer, written just now
     raw_put(backend, f"step-000005/{lost}/model.bin", b"l" * 20)  # lost race beside a committed step
+    backdate(backend, f"step-000007/{old}", 7200, moto)
+    backdate(backend, f"step-000005/{lost}", 7200, moto)
     foreign = {
         "step-000009/model.safetensors": b"another tool",  # no attempt layout
         "step-000009/attempt-not-ours/x.bin": b"not an attempt id",
@@ -161,15 +168,27 @@ def test_stale_multipart_uploads_are_aborted_and_reported(s3_backend, moto_s3):
     commit(store, 1)
     client = moto_s3.boto3_client()
     bucket, prefix = "opd-test", "runs/demo"
-    ours = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/step-000002/{new_attempt_id()}/model.bin")
-    other = client.create_multipart_upload(Bucket=bucket, Key="elsewhere/big.bin")
-    # Default grace (1 hour): our upload is 0 s old by its attempt id (moto reports a fixed 2010
-    # "Initiated" for every upload, so the foreign key counts as old).
-    kept = collect_garbage(store, RetentionPolicy(), dry_run=True)
-    assert kept.uploads == []
-    dry = collect_garbage(store, RetentionPolicy(), orphans_older_than_secs=0, dry_run=True)
-    assert [(u.rel, u.upload_id) for u in dry.uploads] == [(ours["Key"][len(prefix) + 1:], ours["UploadId"])]
-    assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 2
+    # Uploads of payloads under two attempts: one with a part written just now (a live writer,
+    # whatever its 2-hours-old id says), one whose only part was written 2 hours ago by the store's
+    # clock (moto reports one fixed 2010 "Initiated" for every upload, so the parts decide).
+    live_key = f"{prefix}/step-000002/{new_attempt_id(time.time() - 7200)}/model.bin"
+    stale_key = f"{prefix}/step-000003/{new_attempt_id(time.time() + 7200)}/model.bin"
+    live = client.create_multipart_upload(Bucket=bucket, Key=live_key)
+    client.upload_part(Bucket=bucket, Key=live_key, UploadId=live["UploadId"], PartNumber=1, Body=b"l" * 100)
+    stale = client.create_multipart_upload(Bucket=bucket, Key=stale_key)
+    with moto_clock(-7200):
+        client.upload_part(Bucket=bucket, Key=stale_key, UploadId=stale["UploadId"], PartNumber=1, Body=b"s" * 100)
+    other = client.create_multipart_upload(Bucket=bucket, Key="elsewhere/big.bin")  # outside the store
+    relative = {live["UploadId"]: live_key[len(prefix) + 1:], stale["UploadId"]: stale_key[len(prefix) + 1:]}
+
+    dry = collect_garbage(store, RetentionPolicy(), dry_run=True)  # the default grace: one hour
+    assert [(u.rel, u.upload_id) for u in dry.uploads] == [(relative[stale["UploadId"]], stale["UploadId"])]
+    assert 7100 < dry.uploads[0].age_secs < 7800
+    assert len(client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])) == 3
+    collect_garbage(store, RetentionPolicy(), dry_run=False)
+    left = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+    assert sorted(u["UploadId"] for u in left) == sorted([live["UploadId"], other["UploadId"]])
+    # With no grace the live one goes too; the one outside the store prefix is never touched.
     collect_garbage(store, RetentionPolicy(), orphans_older_than_secs=0, dry_run=False)
     left = client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
     assert [u["UploadId"] for u in left] == [other["UploadId"]]

@@ -1,0 +1,399 @@
+"""Hugging Face ``Trainer`` (and TRL's trainers) checkpointing into an opd_store store.
+
+Two additions to a training script (docs/integrations.md)::
+
+    callback = StoreCallback("s3://bucket/run", retention=RetentionPolicy(keep_last=3))
+    trainer = GKDTrainer(..., callbacks=[callback])              # or any transformers.Trainer
+    trainer.train(resume_from_checkpoint=store_checkpoint("s3://bucket/run", trainer=trainer))
+
+:class:`StoreCallback` commits every ``checkpoint-N`` directory the Trainer writes as step ``N``
+of the store, through the save pipeline's stages (:mod:`opd_store.pipeline.save`):
+
+1. **Snapshot** (``on_save``, every rank): this rank's share of the directory is checked complete
+   (:func:`~opd_store.integrations.hf_layout.missing_files`: a missing or empty file stops the save,
+   named) and described (size, inode, mtime); with ``async_upload`` rank 0's files are hard-linked
+   into a staging directory (:func:`~opd_store.integrations.files.snapshot_files`), so
+   ``save_total_limit`` deleting the directory meanwhile cannot take bytes from the upload.
+2. **Write parts under an attempt**: rank 0 uploads the shared files (model or adapter, optimizer,
+   scheduler, scaler, ``trainer_state.json``, tokenizer, ``training_args.bin``) and its own
+   ``rng_state*.pth``, every other rank its own files as its part of rank 0's attempt
+   (:func:`~opd_store.pipeline.collective.write_and_commit_collective`).
+3. **Commit**: one manifest, created only if absent, naming every file with its size and CRC32C.
+4. **After-commit hooks** (:func:`~opd_store.pipeline.save.after_commit`): retention, then
+   :attr:`StoreCallback.committed_steps`.
+
+With ``async_upload``, stages 2-4 (with several ranks: rank 0's write, the commit and the hooks,
+after the other ranks sealed their parts) run as one task on a
+:class:`~opd_store.pipeline.worker.BackgroundWorker`: at most one in flight, a failure raised at
+the next save, :meth:`StoreCallback.wait` or the end of training as
+:class:`~opd_store.errors.BackgroundSaveError`. Stages on the training thread run inside
+:func:`~opd_store.opd.rng.preserve_global_rng` and the worker routes its ``random`` draws away from
+it, so S3/GCS retry back-offs never move the run's random streams.
+
+:func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations.hf_resume`,
+re-exported here) fetch the newest *complete* step, verified, for ``Trainer.train`` to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..errors import BackgroundSaveError, CommitConflictError, IncompleteCheckpointError
+from ..opd.distributed import current_group, decide_on_rank0
+from ..opd.rng import preserve_global_rng
+from ..pipeline.collective import FinishCommit, write_and_commit_collective
+from ..pipeline.save import SaveRequest, after_commit, run_save
+from ..pipeline.worker import EXIT_STAGE_SAVES, BackgroundTask, BackgroundWorker
+from ..retention import RetentionPolicy, RunLineage
+from ..store import COMPLETE, CheckpointStore
+from .files import FileSnapshot, directory_files, snapshot_files, upload_files
+from .hf_layout import JIT_SENTINEL_NAME, checkpoint_dirname, files_of_rank, missing_files
+from .hf_resume import resume_from_store, store_checkpoint
+from .run_config import RunConfig, check_resume, trainer_run_config
+
+logger = logging.getLogger("opd_store.integrations.transformers")
+
+FRAMEWORK = "transformers"
+STAGING_DIRNAME = ".opd-store-staging"
+DEFAULT_EXIT_TIMEOUT_SECS = 60.0
+
+
+class StoreCallback(TrainerCallback):
+    """Commit every checkpoint the Trainer saves to a store (see module docs).
+
+    Args:
+        url (str | os.PathLike): the store (``s3://bucket/run``, ``gs://...``, a local path, any
+            fsspec URL).
+        storage_options (dict | None): fsspec options for every request (endpoint, credentials).
+        retention (RetentionPolicy | None): applied in the store after each commit by the rules of
+            :mod:`opd_store.retention` (pins and the resume parent are kept), independent of the
+            Trainer's ``save_total_limit`` on local disk. ``None`` keeps every checkpoint.
+        async_upload (bool): upload and commit on the background worker (module docs).
+        preemption (PreemptionWatcher | None): started at ``on_train_begin`` and stopped at
+            ``on_train_end``; on a notice the update in progress finishes, the Trainer saves, the
+            callback commits (waiting for the commit) and training stops.
+        resume_mode (str): ``exact`` (default), ``execution_change`` or ``rollout_limit_change``:
+            which differences between this run and the checkpoint it resumes are accepted
+            (docs/resume.md, "Resume modes").
+        exit_timeout_secs (float): with ``async_upload``, seconds an upload in flight at
+            interpreter exit gets to commit before it is abandoned (:mod:`opd_store.pipeline.worker`).
+
+    Raises:
+        StoreUnreachableError: the store cannot be used (no bucket, credentials or connection);
+            raised here, before training, naming the URL and the cause.
+        ValueError: an unknown resume mode, or a negative ``exit_timeout_secs``.
+
+    Rank obligations: every rank constructs the callback and runs the same ``Trainer``; the
+    collectives of a save run inside ``on_save`` on every rank.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retention: RetentionPolicy | None = None,
+        async_upload: bool = False,
+        preemption: Any = None,
+        resume_mode: str = "exact",
+        exit_timeout_secs: float = DEFAULT_EXIT_TIMEOUT_SECS,
+    ) -> None:
+        if exit_timeout_secs < 0:
+            raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
+        self.store = CheckpointStore(url, storage_options=storage_options)
+        self.store.check_reachable()
+        RunConfig({}, resume_mode=resume_mode)  # validates the mode now, not at the first step
+        self.retention = retention
+        self.async_upload = async_upload
+        self.preemption = preemption
+        self.resume_mode = resume_mode
+        self.exit_timeout_secs = float(exit_timeout_secs)
+        self.committed_steps: list[int] = []
+        self.preempted_at: int | None = None
+        self._saved_steps: set[int] = set()  # steps commit() ran for, the same on every rank
+        self._worker: BackgroundWorker | None = None
+        self._lineage: RunLineage | None = None
+        self._run_config: RunConfig | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """Check that this run may write the store, record its lineage, clear stale staging.
+
+        Raises:
+            CommitConflictError: the store holds complete checkpoints newer than the step this run
+                starts from (0, or the resumed step): its saves would collide with them, or
+                interleave two runs' steps. Nothing has been trained yet.
+            ResumeMismatchError: the resumed step belongs to another run (names every field).
+
+        Rank obligations: every rank runs it (the Trainer calls callbacks on every rank); rank 0
+        decides and every rank raises its error.
+        """
+        self._run_config = trainer_run_config(args, model, resume_mode=self.resume_mode)
+        resumed = state.global_step
+
+        def parent_step() -> int | None:
+            complete = {info.step: info for info in self.store.checkpoints() if info.status == COMPLETE}
+            newer = sorted(step for step in complete if step > resumed)
+            if newer:
+                start = f"resumes step {resumed}" if resumed else "starts from step 0"
+                raise CommitConflictError(
+                    f"{self.store.url} already holds complete checkpoints newer than this run's start (steps "
+                    f"{', '.join(map(str, newer))}) but this run {start}, so its saves would collide with them; "
+                    "resume the newest with trainer.train(resume_from_checkpoint=store_checkpoint(url, "
+                    "trainer=trainer)) or give the run a new store URL")
+            if resumed not in complete:
+                return None
+            check_resume(complete[resumed].metadata.get("run_config"), self._run_config,
+                         checkpoint_url=self.store.step_url(resumed), world_size=args.world_size)
+            return resumed
+
+        # decided on rank 0 for every rank: ranks listing the store themselves could disagree
+        group = current_group()
+        parent = parent_step() if group is None else decide_on_rank0(group, parent_step)
+        self._lineage = RunLineage.new(parent_step=parent)
+        if args.process_index == 0:
+            # hard links a killed process left (a background upload that never finished): they
+            # would keep deleted checkpoints' bytes on disk; nothing of this process is in flight
+            shutil.rmtree(Path(args.output_dir) / STAGING_DIRNAME, ignore_errors=True)
+        if self.preemption is not None:
+            self.preemption.start()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.preemption is not None and self.preemption.should_checkpoint_now() and self.preempted_at is None:
+            notice = self.preemption.notice
+            logger.warning("preemption notice (%s); saving step %d and stopping", notice.detail if notice else "?",
+                           state.global_step)
+            self.preempted_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        self._commit_jit_checkpoint(args, state, control)
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._commit_jit_checkpoint(args, state, control)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._commit_jit_checkpoint(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._commit_jit_checkpoint(args, state, control)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.commit(args, state, wait=self.preempted_at is not None)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        try:
+            self.wait()
+        finally:
+            worker, self._worker = self._worker, None
+            if worker is not None:
+                worker.close()  # idle by now: its thread has ended when this returns
+            if self.preemption is not None:
+                self.preemption.stop()
+            staging = Path(args.output_dir) / STAGING_DIRNAME
+            if staging.is_dir() and not any(staging.iterdir()):
+                staging.rmdir()
+
+    # -- commits ---------------------------------------------------------------------------------
+    def _commit_jit_checkpoint(self, args, state, control) -> None:
+        """Commit a checkpoint transformers' ``enable_jit_checkpoint`` wrote on SIGTERM.
+
+        Its ``CheckpointManager`` calls ``Trainer._save_checkpoint`` directly, so ``on_save`` never
+        fires; it sets ``control.should_training_stop`` first and removes its sentinel file when
+        the save finished. Callbacks run after the Trainer's own, so the directory is complete when
+        this runs in the same event.
+        """
+        if not getattr(args, "enable_jit_checkpoint", False) or not control.should_training_stop:
+            return
+        step = state.global_step
+        directory = Path(args.output_dir) / checkpoint_dirname(step)
+        if step in self._saved_steps or not directory.is_dir() or (directory / JIT_SENTINEL_NAME).exists():
+            return
+        logger.warning("committing the just-in-time checkpoint of step %d", step)
+        self.commit(args, state, wait=True)
+
+    def commit(self, args, state, *, wait: bool = False) -> None:
+        """Commit ``<output_dir>/checkpoint-<global_step>`` as step ``global_step`` (every rank).
+
+        The pipeline's stages (module docs): the snapshot of this rank's share, the parts under
+        one attempt, the create-only commit, the after-commit hooks. A step this run already
+        committed is left as it is.
+
+        Args:
+            args (TrainingArguments): the run's arguments.
+            state (TrainerState): the Trainer's state (``global_step``).
+            wait (bool): with ``async_upload``, commit before returning (preemption, JIT saves).
+
+        Raises:
+            IncompleteCheckpointError: (one process) a file the Trainer should have written is
+                missing or empty, or changed while it was read (the message names the directory
+                and the file); nothing is committed.
+            CommitConflictError: (one process) another run committed this step.
+            BackgroundSaveError: the previous background upload failed (its error is the cause).
+            RetentionError: (one process, synchronous) the step committed and the retention pass
+                after it failed.
+            DistributedSaveError: (several ranks) any of the above, or a backend failure, on any
+                rank; raised on every rank, naming each failing rank and its error. Nothing is
+                committed (:class:`~opd_store.errors.DistributedCommitConflictError` when another
+                run committed the step).
+            OSError: (one process) a backend failure (with ``async_upload``: raised at the next
+                save or the end of training, as ``BackgroundSaveError``).
+
+        Rank obligations: every rank calls it for the same step (``on_save`` does).
+        """
+        step = state.global_step
+        self._saved_steps.add(step)
+        directory = Path(args.output_dir) / checkpoint_dirname(step)
+        background = self.async_upload and not wait
+        group = current_group()
+        with preserve_global_rng():
+            if group is None:
+                self.wait()  # the previous upload's failure is raised before anything new starts
+                request = self._snapshot(directory, step, 0, 1, args, stage_links=background)
+                if background:
+                    self._submit(request.step, lambda: self._save_once(request, background=True))
+                else:
+                    self._save_once(request, background=False)
+                return
+
+            prepared: list[SaveRequest] = []
+
+            def prepare() -> SaveRequest:
+                if group.rank == 0:
+                    self.wait()
+                prepared.append(self._snapshot(directory, step, group.rank, group.world_size, args,
+                                               stage_links=background and group.rank == 0))
+                return prepared[0]
+
+            def defer(finish: FinishCommit) -> None:
+                self._submit(step, lambda: self._finish_deferred(prepared[0], finish))
+
+            try:
+                url, request = write_and_commit_collective(group, prepare, defer=defer if background else None)
+            except CommitConflictError:
+                if decide_on_rank0(group, lambda: self._committed_by_this_run(step)):
+                    logger.info("step %d is already committed by this run; kept", step)
+                    return
+                raise
+            if url is not None and group.rank == 0:
+                after_commit(request, url)
+
+    def _snapshot(self, directory: Path, step: int, rank: int, world_size: int, args, *,
+                  stage_links: bool) -> SaveRequest:
+        """The snapshot stage of this rank: its share, checked complete (with ``stage_links``
+        hard-linked into the staging directory), as the pipeline's :class:`SaveRequest`."""
+        files = self._share(directory, step, rank, world_size, args)
+        staging = None
+        if stage_links:
+            staging = Path(args.output_dir) / STAGING_DIRNAME / f"{directory.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                snaps = list(snapshot_files(files, staging).values())
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        else:
+            snaps = [FileSnapshot.of(name, path) for name, path in files.items()]
+        return SaveRequest(
+            store=self.store, step=step, world_size=world_size,
+            metadata=self._metadata(step, world_size) if rank == 0 else {},
+            write=lambda txn, shared: upload_files(txn, snaps),
+            retention=self.retention, lineage=self._lineage,
+            release=None if staging is None else (lambda: shutil.rmtree(staging, ignore_errors=True)),
+            on_commit=[self._record_commit],
+        )
+
+    def _share(self, directory: Path, step: int, rank: int, world_size: int, args) -> dict[str, Path]:
+        """This rank's files of the directory (a rank that wrote nothing, as ``save_only_model``
+        ranks > 0, has no directory: an empty share), checked to be complete.
+
+        Raises:
+            IncompleteCheckpointError: a file this rank must have written is missing or empty.
+            ValueError: a file of a rank outside the run (see :func:`owner_rank`).
+        """
+        files = files_of_rank(directory_files(directory), rank, world_size) if directory.is_dir() else {}
+        missing = missing_files(files, rank=rank, world_size=world_size, save_only_model=args.save_only_model,
+                                optimizer_in_files=not (args.deepspeed or args.fsdp))
+        if missing:
+            where = f" on rank {rank}" if world_size > 1 else ""
+            raise IncompleteCheckpointError(
+                f"{directory}: the Trainer's checkpoint of step {step} is incomplete{where} ({'; '.join(missing)}); "
+                f"not committed to {self.store.url}")
+        return files
+
+    def _save_once(self, request: SaveRequest, *, background: bool) -> str | None:
+        """Stages 2-4 with one writer (:func:`run_save`); ``None`` when this run already committed
+        the step (another attempt is refused by the create-only commit, so this one is dropped)."""
+        try:
+            return run_save(request, cancelled=self._worker.cancelled if background else None)
+        except CommitConflictError:
+            if not self._committed_by_this_run(request.step):
+                raise
+            logger.info("step %d is already committed by this run; kept", request.step)
+            return None
+
+    def _finish_deferred(self, request: SaveRequest, finish: FinishCommit) -> str:
+        """Rank 0's deferred write and commit (on the worker), then the after-commit hooks."""
+        url = finish(cancelled=self._worker.cancelled)
+        after_commit(request, url)
+        return url
+
+    def _committed_by_this_run(self, step: int) -> bool:
+        if self._lineage is None or self.store.status(step) != COMPLETE:
+            return False
+        return self.store.manifest(step).metadata.get("run_id") == self._lineage.run_id
+
+    def _record_commit(self, request: SaveRequest, url: str) -> None:
+        self.committed_steps.append(request.step)
+
+    def _metadata(self, step: int, world_size: int) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"framework": FRAMEWORK, "checkpoint_name": checkpoint_dirname(step)}
+        if self._lineage is not None:
+            metadata.update(self._lineage.as_metadata())
+        if self._run_config is not None:
+            metadata["run_config"] = self._run_config.to_metadata(world_size)
+        return metadata
+
+    # -- the background worker ---------------------------------------------------------------
+    def _submit(self, step: int, run) -> None:
+        if self._worker is None:
+            self._worker = BackgroundWorker(f"opd-hf-upload-{id(self):x}", exit_timeout_secs=self.exit_timeout_secs,
+                                            on_exit=self._report_exit, exit_stage=EXIT_STAGE_SAVES)
+        self._worker.submit(f"upload of step {step} to {self.store.url}", step, run)
+
+    def wait(self) -> None:
+        """Block until the background upload in flight (if any) has committed.
+
+        Raises:
+            BackgroundSaveError: (an ``OSError``) it failed, or an earlier one did and nobody saw it
+                yet (the failure is the ``__cause__``); raised once.
+        """
+        if self._worker is None:
+            return
+        self._worker.wait_idle()
+        for task in self._worker.take_unreported():
+            failure = task.failure()
+            raise BackgroundSaveError(
+                f"{self.store.url}: the background upload of step {task.key} failed: {type(failure).__name__}: {failure}"
+            ) from failure
+
+    def _report_exit(self, event: str, tasks: list[BackgroundTask]) -> None:
+        """The worker's exit sequence, told on stderr (nobody is left to raise to)."""
+        for task in tasks:
+            failure = task.failure()
+            line = {"waiting": f"waiting up to {self.exit_timeout_secs:g} s for the {task.label} to commit",
+                    "abandoned": f"abandoned the {task.label} after {self.exit_timeout_secs:g} s; it stays uncommitted",
+                    "finished": f"the {task.label} failed: {type(failure).__name__}: {failure}"
+                    if failure is not None and not task.reported else None}.get(event)
+            if line is not None:
+                print(f"opd_store: {line}", file=sys.stderr, flush=True)
+
+
+__all__ = ["BackgroundSaveError", "StoreCallback", "resume_from_store", "store_checkpoint"]

@@ -1,0 +1,64 @@
+"""``opd-store`` with test-only faults for the ranks of ``train --shard`` (tests/dcp/test_train_shard.py).
+
+``python tests/dcp/faulty_job.py train ...`` applies the faults its environment names, then runs
+``python -m opd_store train ...`` in this process. The ranks are forked from it
+(``--start-method fork``), so they inherit the patches; the test cannot patch them otherwise.
+
+With ``OPD_TEST_BLOCK_DCP_SAVE=<rank>:<step>:<marker path>``, rank ``<rank>`` writes part of its
+first DCP file of step ``<step>``, writes its pid to the marker file and blocks forever (the test
+SIGKILLs it there).
+"""
+
+import os
+import runpy
+
+_SPEC = os.environ.get("OPD_TEST_BLOCK_DCP_SAVE")
+if _SPEC:
+    import threading
+
+    from opd_store.dcp.writer import StoreWriter
+
+    _rank, _step, _marker = _SPEC.split(":", 2)
+    _original = StoreWriter.write_data
+
+    def _blocking_write_data(self, plan, planner):
+        if self.rank == int(_rank) and self.step == int(_step):
+            part = self.store.begin_part(self.step, attempt_id=plan.storage_data.attempt_id, rank=self.rank,
+                                         world_size=plan.storage_data.world_size)
+            writer = part.open(f"__{self.rank}_0.distcp")
+            writer.write(b"partial shard bytes")
+            writer.flush()
+            with open(_marker, "w") as handle:
+                handle.write(str(os.getpid()))
+            threading.Event().wait()
+        return _original(self, plan, planner)
+
+    StoreWriter.write_data = _blocking_write_data
+
+# With ``OPD_TEST_PAUSE_AFTER_UPDATE=<rank>:<attempted update>:<marker path>``, rank ``<rank>``
+# writes its pid to the marker after that update and waits for a signal (the test sends SIGTERM to
+# it alone), so the notice is certain to arrive before the next update boundary.
+_PAUSE = os.environ.get("OPD_TEST_PAUSE_AFTER_UPDATE")
+if _PAUSE:
+    import signal
+
+    import opd_store.job.train as _train
+
+    _pause_rank, _pause_update, _pause_marker = _PAUSE.split(":", 2)
+    _run_update = _train.run_sharded_update
+    _calls = []
+
+    def _pausing_update(**kwargs):
+        outcome = _run_update(**kwargs)
+        _calls.append(1)
+        import torch.distributed as dist
+
+        if dist.get_rank() == int(_pause_rank) and len(_calls) == int(_pause_update):
+            with open(_pause_marker, "w") as handle:
+                handle.write(str(os.getpid()))
+            signal.pause()  # returns once the preemption watcher's handler ran
+        return outcome
+
+    _train.run_sharded_update = _pausing_update
+
+runpy.run_module("opd_store", run_name="__main__", alter_sys=True)

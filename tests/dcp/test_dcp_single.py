@@ -1,0 +1,147 @@
+"""The DCP storage layer in one process: any store (tiered too), safe metadata, adopting a
+checkpoint DCP's own FileSystemWriter wrote into a store's prefix (``opd-store import-dcp``)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from opd_store import CheckpointStore, TieredStore
+from opd_store.cli import main as cli_main
+from opd_store.dcp import StoreReader, StoreWriter, adopt_dcp_checkpoint, load, save
+from opd_store.dcp.metadata_io import loads_metadata
+from opd_store.errors import (
+    CommitConflictError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
+from opd_store.testing.stores import open_store
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(6, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 6)).sum().backward()
+    optimizer.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "extra": {"counter": seed, "note": "x"}}
+
+
+def _assert_equal_states(a: dict, b: dict) -> None:
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    for index, state in a["optim"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, b["optim"]["state"][index][key]), (index, key)
+    assert a["extra"] == b["extra"]
+
+
+def test_roundtrip_on_a_tiered_store(tmp_path, moto_s3):
+    """A tiered store: committed on the local tier, uploaded, then complete in the bucket."""
+    bucket = open_store(moto_s3.new_backend())
+    with TieredStore(tmp_path / "local", bucket) as store:
+        assert save(_state(1), store, 3) == store.step_url(3)
+        store.flush()
+        assert bucket.is_complete(3) and bucket.manifest(3).metadata["checkpoint_format"] == "dcp"
+        target = _state(2)
+        load(target, store, 3)
+    _assert_equal_states(_state(1), target)
+    target = _state(2)
+    load(target, bucket, 3)  # the bucket copy alone
+    _assert_equal_states(_state(1), target)
+
+
+def test_memory_store_refusals(tmp_path):
+    store = CheckpointStore("memory://dcp-single/run")
+    url = save(_state(1), store, 1)
+    assert store.steps() == [1] and url == store.step_url(1)
+    with pytest.raises(CommitConflictError):  # a committed step is refused before anything is written
+        save(_state(1), store, 1)
+    with pytest.raises(UnsafeCheckpointError, match="key 'extra.bad'"):  # refused at save, not at resume
+        save({**_state(1), "extra": {"bad": torch.optim.AdamW}}, store, 2)
+    assert store.steps() == [1] and store.checkpoints()[-1].step == 1  # no attempt left for step 2
+    with pytest.raises(ValueError, match="one writer per step"):
+        StoreWriter(store, 4).reset("memory://dcp-single/run/step-000005")
+    with pytest.raises(Exception, match="use_collectives=True"):
+        dcp.save(_state(1), storage_writer=StoreWriter(store, 6), no_dist=True, use_collectives=False)
+    with pytest.raises(Exception, match="is not committed|no manifest"):
+        load(_state(2), store, 9)
+
+
+def test_the_storage_layer_example_of_docs_sharded_md(tmp_path, monkeypatch):
+    """docs/sharded.md, "The storage layer": plain dcp.save/dcp.load with StoreWriter/StoreReader."""
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    store = CheckpointStore("runs/sharded")
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    dcp.save(state, storage_writer=StoreWriter(store, 10), no_dist=True)
+    manifest = store.manifest(10)
+    assert manifest.metadata["checkpoint_format"] == "dcp"
+    assert {entry.name for entry in manifest.payloads} == {"__0_1.distcp", ".metadata"}
+    restored = {"model": torch.nn.Linear(8, 4).state_dict(), "optim": {}}
+    dcp.load(restored, storage_reader=StoreReader(store, 10), no_dist=True)
+    assert torch.equal(restored["model"]["weight"], model.weight)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    store = CheckpointStore(tmp_path / "store")
+    save(_state(1), store, 1)
+    with pytest.raises(UnsafeCheckpointError, match=r"naming posix\.system"):
+        loads_metadata(pickle.dumps(_Evil()), source="evil")
+    with store.begin(2) as txn:  # a hostile .metadata payload, committed like any other
+        txn.write_bytes(".metadata", pickle.dumps(_Evil()))
+    with pytest.raises(UnsafeCheckpointError, match="posix.system"):
+        StoreReader(store, 2).read_metadata()
+    with pytest.raises(UnsafeCheckpointError, match="posix.system"):  # not DCP's AssertionError
+        load(_state(2), store, 2)
+
+
+def test_a_filesystem_writer_checkpoint_is_uncommitted_until_imported(tmp_path, capsys):
+    """DCP's own FileSystemWriter writing into a store's step prefix: `ls --all` shows the step as
+    uncommitted, no reader takes it, and `opd-store import-dcp` verifies it and commits a copy."""
+    store = CheckpointStore(tmp_path / "store")
+    save(_state(1), store, 1)
+    prefix = tmp_path / "store" / "step-000007"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(7), storage_writer=dcp.FileSystemWriter(str(prefix)), no_dist=True)
+    assert store.latest_step() == 1 and store.status(7) == "uncommitted"
+    assert cli_main(["ls", str(tmp_path / "store"), "--all"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows == {"1": "complete", "7": "uncommitted"}
+
+    broken = tmp_path / "broken"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(8), storage_writer=dcp.FileSystemWriter(str(broken)), no_dist=True)
+    data_file = broken / "__0_0.distcp"
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    with pytest.raises(IncompleteCheckpointError, match="rank 0's DCP file __0_0.distcp is truncated"):
+        adopt_dcp_checkpoint(broken, store, 8)
+    assert store.status(8) == "uncommitted"
+
+    assert cli_main(["import-dcp", str(prefix), str(tmp_path / "store"), "--step", "7"]) == 0
+    assert "committed" in capsys.readouterr().out
+    assert store.status(7) == "complete" and store.latest_step() == 7
+    assert store.verify(7, deep=True).ok
+    assert sorted(os.listdir(prefix)) == sorted([".metadata", "__0_0.distcp", "manifest.json",
+                                                 store.manifest(7).attempt_id])  # the source is untouched
+    target = _state(2)
+    load(target, store, 7)
+    _assert_equal_states(_state(7), target)
+    assert cli_main(["import-dcp", str(prefix), str(tmp_path / "store"), "--step", "7"]) == 6  # committed already

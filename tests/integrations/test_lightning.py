@@ -1,0 +1,238 @@
+"""StoreCheckpointIO and StoreModelCheckpoint with a real Lightning Trainer: top-k and last in the
+store (with and without AsyncCheckpointIO), ``fit(ckpt_path="last")`` on S3, a name saved again
+below or at its step, and a run SIGKILLed after a checkpoint and resumed with
+``fit(ckpt_path="last")`` in a new process on GCS, continuing exactly."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+
+import lightning_child
+from opd_store import CheckpointStore, StoreUnreachableError
+from opd_store.integrations.lightning import StoreCheckpointIO
+from opd_store.testing.machines import torch_threads
+
+pytestmark = pytest.mark.timeout(600)
+
+
+REFERENCE = pytest.mark.xdist_group("lightning-reference")
+"""The tests that compare with the uninterrupted run: on one worker, so that it runs once."""
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """The uninterrupted run's final weights (a local store, this process; for the worker's session,
+    so that tests of other modules run between the group's tests do not end it)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root, torch_threads(1):
+        trainer, model, train, val, _plugin, _ckpt = lightning_child.build(root + "/ckpts", {})
+        trainer.fit(model, train, val)
+        return lightning_child.weights(model)
+
+
+def _layout(url, options):
+    """{name: [versions]} of a plugin root, from stores opened independently of the plugin."""
+    plugin = StoreCheckpointIO(url, storage_options=options)
+    return {name: CheckpointStore(plugin.path_of(name), storage_options=options).steps() for name in plugin.names()}
+
+
+def _last(url, options):
+    """(versions held, global_step of the newest) of last.ckpt, from a store opened independently."""
+    infos = CheckpointStore(f"{url}/last.ckpt", storage_options=options).checkpoints()
+    return len(infos), infos[-1].metadata["global_step"]
+
+
+class _HeldUntil:
+    """Pickles (inside ``torch.save``, on AsyncCheckpointIO's thread) only once ``event`` is set,
+    as an empty dict: the save that carries it is held there, every later one queues behind it."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __reduce__(self):
+        assert self.event.wait(120), "training never ended"
+        return (dict, ())
+
+
+@REFERENCE
+@pytest.mark.parametrize("async_io", [False, True], ids=["sync", "async-checkpoint-io"])
+def test_top_k_and_last_live_in_the_store(async_io, tmp_path, reference):
+    """With AsyncCheckpointIO the first save of last.ckpt (the second save of the run) is held on
+    the saving thread until training has ended, so every later save is still queued when
+    ModelCheckpoint evicts a top-k checkpoint: the eviction must take its turn behind the save of
+    the checkpoint it evicts instead of running before it (and leaving it in the store)."""
+    import lightning.pytorch as pl
+
+    train_ended, dumps = threading.Event(), []
+
+    class HoldSecondSave(pl.Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            dumps.append(trainer.global_step)
+            if async_io and len(dumps) == 2:  # epoch 0: top-k save, then last.ckpt
+                checkpoint["held"] = _HeldUntil(train_ended)
+
+        def on_train_end(self, trainer, pl_module):
+            train_ended.set()
+
+    url, options = str(tmp_path / "ckpts"), {}
+    try:
+        trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, async_io=async_io,
+                                                                               callbacks=[HoldSecondSave()])
+        trainer.fit(model, train, val)
+    finally:
+        train_ended.set()
+    assert dumps == [4, 4, 8, 8, 12, 12, 16, 16]
+    layout = _layout(url, options)
+    # 4 epochs of 4 steps: last.ckpt holds only its newest version; two top-k names are left
+    assert len(layout.pop("last.ckpt")) == 1
+    assert len(layout) == 2 and all(len(steps) == 1 for steps in layout.values())
+    assert {f"{plugin.path_of(name)}" for name in layout} == set(checkpoint.best_k_models)
+    loaded = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    assert loaded["global_step"] == 16 and loaded["epoch"] == 3
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(loaded["state_dict"][name], tensor)
+        assert torch.equal(reference[name], tensor), name  # the plugin changes nothing in the run
+    # a new Trainer's fit(ckpt_path="last") finds that checkpoint and restores it: nothing is left to train
+    again, model, train, val, _p, _c = lightning_child.build(url, options, async_io=async_io)
+    again.fit(model, train, val, ckpt_path="last")
+    assert again.global_step == 16
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+
+
+def test_last_on_s3_through_async_checkpoint_io(s3_backend):
+    """s3:// with AsyncCheckpointIO: one epoch saved, then a new Trainer's fit(ckpt_path="last") finds
+    it in the bucket (Lightning alone drops the protocol and starts from scratch, Lightning #18261),
+    resumes from step 4 and saves on."""
+    url, options = s3_backend.url + "/ckpts", s3_backend.storage_options
+    first, model, train, val, plugin, _c = lightning_child.build(url, options, async_io=True, max_epochs=1)
+    first.fit(model, train, val)
+    saved = lightning_child.weights(model)
+    assert _last(url, options) == (1, 4)
+
+    second, model, train, val, plugin, checkpoint = lightning_child.build(url, options, async_io=True, max_epochs=2)
+    restored = []
+
+    class Restored(lightning_child.pl_callback()):
+        def on_train_start(self, trainer, pl_module):
+            restored.append((trainer.global_step, lightning_child.weights(pl_module)))
+
+    second.callbacks.append(Restored())
+    second.fit(model, train, val, ckpt_path="last")
+    (step, weights), = restored
+    assert step == 4 and all(torch.equal(weights[name], tensor) for name, tensor in saved.items())
+    assert second.global_step == 8 and _last(url, options) == (1, 8)
+    loaded = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(loaded["state_dict"][name], tensor), name
+    # Lightning's normalised form of the same path (protocol dropped) reaches the same checkpoint
+    assert plugin.load_checkpoint(plugin.path_of("last.ckpt").split("://", 1)[1])["global_step"] == 8
+    layout = _layout(url, options)
+    assert {plugin.path_of(name) for name in layout if name != "last.ckpt"} == set(checkpoint.best_k_models)
+
+
+def test_unreachable_store_fails_at_construction(monkeypatch):
+    from opd_store.integrations.lightning import StoreCheckpointIO
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(StoreUnreachableError, match=r"^s3://bucket/ckpts: cannot list the store: endpoint http://127\.0\.0\.1:9 refused the connection$"):
+        StoreCheckpointIO("s3://bucket/ckpts", storage_options={"endpoint_url": "http://127.0.0.1:9",
+                                                               "config_kwargs": {"retries": {"max_attempts": 1}}})
+
+
+def test_model_checkpoint_builds_no_filesystem_without_the_plugins_options(gcs_backend, monkeypatch):
+    """ModelCheckpoint builds a filesystem for its dirpath with no storage options; for gs:// off GCE
+    that spends about 15 s probing the metadata server for credentials, once per callback."""
+    from lightning.pytorch.callbacks import model_checkpoint
+
+    from opd_store.integrations.lightning import StoreModelCheckpoint
+
+    built = []
+    original = model_checkpoint.get_filesystem
+    monkeypatch.setattr(model_checkpoint, "get_filesystem", lambda path, **kw: built.append(str(path)) or original(path, **kw))
+    plugin = StoreCheckpointIO(gcs_backend.url + "/ckpts", storage_options=gcs_backend.storage_options)
+    checkpoint = StoreModelCheckpoint(plugin, monitor="val_loss", save_last=True)
+    assert [path for path in built if "://" in path] == []
+    assert checkpoint.dirpath == plugin.url
+
+
+@REFERENCE
+def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(gcs_backend, tmp_path, reference):
+    """On gs:// (fake-gcs-server); fit(ckpt_path="last") on s3:// is in the top-k test above."""
+    url, options = gcs_backend.url + "/ckpts", gcs_backend.storage_options
+    stream, _machine = lightning_child.start(tmp_path, url, options)
+    # epochs 0 and 1 are checkpointed; killed at the end of epoch 2, before its checkpoint
+    stream.until(lambda e: e["event"] == "epoch_end" and e["epoch"] == 2, reply_to="epoch_end")
+    stream.process.kill()
+    assert stream.process.wait(60) == -signal.SIGKILL
+    assert _last(url, options) == (1, 8)
+
+    stream, machine = lightning_child.start(tmp_path, url, options)
+    events = stream.until(lambda e: e["event"] == "done", reply_to="epoch_end")
+    assert stream.process.wait(60) == 0
+    assert [e["epoch"] for e in events if e["event"] == "epoch_end"] == [2, 3]
+    assert events[-1]["resumed_from"].endswith("/last.ckpt")
+    state = torch.load(machine / "result.pt", weights_only=True)
+    assert state.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(state[name], tensor), name
+    assert _last(url, options) == (1, 16)
+
+
+def test_lightning_does_not_restore_rng_without_the_module_hooks(tmp_path):
+    """Evidence for docs/integrations.md: Lightning's checkpoint holds no RNG state, so a run with
+    dropout resumed from "last" draws other masks unless the module saves the generator itself."""
+    url = str(tmp_path / "ckpts")
+    results = {}
+    for hooks in (False, True):
+        ref_trainer, ref_model, train, val, _p, _c = lightning_child.build(str(tmp_path / f"ref-{hooks}"), {},
+                                                                           rng_hooks=hooks)
+        ref_trainer.fit(ref_model, train, val)
+        first, model, train, val, _p, _c = lightning_child.build(f"{url}-{hooks}", {}, rng_hooks=hooks, max_epochs=2)
+        first.fit(model, train, val)
+        # build() seeds as the script of a new process would (seed_everything(0)), then resumes
+        second, model, train, val, _p, _c = lightning_child.build(f"{url}-{hooks}", {}, rng_hooks=hooks)
+        second.fit(model, train, val, ckpt_path="last")
+        reference, resumed = lightning_child.weights(ref_model), lightning_child.weights(model)
+        results[hooks] = all(torch.equal(reference[name], resumed[name]) for name in reference)
+    assert results == {False: False, True: True}
+
+
+def test_a_name_saved_again_at_the_same_or_an_earlier_step_holds_the_newest_save(tmp_path):
+    """Lightning overwrites a checkpoint file it saves again. A run resumed from an older top-k
+    checkpoint saves ``last.ckpt`` again below the step it holds, and once more at that very step:
+    each save must replace the name's content, and ``"last"`` must resolve to the newest save."""
+    url = str(tmp_path / "ckpts")
+    first, model, train, val, plugin, checkpoint = lightning_child.build(url, {}, save_top_k=3)
+    first.fit(model, train, val)
+    assert plugin.load_checkpoint(plugin.path_of("last.ckpt"))["global_step"] == 16
+    oldest = min(checkpoint.best_k_models, key=lambda path: plugin.load_checkpoint(path)["global_step"])
+    assert plugin.load_checkpoint(oldest)["global_step"] == 8
+    with pytest.raises(ValueError, match="is not under the store root"):
+        plugin.name_of(f"{url}/../elsewhere/last.ckpt")
+
+    # a second run (another learning rate) resumes from step 8 and saves last.ckpt at step 12 < 16
+    second, model, train, val, plugin, _c = lightning_child.build(url, {}, max_epochs=3, lr=5e-3, save_top_k=3)
+    second.fit(model, train, val, ckpt_path=oldest)
+    last = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    assert last["global_step"] == 12
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(last["state_dict"][name], tensor), name
+
+    # a third start resumes from "last" (that save, fetched into a cache it then empties) and saves
+    # last.ckpt at step 16 again, through AsyncCheckpointIO
+    cache = tmp_path / "cache"
+    third, model, train, val, plugin, _c = lightning_child.build(url, {}, lr=5e-3, async_io=True, save_top_k=3,
+                                                                 local_cache_dir=cache)
+    third.fit(model, train, val, ckpt_path="last")
+    assert third.global_step == 16 and [p for p in cache.rglob("*") if p.is_file()] == []
+    last = plugin.load_checkpoint(plugin.path_of("last.ckpt"))
+    assert last["global_step"] == 16
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(last["state_dict"][name], tensor), name
+    assert len(CheckpointStore(plugin.path_of("last.ckpt")).steps()) == 1
