@@ -45,4 +45,25 @@ def adapter_and_optimizer_differences(reference: dict[str, Any], candidate: dict
     return problems
 
 
-__all__ = ["adapter_and_optimizer_differences"]
+def job_state_differences(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+    """What differs between two final states of the main job (``opd-store train``).
+
+    The adapter and optimizer as :func:`adapter_and_optimizer_differences` compares them, plus the
+    ``trainer`` counters (``successful_updates``, ``attempted_updates``, ...), which must be equal:
+    a resumed run that skipped or repeated an update differs there even when its weights happen to
+    match.
+
+    Args:
+        reference (dict): the uninterrupted run's final state (``adapter``, ``optimizer``, ``trainer``).
+        candidate (dict): the resumed run's, alike.
+
+    Returns:
+        list[str]: one line per difference; empty when the two are bit-identical.
+    """
+    problems = adapter_and_optimizer_differences(reference, candidate)
+    if reference["trainer"] != candidate["trainer"]:
+        problems.append(f"trainer counters differ: {reference['trainer']} vs {candidate['trainer']}")
+    return problems
+
+
+__all__ = ["adapter_and_optimizer_differences", "job_state_differences"]

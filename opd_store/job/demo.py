@@ -26,7 +26,7 @@ import torch
 from ..layout import MANIFEST_NAME, step_dirname
 from ..store import CheckpointStore
 from ..testing.machines import fresh_machine
-from .compare import adapter_and_optimizer_differences
+from .compare import job_state_differences
 
 
 @dataclasses.dataclass
@@ -127,13 +127,6 @@ def _log_entries(paths: list[Path]) -> dict[int, list[dict[str, Any]]]:
     return entries
 
 
-def _compare_states(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
-    problems = adapter_and_optimizer_differences(reference, candidate)
-    if reference["trainer"] != candidate["trainer"]:
-        problems.append(f"trainer counters differ: {reference['trainer']} vs {candidate['trainer']}")
-    return problems
-
-
 def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, str], storage_options: dict[str, Any],
              workdir: Path, updates: int = 8, every: int = 2, seed: int = 0, kill_seed: int | None = None,
              timeout_secs: float = 600.0, out=sys.stdout) -> int:
@@ -189,7 +182,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     if not Path(final_state).exists():
         problems.append("the spot run never reached the end")
     else:
-        problems += _compare_states(torch.load(ref_state, weights_only=True), torch.load(final_state, weights_only=True))
+        problems += job_state_differences(torch.load(ref_state, weights_only=True), torch.load(final_state, weights_only=True))
     reference_entries = _log_entries([ref_log])
     spot_entries = _log_entries(logs)
     for update, records in sorted(spot_entries.items()):

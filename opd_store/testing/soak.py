@@ -213,7 +213,7 @@ class Soak:
     def check_start(self, start: Start) -> list[str]:
         import torch
 
-        from ..job.demo import _compare_states
+        from ..job.compare import job_state_differences
 
         assert self.reference is not None
         problems = []
@@ -227,7 +227,7 @@ class Soak:
             if start.final is None:
                 problems.append("ran to the end but wrote no final state")
             else:
-                problems += _compare_states(self.reference_state, torch.load(start.final, weights_only=True))
+                problems += job_state_differences(self.reference_state, torch.load(start.final, weights_only=True))
         return problems
 
     def _latest(self, prefix: str) -> tuple[int | None, list[int]]:
