@@ -59,13 +59,16 @@ def _drop_tree_from_page_cache(root: str) -> None:
 
 
 def measure_one(method_name: str, backend: str, size_mib: int, root: str, tag: int, options: dict,
-                moto_pid: int | None, verify: bool = True, cold_load: bool = False) -> dict:
-    """Build the state, save it, load it back; readings as described in the module docstring."""
+                moto_pid: int | None, verify: bool = True, cold_load: bool = False, registry: dict | None = None) -> dict:
+    """Build the state, save it, load it back; readings as described in the module docstring.
+
+    ``registry`` maps method names to classes (default: :data:`bench.methods.BY_NAME`); ``moto_pid``
+    is the S3 server's process, whichever server it is."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     import torch  # noqa: F401 - imported before the baseline reading
 
-    method = BY_NAME[method_name](backend, root, options)
+    method = (registry or BY_NAME)[method_name](backend, root, options)
     method.connect()
     gc.collect()
     out: dict = {"method": method_name, "backend": backend, "size_mib": size_mib, "tag": tag, "pid": os.getpid()}

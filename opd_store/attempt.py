@@ -20,6 +20,7 @@ from .payload_writer import PayloadWriter
 
 if TYPE_CHECKING:
     from .storage import Storage
+    from .storage.parts import Completion
 
 logger = logging.getLogger("opd_store.transaction")
 
@@ -46,6 +47,7 @@ class Attempt:
         self.url = storage.url(self._step_rel)
         self._entries: dict[str, PayloadEntry] = {}
         self._open: dict[str, PayloadWriter] = {}
+        self._publishing: dict[str, tuple[PayloadWriter, "Completion"]] = {}
         self._failed: list[str] = []
         self._state = "open"
         self._cancelled: threading.Event | None = None
@@ -76,33 +78,64 @@ class Attempt:
         """
         self._require_open()
         check_payload_name(name)
-        if name in self._entries or name in self._open:
+        if name in self._entries or name in self._open or name in self._publishing:
             raise ValueError(f"payload {name!r} is already part of {self.url} ({self.attempt_id})")
         rel = self._payload_rel(name)
         writer = PayloadWriter(self.storage, name, rel, f"{self.attempt_id}/{name}", self.step,
                                self.storage.open_write(rel), on_closed=self._record, on_failed=self._writer_failed,
-                               cancelled=self._cancelled)
+                               cancelled=self._cancelled, on_publishing=self._writer_publishing)
         self._open[name] = writer
         return writer
 
     def write_bytes(self, name: str, data) -> PayloadEntry:
-        """Write a whole payload from a buffer and return its entry."""
+        """Write a whole payload from a buffer and return its entry (its publish may still be
+        finishing in the background; :meth:`settle` waits)."""
         with self.open(name) as writer:
             writer.write(data)
         return self._entries[name]
 
     @property
     def entries(self) -> tuple[PayloadEntry, ...]:
-        """Entries of the payloads closed so far, in write order."""
-        return tuple(self._entries.values())
+        """Entries of the payloads published so far, in the order they were closed."""
+        return tuple(e for name, e in self._entries.items() if name not in self._publishing)
 
     def _record(self, entry: PayloadEntry) -> None:
         self._open.pop(entry.name, None)
+        self._publishing.pop(entry.name, None)
         self._entries[entry.name] = entry
 
     def _writer_failed(self, name: str) -> None:
         self._open.pop(name, None)
+        self._publishing.pop(name, None)
+        self._entries.pop(name, None)
         self._failed.append(name)
+
+    def _writer_publishing(self, writer: PayloadWriter, completion: "Completion") -> None:
+        # The entry takes its place in close order now (the manifest lists payloads in that order);
+        # it counts once settled.
+        self._open.pop(writer.name, None)
+        self._publishing[writer.name] = (writer, completion)
+        self._entries[writer.name] = writer.entry()
+
+    def settle(self) -> None:
+        """Wait for every payload still publishing in the background; record their entries.
+
+        Payloads of one save upload at once: a closed payload's last parts keep moving while the
+        next one streams. The commit (and a part's seal) settles them first.
+
+        Raises:
+            StoragePermissionError, PayloadUploadError: the first payload whose upload failed
+                (named with its step); every other one was waited for first.
+        """
+        first: BaseException | None = None
+        for writer, completion in list(self._publishing.values()):
+            try:
+                writer.settle(completion)
+            except BaseException as exc:  # noqa: BLE001 - the first is raised once all settled
+                if first is None:
+                    first = exc
+        if first is not None:
+            raise first
 
     def _require_open(self) -> None:
         if self._state != "open":
@@ -115,6 +148,10 @@ class Attempt:
             return
         for writer in list(self._open.values()):
             writer.abort()
+        try:
+            self.settle()  # what is still uploading lands or fails; then the prefix is deleted
+        except Exception:  # noqa: BLE001 - the abort's cause is the error to report
+            logger.debug("a payload of aborted attempt %s failed to publish", self.attempt_id, exc_info=True)
         self._state = "aborted"
         self._discard_payloads()
 

@@ -89,6 +89,12 @@ class DistributedLoadError(RankFailedError):
     succeeded may already have restored its state: the job must not continue on it."""
 
 
+class PayloadUploadError(OpdStoreError, OSError):
+    """A payload's upload failed after the client's retries; its multipart upload was aborted and
+    the step is not committed. Names the object (its URL holds the step and the payload) and the
+    request that failed; the backend's error is the ``__cause__``."""
+
+
 class StoreUnreachableError(OpdStoreError, OSError):
     """The store cannot be used at all: no such bucket, no credentials, no connection, an endpoint
     that does not answer within its timeout, a local root that cannot be created or written. The
@@ -164,6 +170,7 @@ __all__ = [
     "DistributedSaveError",
     "IncompleteCheckpointError",
     "IntegrityError",
+    "PayloadUploadError",
     "ManifestError",
     "OpdStoreError",
     "RankFailedError",

@@ -33,11 +33,18 @@ class PartTransaction(Attempt):
         """Make this part's payloads durable (local stores fsync) and return their entries.
 
         Raises:
+            StoragePermissionError, PayloadUploadError: a payload still uploading failed (the
+                part's payloads are deleted).
             IncompleteCheckpointError: a payload writer is still open or failed (the part's
                 payloads are deleted).
             OSError: the durability sync failed (the part's payloads are deleted).
         """
         self._require_open()
+        try:
+            self.settle()  # payloads still uploading in the background
+        except BaseException:
+            self.abort()
+            raise
         if self._open or self._failed:
             names = sorted(self._open) + sorted(self._failed)
             self.abort()

@@ -18,6 +18,7 @@ from .storage.backend_errors import Meaning, backend_operation, classify
 
 if TYPE_CHECKING:
     from .storage import Storage
+    from .storage.parts import Completion
 
 logger = logging.getLogger("opd_store.transaction")
 
@@ -44,13 +45,18 @@ class PayloadWriter:
         step (int): the step being saved (for messages).
         on_closed (Callable[[PayloadEntry], None]): receives the entry once the object is published.
         on_failed (Callable[[str], None]): receives the name once the writer is discarded or failed.
+        on_publishing (Callable[[PayloadWriter, Completion], None] | None): receives the writer and
+            its completion when the backend publishes in the background (parallel remote
+            writers): the attempt then calls :meth:`settle` before its commit. Without it every
+            publish is waited for in :meth:`close`.
         cancelled (threading.Event | None): once set, later writes fail without any I/O (the save
             was abandoned at an exit deadline).
     """
 
     def __init__(self, storage: "Storage", name: str, rel: str, entry_path: str, step: int, handle, *,
                  on_closed: Callable[[PayloadEntry], None], on_failed: Callable[[str], None],
-                 cancelled: threading.Event | None = None) -> None:
+                 cancelled: threading.Event | None = None,
+                 on_publishing: Callable[["PayloadWriter", "Completion"], None] | None = None) -> None:
         self._storage = storage
         self.name = name
         self._rel = rel
@@ -59,6 +65,7 @@ class PayloadWriter:
         self._handle = handle
         self._on_closed = on_closed
         self._on_failed = on_failed
+        self._on_publishing = on_publishing
         self._cancelled = cancelled
         self._crc = Crc32c()
         self._state = "open"
@@ -153,6 +160,10 @@ class PayloadWriter:
     def close(self) -> None:
         """Publish the object and record its entry (size_bytes, crc32c) in the transaction.
 
+        A backend that publishes in the background (S3, GCS: the last parts still uploading) hands
+        its completion to the attempt instead (``on_publishing``): the entry is recorded, and a
+        failure raised, when the attempt settles it before its commit.
+
         Raises:
             StoragePermissionError: the backend refused an upload request, now or during an
                 earlier :meth:`write` (S3: the credentials may not ``CreateMultipartUpload`` or
@@ -171,23 +182,54 @@ class PayloadWriter:
                 raise failed
             raise reported from failed
         try:
-            self._storage.finish_write(self._handle, self._rel)
+            completion = self._storage.start_finish(self._handle, self._rel)
+            if not completion.done() and self._on_publishing is not None:
+                # The backend publishes in the background (the last parts still uploading): the
+                # caller streams the next payload meanwhile; the attempt settles it before its commit.
+                self._state = "publishing"
+                self._on_publishing(self, completion)
+                return
+            completion.wait()
         except BaseException as exc:
-            self._state = "failed"
-            self._on_failed(self.name)
-            # A failed publish must leave nothing that could publish later or keep costing (an
-            # open S3 multipart upload whose completion failed): discard the handle, best effort.
-            try:
-                self._storage.abort_write(self._handle, self._rel)
-            except Exception:  # noqa: BLE001 - the close error is the one to report
-                logger.warning("could not discard the failed payload writer %s", self._rel, exc_info=True)
-            reported = self._reported(exc)
-            if reported is exc:
-                raise
-            raise reported from exc
+            self._fail(exc)
         self._state = "closed"
-        self._on_closed(PayloadEntry(name=self.name, path=self._entry_path, size_bytes=self._crc.size_bytes,
-                                     crc32c=self._crc.hexdigest()))
+        self._on_closed(self.entry())
+
+    def entry(self) -> PayloadEntry:
+        """The manifest entry of the bytes written (size_bytes and crc32c of every byte)."""
+        return PayloadEntry(name=self.name, path=self._entry_path, size_bytes=self._crc.size_bytes,
+                            crc32c=self._crc.hexdigest())
+
+    def settle(self, completion: "Completion") -> None:
+        """Wait for a background publish started by :meth:`close` and record the entry.
+
+        Raises:
+            StoragePermissionError: the backend refused an upload request.
+            PayloadUploadError: the upload failed after the client's retries (it was aborted).
+        """
+        if self._state != "publishing":
+            return
+        try:
+            completion.wait()
+        except BaseException as exc:
+            self._fail(exc)
+        self._state = "closed"
+        self._on_closed(self.entry())
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record a failed publish, discard what the backend holds, raise the reported error."""
+        self._state = "failed"
+        self._on_failed(self.name)
+        # A failed publish must leave nothing that could publish later or keep costing (an open S3
+        # multipart upload whose completion failed): discard the handle, best effort.
+        try:
+            self._storage.abort_write(self._handle, self._rel)
+        except Exception:  # noqa: BLE001 - the close error is the one to report
+            logger.warning("could not discard the failed payload writer %s", self._rel, exc_info=True)
+        reported = self._reported(exc)
+        if reported is exc:
+            raise exc
+        raise reported from exc
 
     def abort(self) -> None:
         """Discard the object without publishing it."""

@@ -109,6 +109,8 @@ class Transaction(Attempt):
         with the size that was written (:meth:`_check_stored_sizes`).
 
         Raises:
+            StoragePermissionError, PayloadUploadError: a payload still uploading in the background
+                failed (this attempt's payloads are deleted).
             IncompleteCheckpointError: a payload writer is still open or failed, or a payload is
                 missing or of another size on the backend (this attempt's payloads are deleted).
             CommitConflictError: another attempt committed this step first (this attempt's
@@ -122,6 +124,11 @@ class Transaction(Attempt):
         """
         self._require_open()
         self._check_cancelled()
+        try:
+            self.settle()  # payloads still uploading in the background
+        except BaseException:
+            self.abort()
+            raise
         for check in self._before_commit:
             try:
                 check()

@@ -2,8 +2,9 @@
 
 A payload is never handed to a caller before its size and CRC32C equal the manifest's entry
 (``torch.load`` of a damaged archive could otherwise fail anywhere, or worse, load). Remote
-objects are fetched whole in one request (ranged reads through s3fs fetched 2.7x the bytes, field
-notes) and served from memory; local files are checksummed through a read-only memory map and the
+objects are fetched whole into memory, never through a seeking file reader (ranged reads through an
+s3fs file fetched 2.7x the bytes, field notes): on S3 with parallel ranged GETs of the manifest's
+size into one buffer (``Storage.open_checked``); local files are checksummed through a read-only memory map and the
 file itself is returned, so a load reads the page cache once more instead of copying. Payload
 objects are never rewritten after their commit (each attempt has its own prefix), so a checked
 reader stays valid.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, BinaryIO
 
-from .checksum import crc32c_hex
 from .errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
 from .layout import LEGACY_MARKER, check_payload_name, step_dirname
 from .manifest import Manifest
@@ -42,7 +42,7 @@ def open_payload(storage: "Storage", step: int, name: str, manifest: Manifest) -
     rel = f"{step_dirname(step)}/{entry.path}"
     url = storage.url(rel)
     try:
-        reader, size_bytes, crc = storage.open_checked(rel)
+        reader, size_bytes, crc = storage.open_checked(rel, size_bytes=entry.size_bytes)
     except Exception as exc:  # noqa: BLE001 - a missing payload is named; anything else propagates
         if is_missing(exc):
             raise IncompleteCheckpointError(f"step {step}: payload {name!r} listed in the manifest is missing at {url}") from exc
@@ -88,7 +88,8 @@ def verify_step(storage: "Storage", step: int, state: StepState, *, deep: bool =
             if any(p.name == entry.name for p in problems):
                 continue
             try:
-                actual = crc32c_hex(storage.read_bytes(f"{prefix}/{entry.path}"))
+                reader, _size, actual = storage.open_checked(f"{prefix}/{entry.path}", size_bytes=entry.size_bytes)
+                reader.close()
             except Exception as exc:  # noqa: BLE001 - a vanished payload is a problem; anything else propagates
                 if not is_missing(exc):
                     raise

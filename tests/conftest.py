@@ -1,10 +1,12 @@
-"""Shared fixtures: one moto S3 server and one fake-gcs-server per test process, on loopback.
+"""Shared fixtures: one moto S3 server, one SeaweedFS and one fake-gcs-server per test process, on
+loopback (each started when a test first asks for it).
 
 Under pytest-xdist every worker is its own process, so "per session" means per worker: each worker
 has its own servers (ports chosen by the OS), its own temporary directories (``tmp_path`` lives under
-a per-worker base) and its own fork server. ``backend`` is parametrised over local, memory, s3 and
-gcs; each test gets a clean one (moto reset and a fresh bucket, a new GCS bucket, a cleared
-``memory://``, a new temp directory). The helpers live in :mod:`opd_store.testing`.
+a per-worker base) and its own fork server. ``backend`` is parametrised over local, memory, s3
+(moto) and gcs; a test that names ``seaweed`` in its parameters also runs on S3 served by
+SeaweedFS. Each test gets a clean location (moto reset and a fresh bucket, a new SeaweedFS or GCS
+bucket, a cleared ``memory://``, a new temp directory). The helpers live in :mod:`opd_store.testing`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from opd_store.testing.stores import Backend, clear_memory_fs, use_emulator_environment
+from opd_store.testing.stores import Backend, clear_memory_fs, use_emulator_environment, with_session
 from opd_store.testing.stores import aio_session as shared_aio_session
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers: faults, proc_writer, store_fixtures
@@ -35,6 +37,16 @@ def moto_s3():
     # Before any S3 test runs, prove s3fs works against this server over HTTP (list, write, read,
     # multipart, delete); a failure stops every S3 test with its reason.
     server.smoke_check()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_s3():
+    """This worker's SeaweedFS (``weed mini``, a production S3 server in Go) on loopback."""
+    from opd_store.testing.seaweed import SeaweedS3
+
+    server = SeaweedS3()
     yield server
     server.stop()
 
@@ -72,6 +84,8 @@ def make_backend(name: str, request, tmp_path: Path) -> Backend:
         return request.getfixturevalue("moto_s3").new_backend()
     if name == "gcs":
         return request.getfixturevalue("fake_gcs").new_backend()
+    if name == "seaweed":
+        return request.getfixturevalue("seaweed_s3").new_backend()
     raise ValueError(name)
 
 
@@ -84,6 +98,12 @@ def backend(request, tmp_path) -> Backend:
 @pytest.fixture
 def s3_backend(request, tmp_path) -> Backend:
     return make_backend("s3", request, tmp_path)
+
+
+@pytest.fixture
+def seaweed_backend(request, tmp_path) -> Backend:
+    """A clean S3 location on SeaweedFS (a new bucket)."""
+    return make_backend("seaweed", request, tmp_path)
 
 
 @pytest.fixture
@@ -108,7 +128,7 @@ def aio_session():
 @pytest.fixture
 def opd_s3_backend(s3_backend, aio_session) -> Backend:
     """A clean S3 (moto server) location whose stores share :func:`aio_session`."""
-    return Backend("s3", s3_backend.url, dict(s3_backend.storage_options, session=aio_session))
+    return with_session(s3_backend)
 
 
 @pytest.fixture

@@ -231,6 +231,13 @@ class FaultyStorage(Storage):
         # discarding it (so that it never publishes at garbage collection) is the caller's job.
         self._mutate("close", rel, publish)
 
+    def start_finish(self, handle, rel: str):
+        """Publish now, as one recorded ``close`` (a background publish would make the order of
+        the recorded operations depend on timing)."""
+        from opd_store.storage.parts import Completion
+
+        return Completion.now(lambda: self.finish_write(handle, rel))
+
     def sync_prefix(self, rel: str) -> None:
         self._mutate("sync", rel, lambda: self.inner.sync_prefix(rel))
 

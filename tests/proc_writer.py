@@ -174,6 +174,7 @@ def cmd_partial(chan, backend: Backend, step: int, tag: str) -> None:
     txn = store.begin(step)
     payloads = payloads_for(tag)
     txn.write_bytes("model.pt", payloads["model.pt"])
+    txn.settle()  # model.pt published (a remote store finishes uploads in the background)
     chan.say("model-done")
     chan.wait()  # killed here
     txn.write_bytes("optimizer.pt", payloads["optimizer.pt"])

@@ -17,6 +17,11 @@ def backend(request, tmp_path) -> Backend:
     return with_session(request.getfixturevalue(f"{request.param}_backend"))
 
 
+def s3_server(request, backend: Backend):
+    """The server (moto or SeaweedFS: boto3 client, buckets) behind an ``s3`` ``backend``."""
+    return request.getfixturevalue("seaweed_s3" if backend.server == "seaweed" else "moto_s3")
+
+
 def backend_named(request, name: str) -> Backend:
     """The clean ``local``, ``memory`` or ``s3`` location of the OPD tests (S3 stores share the
     process's aiobotocore session)."""

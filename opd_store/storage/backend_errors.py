@@ -12,10 +12,10 @@ exception chain (s3fs and gcsfs keep the client error as ``__cause__``).
 ===========  ======================================================  ===========  =================
 backend      what the client raises                                   meaning      source
 ===========  ======================================================  ===========  =================
-S3           ``PreconditionFailed`` (412), s3fs ``FileExistsError``    LOST_RACE    S3 "Conditional
-                                                                                   writes": a
-                                                                                   ``PutObject`` with
-                                                                                   ``If-None-Match:
+S3           ``PreconditionFailed`` (412): s3fs                         LOST_RACE    S3 "Conditional
+             ``FileExistsError`` when the reply names                                writes": a
+             its ``<Condition>`` (AWS, moto), else a                                 ``PutObject`` with
+             plain ``OSError`` (SeaweedFS)                                           ``If-None-Match:
                                                                                    *`` on an existing
                                                                                    key is refused 412
 S3           ``ConditionalRequestConflict`` (409)                       LOST_RACE    same page: a

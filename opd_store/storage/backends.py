@@ -105,7 +105,7 @@ class LocalStorage(NoMultipartUploads, FsspecStorage):
     def abort_write(self, handle, rel: str) -> None:
         handle.discard()
 
-    def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         # The file itself, checksummed through a read-only map: no copy of the payload in memory,
         # and torch.load then reads pages the checksum just brought into the cache.
         handle = open(self.path(rel), "rb")  # noqa: SIM115 - returned to the caller
@@ -202,7 +202,13 @@ class _BucketStorage(FsspecStorage):
 
 
 class S3Storage(_BucketStorage):
-    """Amazon S3 (or an S3-compatible server) through s3fs."""
+    """Amazon S3 (or an S3-compatible server) through s3fs.
+
+    Payloads move in parallel: uploads (:mod:`opd_store.storage.s3_transfers`) as multipart parts
+    of ``transfers.part_size_bytes``, up to ``transfers.parts_in_flight`` at once across the
+    store's payloads; reads (:mod:`opd_store.storage.s3_reads`) as parallel ranged GETs into one
+    buffer.
+    """
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
     credential_sources = remote_probes.S3_CREDENTIAL_SOURCES
@@ -245,6 +251,32 @@ class S3Storage(_BucketStorage):
     def _bucket_and_prefix(self) -> tuple[str, str]:
         bucket, _, prefix = self.root.partition("/")
         return bucket, prefix
+
+    def _bucket_and_key(self, rel: str) -> tuple[str, str]:
+        bucket, _, key = self.path(rel).partition("/")
+        return bucket, key
+
+    def open_write(self, rel: str) -> BinaryIO:
+        from .s3_transfers import S3PartWriter
+
+        bucket, key = self._bucket_and_key(rel)
+        return S3PartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
+
+    def start_finish(self, handle, rel: str):
+        return handle.finish()
+
+    def abort_write(self, handle, rel: str) -> None:
+        handle.discard()
+
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
+        from .s3_reads import read_checked
+
+        if size_bytes is None:
+            size_bytes = self.size(rel)
+            if size_bytes is None:
+                raise FileNotFoundError(f"{self.url(rel)}: no such object")
+        bucket, key = self._bucket_and_key(rel)
+        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers, size_bytes)  # type: ignore[return-value]
 
     def list_uploads(self) -> list[tuple[str, str, float]]:
         # ListMultipartUploads with the store's prefix (s3fs's list_multipart_uploads lists the

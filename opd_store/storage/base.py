@@ -36,9 +36,13 @@ import logging
 import posixpath
 import threading
 import time
-from typing import Any, BinaryIO, Callable
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from .client_options import ClientTimeouts
+from .parts import PartPool, TransferSettings
+
+if TYPE_CHECKING:
+    from .parts import Completion
 
 logger = logging.getLogger("opd_store.storage")
 
@@ -66,6 +70,7 @@ class Storage(abc.ABC):
             not name one itself.
         credential_sources (str | None): where the client looks for credentials, named when it
             finds none.
+        transfers (TransferSettings): part size and parts in flight of parallel transfers.
     """
 
     commit_primitive = "none"
@@ -77,6 +82,8 @@ class Storage(abc.ABC):
     endpoint: str | None = None
     credential_sources: str | None = None
 
+    transfers = TransferSettings()  # storage options part_size_bytes and parts_in_flight
+
     def __init__(self, fs: Any | Callable[[], Any], root: str, url_root: str, *,
                  timeouts: ClientTimeouts | None = None) -> None:
         self._fs_factory = fs if callable(fs) else None
@@ -84,6 +91,7 @@ class Storage(abc.ABC):
         self._fs_lock = threading.Lock()
         self.timeouts = timeouts or ClientTimeouts()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
+        self._part_pool: PartPool | None = None
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
@@ -103,6 +111,17 @@ class Storage(abc.ABC):
     @fs.setter
     def fs(self, value: Any) -> None:
         self._fs = value
+
+    def use_transfers(self, settings: TransferSettings) -> None:
+        """Move payloads with ``settings`` from now on (before the first transfer)."""
+        self.transfers = settings
+        self._part_pool = None
+
+    def part_pool(self) -> PartPool:
+        """This store's reused part buffers: ``parts_in_flight`` of ``part_size_bytes``."""
+        if self._part_pool is None:
+            self._part_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
+        return self._part_pool
 
     # -- names -------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -238,6 +257,17 @@ class Storage(abc.ABC):
         """Publish a writer from :meth:`open_write` (durably, where the backend needs a flush)."""
         handle.close()
 
+    def start_finish(self, handle: BinaryIO, rel: str) -> "Completion":
+        """Start publishing a writer from :meth:`open_write`; the completion says when it landed.
+
+        The default publishes now (:meth:`finish_write`; its failure is raised here). Backends
+        that upload in parallel (S3) return at once while the last parts still move, so the next
+        payload of a save can stream meanwhile.
+        """
+        from .parts import Completion
+
+        return Completion.now(lambda: self.finish_write(handle, rel))
+
     def abort_write(self, handle: BinaryIO, rel: str) -> None:
         """Throw away a writer from :meth:`open_write` without publishing it (best effort)."""
         discard = getattr(handle, "discard", None)
@@ -265,11 +295,18 @@ class Storage(abc.ABC):
         """
         return io.BytesIO(self.read_bytes(rel))
 
-    def open_checked(self, rel: str) -> tuple[BinaryIO, int, str]:
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.
 
         The default fetches the object whole (one request where the backend allows) and serves it
-        from memory; the CRC is computed over exactly the bytes the reader returns.
+        from memory; the CRC is computed over exactly the bytes the reader returns. Remote backends
+        read in parallel ranges of the ``size_bytes`` expected (the manifest's), into one buffer.
+
+        Args:
+            rel (str): the object.
+            size_bytes (int | None): the size the caller expects; a backend may plan its reads by
+                it, and reports the object's real size when it differs (the reader then holds
+                nothing to trust).
 
         Returns:
             tuple[BinaryIO, int, str]: (reader positioned at 0, size_bytes, crc32c as 8 hex digits).

@@ -22,6 +22,7 @@ from ..errors import UnsupportedBackendError
 from .backends import CheckThenPutStorage, GCSStorage, LocalStorage, MemoryStorage, S3Storage
 from .base import Storage
 from .client_options import split_options, with_timeouts
+from .parts import TransferSettings
 
 _BY_PROTOCOL: dict[str, type[Storage]] = {
     "file": LocalStorage,
@@ -54,7 +55,8 @@ def open_storage(
         storage_options (dict | None): keyword arguments for the fsspec filesystem (``endpoint_url``,
             ``key``, ``token``, ...), which reach every request the store makes, and opd_store's
             own ``connect_timeout_secs`` and ``read_timeout_secs``
-            (:mod:`opd_store.storage.client_options`).
+            (:mod:`opd_store.storage.client_options`), ``part_size_bytes`` and ``parts_in_flight``
+            (parallel transfers, :class:`~opd_store.storage.parts.TransferSettings`).
         allow_check_then_put (bool): accept a non-atomic commit on backends without a create-only
             write (see module docstring).
 
@@ -62,8 +64,8 @@ def open_storage(
         UnsupportedBackendError: a URL scheme no fsspec filesystem implements, or one without a
             create-only write and no ``allow_check_then_put`` (the message names the URL and what
             is supported), or a backend whose package is not installed.
-        ValueError: the URL is empty or chained (``a::b``), or a timeout option is not a positive
-            number.
+        ValueError: the URL is empty or chained (``a::b``), a timeout option is not a positive
+            number, or a transfer setting is out of range.
     """
     text = os.fspath(url)
     if not text:
@@ -82,6 +84,7 @@ def open_storage(
     if cls is None and not allow_check_then_put:
         raise UnsupportedBackendError(f"{text}: URL scheme {scheme!r} has no create-only write; {SUPPORTED}")
     options, timeouts = split_options(storage_options)
+    transfers = TransferSettings.pop_from(options)  # opd_store's own options, never fsspec's
     options, timeouts, configure = with_timeouts(protocols[0], options, timeouts)
     # A private instance: fsspec returns one cached instance per argument set, and the store drops
     # that instance's listing caches before every decision.
@@ -104,6 +107,7 @@ def open_storage(
         else:
             storage = cls(build_client, root, url_root, timeouts=timeouts)
     storage.client_options = options
+    storage.use_transfers(transfers)
     return storage
 
 

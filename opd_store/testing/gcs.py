@@ -12,6 +12,7 @@ import urllib.request
 import uuid
 from typing import Any
 
+from .machines import end_process
 from .stores import Backend, free_port
 
 
@@ -71,11 +72,7 @@ class FakeGCS:
         return Backend("gcs", f"gs://{bucket}/runs/demo", self.storage_options())
 
     def stop(self) -> None:
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
+        end_process(self._process, 10)
         self._log.close()
         os.unlink(self._log.name)
 

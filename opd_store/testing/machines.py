@@ -1,5 +1,5 @@
 """A "fresh machine" for a process start (new, empty working directory, ``HOME`` and ``TMPDIR``),
-the CPU time of a process, and torch's thread count for a block.
+the CPU time of a process, torch's thread count for a block, and the end of a server process.
 
 ``opd-store demo``, the soak (``bench/soak.py``) and the spot tests start the job again and again
 and must prove that only the store carries state from one start to the next. Each start gets a new
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,4 +69,14 @@ def process_cpu_secs(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-__all__ = ["MACHINE_ENV", "fresh_machine", "process_cpu_secs", "torch_threads"]
+def end_process(process: subprocess.Popen, timeout_secs: float) -> None:
+    """Terminate ``process`` (SIGTERM), wait up to ``timeout_secs``, then kill it and reap it."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_secs)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+__all__ = ["MACHINE_ENV", "end_process", "fresh_machine", "process_cpu_secs", "torch_threads"]

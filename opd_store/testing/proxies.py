@@ -16,6 +16,10 @@ the server unchanged unless it was told otherwise:
                       without a response: the ambiguous outcome of a lost reply
   ``truncate``        the request is forwarded, the status line, headers and half the body
                       are sent, then the connection is closed (dropped mid-response)
+  ``short``           the request is forwarded; the reply is complete and well formed, but
+                      its body is the first half of the server's (``Content-Length`` says so)
+  ``corrupt``         the request is forwarded; the reply carries the server's body with its
+                      first byte flipped
   ``stall``           the request is read and never answered (a stuck gateway): the
                       connection stays open until the client gives up, the rules are
                       cleared or the proxy stops (then it is closed without a response)
@@ -87,7 +91,7 @@ class Rule:
     Attributes:
         ops: S3 operation names to match (any when empty).
         match: extra predicate on the :class:`Request` (``path``, ``query``, ``headers`` filled in).
-        fault: ``status``, ``drop``, ``drop_after``, ``truncate`` or ``stall``.
+        fault: ``status``, ``drop``, ``drop_after``, ``truncate``, ``stall``, ``short`` or ``corrupt``.
         status: HTTP status for ``status`` faults.
         code: S3 error code for ``status`` faults (``SlowDown``, ``InternalError``, ``AccessDenied``).
         times: fault this many matching requests, then forward (``None``: every one).
@@ -211,6 +215,10 @@ class S3Proxy:
                     if key.lower() in _HOP_BY_HOP or (key.lower() == "content-length" and self.command != "HEAD"):
                         continue
                     self.send_header(key, value)
+                if record.fault == "short":
+                    data = data[: len(data) // 2]
+                elif record.fault == "corrupt" and data:
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
                 if self.command != "HEAD":
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -336,6 +344,7 @@ class HoldProxy(S3Proxy):
     def __init__(self, upstream: str, hold: Callable[[str, str], bool]) -> None:
         self.hold = hold
         self.held: list[str] = []
+        self._held_changed = threading.Condition()
         self._released = threading.Event()
         self._dropping = False
         super().__init__(upstream)
@@ -344,10 +353,22 @@ class HoldProxy(S3Proxy):
         path = record.path + (f"?{record.query}" if record.query else "")
         if not self.hold(record.method, path):
             return None
-        with self.lock:
+        with self._held_changed:
             self.held.append(f"{record.method} {path}")
+            self._held_changed.notify_all()
         self._released.wait()
         return ("drop",) if self._dropping else None
+
+    def wait_held(self, count: int, timeout_secs: float = 60.0) -> list[str]:
+        """Block until at least ``count`` requests are held; the held ones.
+
+        Raises:
+            TimeoutError: fewer were held after ``timeout_secs``.
+        """
+        with self._held_changed:
+            if not self._held_changed.wait_for(lambda: len(self.held) >= count, timeout_secs):
+                raise TimeoutError(f"{len(self.held)} requests held after {timeout_secs} s, expected {count}: {self.held}")
+            return list(self.held)
 
     def release(self) -> None:
         self._released.set()
@@ -364,9 +385,10 @@ class HoldProxy(S3Proxy):
 def through_proxy(backend, proxy: S3Proxy, **options):
     """``backend`` (an S3 :class:`~opd_store.testing.stores.Backend`) reached through ``proxy``,
     with ``options`` added to its storage options."""
-    from .stores import Backend
+    import dataclasses
 
-    return Backend(backend.name, backend.url, dict(backend.storage_options, endpoint_url=proxy.endpoint_url, **options))
+    return dataclasses.replace(backend, storage_options=dict(backend.storage_options, endpoint_url=proxy.endpoint_url,
+                                                             **options))
 
 
 __all__ = ["HoldProxy", "Request", "Rule", "S3FaultProxy", "S3Proxy", "through_proxy"]

@@ -25,7 +25,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import parse_qs
 
-from .machines import process_cpu_secs
+from .machines import end_process, process_cpu_secs
 from .stores import EMULATOR_ENV, Backend
 
 # -- requests -------------------------------------------------------------------------------------
@@ -143,8 +143,8 @@ def _client(endpoint_url: str, max_pool_connections: int = 10):
     )
 
 
-class _Endpoint:
-    """What both servers offer: the endpoint, options for s3fs, a boto3 client, buckets, reset."""
+class S3Endpoint:
+    """What every S3 server here offers (moto in a thread or a process, SeaweedFS): the endpoint, options for s3fs, a boto3 client, buckets, reset."""
 
     endpoint_url: str
 
@@ -176,7 +176,7 @@ class _Endpoint:
         self._post("/moto-api/reset")
 
 
-class MotoS3(_Endpoint):
+class MotoS3(S3Endpoint):
     """moto's ``ThreadedMotoServer`` on 127.0.0.1 in this process, port chosen by the OS."""
 
     def __init__(self) -> None:
@@ -202,7 +202,7 @@ class MotoS3(_Endpoint):
         """Reset the server and create ``bucket``: a clean S3 location ``s3://bucket/runs/demo``."""
         self.reset()
         self.create_bucket(bucket)
-        return Backend("s3", f"s3://{bucket}/runs/demo", self.storage_options())
+        return Backend("s3", f"s3://{bucket}/runs/demo", self.storage_options(), server="moto")
 
     def smoke_check(self) -> dict[str, Any]:
         """Prove s3fs talks to this server over HTTP: list, write, read, multipart, delete.
@@ -256,7 +256,7 @@ class MotoS3(_Endpoint):
 # -- a server in its own process ------------------------------------------------------------------
 
 
-class MotoProcess(_Endpoint):
+class MotoProcess(S3Endpoint):
     """moto in its own process (``python -m opd_store.testing.s3``) with :class:`CountingMiddleware`.
 
     Args:
@@ -311,12 +311,7 @@ class MotoProcess(_Endpoint):
         return None
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end_process(self.process, 15)
         self.process.stdout.close()
         self._log.close()
 
@@ -349,7 +344,7 @@ def serve() -> None:
         pass
 
 
-__all__ = ["CountingMiddleware", "MotoProcess", "MotoS3", "S3RequestCounter", "s3_operation", "serve"]
+__all__ = ["CountingMiddleware", "MotoProcess", "MotoS3", "S3Endpoint", "S3RequestCounter", "s3_operation", "serve"]
 
 if __name__ == "__main__":
     serve()

@@ -36,15 +36,23 @@ class Backend:
     """One store location for a test.
 
     Attributes:
-        name (str): ``local``, ``memory``, ``s3`` or ``gcs``.
+        name (str): ``local``, ``memory``, ``s3`` or ``gcs`` (the protocol's semantics).
         url (str): the store root URL.
         storage_options (dict): fsspec options the store must be given (may hold an aiobotocore
             ``session``, which :meth:`to_json` leaves out).
+        server (str): which server answers an ``s3`` location: ``moto`` or ``seaweed``
+            (SeaweedFS); empty for the other backends.
     """
 
     name: str
     url: str
     storage_options: dict[str, Any]
+    server: str = ""
+
+    @property
+    def label(self) -> str:
+        """``local``, ``memory``, ``s3`` (moto), ``seaweed`` or ``gcs``: the test parameter's name."""
+        return "seaweed" if self.server == "seaweed" else self.name
 
     def raw_fs(self):
         """A fresh fsspec filesystem (own instance, no caches) for checking results independently."""
@@ -65,7 +73,8 @@ class Backend:
 
     def to_json(self) -> str:
         """JSON another process rebuilds the backend from (:meth:`from_json`)."""
-        return json.dumps({"name": self.name, "url": self.url, "storage_options": self.portable_options()})
+        return json.dumps({"name": self.name, "url": self.url, "storage_options": self.portable_options(),
+                           "server": self.server})
 
     @classmethod
     def from_json(cls, text: str) -> "Backend":
@@ -104,7 +113,7 @@ def with_session(backend: Backend) -> Backend:
     """``backend`` whose S3 stores share :func:`aio_session` (other backends unchanged)."""
     if backend.name != "s3":
         return backend
-    return Backend("s3", backend.url, dict(backend.storage_options, session=aio_session()))
+    return dataclasses.replace(backend, storage_options=dict(backend.storage_options, session=aio_session()))
 
 
 def open_store(backend: Backend, *, fresh_session: bool = False, **kwargs: Any):

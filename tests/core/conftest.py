@@ -10,5 +10,7 @@ from .helpers import Raw
 @pytest.fixture
 def raw(backend, request) -> Raw:
     """An independent view of ``backend`` (fresh fsspec instance per call; boto3 for S3)."""
-    moto = request.getfixturevalue("moto_s3") if backend.name == "s3" else None
+    from store_fixtures import s3_server
+
+    moto = s3_server(request, backend) if backend.name == "s3" else None
     return Raw(backend, moto)

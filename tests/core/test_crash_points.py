@@ -74,7 +74,7 @@ def _count_clean_save(store) -> list:
     return ops
 
 
-@pytest.mark.parametrize("backend", ["local", "memory", "s3", "gcs"], indirect=True)
+@pytest.mark.parametrize("backend", ["local", "memory", "s3", "seaweed", "gcs"], indirect=True)
 def test_fail_every_mutating_op_of_a_save(backend, raw):
     store = open_store(backend)
     prev_attempt = save(store, PREV, PREV_PAYLOADS).attempt_id

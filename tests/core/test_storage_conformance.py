@@ -1,7 +1,7 @@
 """The storage seam's conformance suite: every verb of :class:`~opd_store.storage.Storage`, on every
 backend (local, memory, S3 on moto, GCS on fake-gcs-server), checked through the raw backend
 (boto3 for S3, a fresh fsspec instance otherwise; ``tests/core/helpers.py``'s ``Raw``), never
-through opd_store itself. A backend that forgets a verb cannot even be constructed.
+through opd_store itself. S3 runs on two servers: moto and SeaweedFS (a production S3 server). A backend that forgets a verb cannot even be constructed.
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ def test_a_backend_that_forgets_a_verb_fails_when_constructed(tmp_path):
         NoUploads(fs, str(tmp_path), str(tmp_path))
 
 
+EVERY_BACKEND = pytest.mark.parametrize("backend", ["local", "memory", "s3", "seaweed", "gcs"], indirect=True)
+
+
 def _storage(backend):
     return open_store(backend).storage
 
 
+@EVERY_BACKEND
 def test_list_children_and_list_tree(backend, raw):
     storage = _storage(backend)
     raw.put("a/b.bin", b"12345")
@@ -57,6 +61,7 @@ def test_list_children_and_list_tree(backend, raw):
     assert storage.list_children("missing") == ([], {}) and storage.list_tree("missing") == {}
 
 
+@EVERY_BACKEND
 def test_listings_and_sizes_are_fresh(backend, raw):
     storage = _storage(backend)
     assert storage.list_tree("p") == {} and storage.size("p/x.bin") is None
@@ -66,6 +71,7 @@ def test_listings_and_sizes_are_fresh(backend, raw):
     assert storage.list_tree("p") == {} and storage.size("p/x.bin") is None
 
 
+@EVERY_BACKEND
 def test_size(backend, raw):
     storage = _storage(backend)
     raw.put("s/obj.bin", bytes(1000))
@@ -74,6 +80,7 @@ def test_size(backend, raw):
     assert storage.size("s") is None  # a prefix is no object
 
 
+@EVERY_BACKEND
 def test_read_bytes_whole_capped_and_missing(backend, raw):
     storage = _storage(backend)
     data = bytes(range(256)) * 8
@@ -91,6 +98,7 @@ def test_read_bytes_whole_capped_and_missing(backend, raw):
         assert (reader.read(), size_bytes, crc) == (data, len(data), crc_hex(data))
 
 
+@EVERY_BACKEND
 def test_open_write_publishes_at_finish_and_abort_leaves_nothing(backend, raw):
     storage = _storage(backend)
     data = b"payload-" * 1000
@@ -109,6 +117,7 @@ def test_open_write_publishes_at_finish_and_abort_leaves_nothing(backend, raw):
     assert raw.cat("w/kept.bin") == b"second"
 
 
+@EVERY_BACKEND
 def test_create_exclusive_is_create_only(backend, raw):
     storage = _storage(backend)
     storage.create_exclusive("c/manifest.json", b'{"first": 1}')
@@ -120,6 +129,7 @@ def test_create_exclusive_is_create_only(backend, raw):
     assert storage.atomic_create and storage.commit_primitive != "none"
 
 
+@EVERY_BACKEND
 def test_delete_and_delete_tree(backend, raw):
     storage = _storage(backend)
     for rel in ("d/x/1.bin", "d/x/2.bin", "d/y.bin", "other.bin"):
@@ -132,6 +142,7 @@ def test_delete_and_delete_tree(backend, raw):
     storage.delete_tree("d/x")  # missing: no error
 
 
+@EVERY_BACKEND
 def test_multipart_upload_listing_and_abort(backend, raw):
     storage = _storage(backend)
     if backend.name != "s3":
@@ -149,6 +160,7 @@ def test_multipart_upload_listing_and_abort(backend, raw):
     assert [u["Key"] for u in left] == ["elsewhere/big.bin"]
 
 
+@EVERY_BACKEND
 def test_the_store_clock_and_modification_times(backend, raw):
     """Every backend reports each object's modification time and its own notion of now on one
     clock (here the servers run on this machine, so both are this machine's time too)."""
@@ -177,6 +189,7 @@ def test_the_store_clock_and_modification_times(backend, raw):
     raw.client.abort_multipart_upload(Bucket=raw.bucket, Key=key, UploadId=upload["UploadId"])
 
 
+@EVERY_BACKEND
 def test_check_reachable_and_names(backend):
     storage = _storage(backend)
     storage.check_reachable()  # an empty store is usable: the first save creates it

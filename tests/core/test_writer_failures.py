@@ -198,9 +198,9 @@ def test_s3_failed_multipart_completion_leaves_no_open_upload(s3_backend, moto_s
         with store.begin(2) as txn:
             txn.write_bytes("model.pt", make_bytes("big", 6 * 2**20))
     # The object, the operation and the cause in one line; the client's error is the cause.
-    assert str(caught.value) == (f"{store.url}/step-000002/{txn.attempt_id}/model.pt: cannot write: endpoint "
-                                 f"{moto_s3.endpoint_url} closed the connection (connection reset during "
-                                 "CompleteMultipartUpload)")
+    assert str(caught.value) == (f"{store.url}/step-000002/{txn.attempt_id}/model.pt: cannot write payload "
+                                 f"'model.pt' of step 2: endpoint {moto_s3.endpoint_url} closed the connection "
+                                 "(connection reset during CompleteMultipartUpload); step 2 is not committed")
     assert isinstance(caught.value.__cause__, ConnectionResetError)
     gc.collect()
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

@@ -44,6 +44,19 @@ def _post(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30).read()
 
 
+def _recorded_entries(text: str) -> list[dict]:
+    """moto's recording, one JSON object per request. The recorder writes an entry and its newline
+    separately, so requests served at once (parts in flight) can put two entries on one line."""
+    decoder, entries, index = json.JSONDecoder(), [], 0
+    while True:
+        while index < len(text) and text[index].isspace():
+            index += 1
+        if index == len(text):
+            return entries
+        entry, index = decoder.raw_decode(text, index)
+        entries.append(entry)
+
+
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """Run the scenario once; return (recorded request entries, events of the second train run)."""
@@ -104,7 +117,7 @@ def recorded(tmp_path_factory):
 
         _post(f"{endpoint}/moto-api/recorder/stop-recording")
         text = urllib.request.urlopen(f"{endpoint}/moto-api/recorder/download-recording", timeout=60).read().decode()
-        entries = [json.loads(line) for line in text.splitlines() if line.strip()]
+        entries = _recorded_entries(text)
         events = [json.loads(line) for line in (work / "events-2.jsonl").read_text().splitlines()]
         return entries, events
     finally:

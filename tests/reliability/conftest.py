@@ -29,5 +29,7 @@ def raw(backend, request):
     """An independent view of ``backend`` (see ``tests/core/helpers.py``)."""
     from core.helpers import Raw
 
-    moto = request.getfixturevalue("moto_s3") if backend.name == "s3" else None
+    from store_fixtures import s3_server
+
+    moto = s3_server(request, backend) if backend.name == "s3" else None
     return Raw(backend, moto)

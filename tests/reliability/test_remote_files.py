@@ -30,8 +30,9 @@ def test_save_without_fileno_durable_at_close(backend, monkeypatch):
             if backend.name != "memory":  # fsspec's memory files are visible from open()
                 raw.invalidate_cache()
                 assert not raw.exists(path)  # buffered, not yet durable
+        txn.settle()  # a remote store finishes an upload in the background after close()
         raw.invalidate_cache()
-        assert raw.size(path) == txn.entries[0].size_bytes  # published by close()
+        assert raw.size(path) == txn.entries[0].size_bytes  # published
     assert fsyncs == []
     assert store.latest_step() == 5
     assert torch.equal(torch.load(store.open(5, "model.pt"), weights_only=True)["w"], tensor)

@@ -62,8 +62,11 @@ def test_no_credential_in_manifests_logs_or_errors(s3_proxy, moto_s3, caplog):
 
     # Failures: a missing bucket, 403s on write and read, a corrupt manifest.
     missing = CheckpointStore("s3://no-such-bucket/run", storage_options=_options(proxy.endpoint_url))
-    for action in (missing.check_reachable, lambda: missing.latest_step(),
-                   lambda: missing.begin(2).write_bytes("a.bin", b"a")):
+    def write_and_commit():
+        with missing.begin(2) as txn:  # the upload's failure is raised by the payload's close or the commit
+            txn.write_bytes("a.bin", b"a")
+
+    for action in (missing.check_reachable, lambda: missing.latest_step(), write_and_commit):
         with pytest.raises(Exception) as caught:
             action()
         errors.append(caught.value)

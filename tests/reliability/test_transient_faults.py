@@ -17,7 +17,8 @@ from core.helpers import boto3_client, crc_hex, open_store, save
 from .conftest import BLOCK_BYTES
 
 SAVE_OPS = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "HeadObject", "ListObjectsV2")
-LOAD_OPS = ("GetObject", "HeadObject", "ListObjectsV2")
+# A payload is read in ranges of the size its manifest records: no HeadObject.
+LOAD_OPS = ("GetObject", "ListObjectsV2")
 LARGE = bytes(range(251)) * ((2 * BLOCK_BYTES + 4096) // 251)  # above the 5 MiB block: multipart
 SMALL = b"small payload " * 10
 
@@ -52,7 +53,7 @@ def test_every_save_and_load_operation_failing_once_is_retried(s3_proxy, moto_s3
     parts = [r for r in proxy.requests if r.op == "UploadPart" and r.fault is None]
     # (s3fs sends each part when its buffer passes the block size: 8 MiB writes make 8 MiB parts.)
     assert sum(r.request_bytes for r in parts) == len(LARGE)
-    assert len(parts) == len({r.query for r in parts}) == 2  # every part once, after its retry
+    assert len(parts) == len({r.query for r in parts}) == -(-len(LARGE) // BLOCK_BYTES)  # every part once, after its retry
     puts = [r for r in proxy.requests if r.op == "PutObject" and r.fault is None]
     assert [r.path.rsplit("/", 1)[-1] for r in puts] == ["small.bin", "manifest.json"]
     assert puts[0].request_bytes == len(SMALL)

@@ -3,7 +3,9 @@
 Usage: ``python killed_train.py KILL_STEP KILL_AFTER_PAYLOADS -- TRAIN_ARGS...``
 
 Runs the real main job (``opd_store.cli.main(["train", ...])``) and, once ``KILL_AFTER_PAYLOADS``
-payload objects of the save of step ``KILL_STEP`` are fully uploaded, SIGKILLs its own process:
+payload objects of the save of step ``KILL_STEP`` are fully uploaded (closed, and published: a
+remote store finishes an upload in the background, so the attempt is settled first), SIGKILLs its
+own process:
 the checkpoint is then partly uploaded (some payload objects in the store, the rest and the
 manifest never written), as when a spot instance is reclaimed mid-save. Prints
 ``KILLING <step> <payloads>`` on stderr first.
@@ -15,24 +17,33 @@ import os
 import signal
 import sys
 
-from opd_store import transaction
+from opd_store import attempt, transaction
 from opd_store.cli import main
 
 
 def _install(kill_step: int, kill_after: int) -> None:
     original = transaction.PayloadWriter.close
+    original_open = attempt.Attempt.open
+    owners: dict[int, attempt.Attempt] = {}
     closed: list[str] = []
+
+    def open_(self, name):
+        writer = original_open(self, name)
+        owners[id(writer)] = self
+        return writer
 
     def close(self) -> None:
         was_open = not self.closed
         original(self)
         if was_open and self.step == kill_step:
+            owners[id(self)].settle()  # every payload closed so far is published
             closed.append(self.name)
             if len(closed) >= kill_after:
                 print(f"KILLING {kill_step} {len(closed)} {','.join(closed)}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     transaction.PayloadWriter.close = close
+    attempt.Attempt.open = open_
 
 
 if __name__ == "__main__":

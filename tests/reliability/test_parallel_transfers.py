@@ -1,0 +1,261 @@
+"""Parallel S3 transfers on both servers of the suite (moto and SeaweedFS), through a proxy that
+records every request: parts in flight at once from a bounded pool of part buffers, several payloads
+of a save moving at once, ranged reads into one buffer, and the faults of a transfer (a part that
+keeps failing, a connection cut, a short or altered range, throttling).
+
+Every store here uses S3's smallest part (5 MiB) so that a few MiB make a multipart upload.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from opd_store import IntegrityError, PayloadUploadError, StoreUnreachableError
+from opd_store.storage.parts import MIN_PART_SIZE_BYTES
+from opd_store.testing.proxies import HoldProxy, S3FaultProxy, through_proxy
+from opd_store.testing.stores import open_store
+
+from core.helpers import save
+
+PART = MIN_PART_SIZE_BYTES
+
+
+def _data(size_bytes: int, salt: int = 0) -> bytes:
+    return bytes((i * 7 + salt) % 251 for i in range(251)) * (size_bytes // 251) + b"x" * (size_bytes % 251)
+
+
+LARGE = _data(3 * PART + PART // 2)  # four parts: three whole ones and a half
+SMALL = b"small payload " * 10
+
+
+@pytest.fixture(params=["moto_s3", "seaweed_s3"])
+def server(request):
+    """One of the suite's S3 servers (moto's mock, SeaweedFS's production server)."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def faulty(server):
+    """A clean bucket behind :class:`S3FaultProxy`: (backend with 5 MiB parts, 3 in flight, proxy)."""
+    proxy = S3FaultProxy(server.endpoint_url)
+    try:
+        yield through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=3), proxy
+    finally:
+        proxy.stop()
+
+
+def _bucket(backend) -> str:
+    return backend.url[len("s3://"):].partition("/")[0]
+
+
+def _open_uploads(server, backend) -> list[dict]:
+    return server.boto3_client().list_multipart_uploads(Bucket=_bucket(backend)).get("Uploads", [])
+
+
+def _keys(server, backend, under: str) -> list[str]:
+    bucket, _, prefix = backend.url[len("s3://"):].partition("/")
+    listed = server.boto3_client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{under}")
+    return [o["Key"] for o in listed.get("Contents", [])]
+
+
+def _parts(proxy, name: str) -> list:
+    """Forwarded ``UploadPart`` requests of the payload ``name``."""
+    return [r for r in proxy.requests if r.op == "UploadPart" and r.fault is None and r.path.endswith("/" + name)]
+
+
+def _saving(store, payloads: dict[str, bytes]) -> tuple[threading.Thread, list]:
+    """``save(store, 1, payloads)`` on a thread of its own: (thread, outcome list)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(save(store, 1, payloads))
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+# -- concurrency and memory -----------------------------------------------------------------------
+def test_parts_go_up_at_once_and_the_pool_bounds_the_buffers(server):
+    """Three parts are in flight at once (all held by the proxy), and the writer then waits for a
+    part buffer: no fourth buffer is made while the three are in flight."""
+    proxy = HoldProxy(server.endpoint_url, lambda method, path: method == "PUT" and "partNumber=" in path)
+    try:
+        store = open_store(through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=3))
+        thread, outcome = _saving(store, {"model.bin": LARGE})
+        held = proxy.wait_held(3)
+        pool = store.storage.part_pool()
+        assert sorted(h.split("partNumber=")[1].split("&")[0] for h in held) == ["1", "2", "3"]
+        assert pool.stats()["in_flight"] == 3 and pool.stats()["allocated"] == 3
+        assert thread.is_alive() and not outcome  # the writer waits for a buffer; nothing is committed
+        assert store.steps() == []
+        proxy.release()
+        thread.join(120)
+        assert outcome and not isinstance(outcome[0], BaseException), outcome
+        parts = [r for r in proxy.requests if r.op == "UploadPart"]
+        assert sorted(r.request_bytes for r in parts) == [PART // 2, PART, PART, PART]
+        # Three buffers were ever made; the last part went up from one of them, cut to its size.
+        assert pool.stats() == {"in_use": 0, "in_flight": 0, "free": 2, "allocated": 3, "peak_in_use": 3}
+        assert store.read(1, "model.bin") == LARGE
+    finally:
+        proxy.stop()
+
+
+def test_the_next_payload_streams_while_the_last_parts_of_one_move(server):
+    """``a.bin``'s last part and ``b.bin``'s completion are held at once: the save wrote ``b.bin``
+    while ``a.bin`` was still uploading; the manifest comes last and lists both in write order."""
+    first, second = _data(PART + PART // 2, 1), _data(PART + PART // 3, 2)
+
+    def hold(method: str, path: str) -> bool:
+        last_part_of_a = method == "PUT" and "/a.bin?" in path and "partNumber=2" in path
+        return last_part_of_a or (method == "POST" and "/b.bin?uploadId=" in path)
+
+    proxy = HoldProxy(server.endpoint_url, hold)
+    try:
+        store = open_store(through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=4))
+        thread, outcome = _saving(store, {"a.bin": first, "b.bin": second})
+        held = proxy.wait_held(2)
+        assert sorted(h.split("/")[-1].split("?")[0] for h in held) == ["a.bin", "b.bin"]
+        assert store.steps() == [] and proxy.count("PutObject") == 0  # no manifest yet
+        proxy.release()
+        thread.join(120)
+        assert outcome and not isinstance(outcome[0], BaseException), outcome
+        assert [e.name for e in store.manifest(1).payloads] == ["a.bin", "b.bin"]
+        ops = proxy.ops()
+        manifest_put = next(i for i, r in enumerate(proxy.requests) if r.op == "PutObject")
+        assert proxy.requests[manifest_put].path.endswith("/manifest.json")  # the one PutObject, after both uploads
+        assert manifest_put > max(i for i, op in enumerate(ops) if op in ("UploadPart", "CompleteMultipartUpload"))
+        assert store.read(1, "a.bin") == first and store.read(1, "b.bin") == second
+    finally:
+        proxy.stop()
+
+
+# -- faults of an upload --------------------------------------------------------------------------
+UPLOAD_FAULTS = {
+    "500": dict(fault="status", status=500, code="InternalError"),
+    "cut": dict(fault="drop"),
+    "slowdown": dict(fault="status", status=503, code="SlowDown"),
+}
+
+
+def _second_part(request) -> bool:
+    return "partNumber=2&" in request.query + "&"
+
+
+@pytest.mark.parametrize("kind", sorted(UPLOAD_FAULTS))
+def test_a_part_failing_once_is_retried_and_commits(faulty, server, kind):
+    backend, proxy = faulty
+    store = open_store(backend)
+    rule = proxy.add(ops=("UploadPart",), match=_second_part, times=1, **UPLOAD_FAULTS[kind])
+    save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+    assert rule.hits == 1
+    parts = _parts(proxy, "model.bin")
+    assert len(parts) == len({r.query for r in parts}) == 4  # every part once, after the retry
+    assert sum(r.request_bytes for r in parts) == len(LARGE)
+    assert store.read(2, "model.bin") == LARGE and store.read(2, "small.bin") == SMALL
+    assert _open_uploads(server, backend) == []
+
+
+@pytest.mark.parametrize("kind", ["500", "cut"])
+def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faulty, server, kind):
+    """The upload is aborted once its other parts settled (no upload left open on the server), the
+    save raises naming the step's object (a 500: :class:`PayloadUploadError` naming the request; a
+    connection cut every time: :class:`StoreUnreachableError` naming the endpoint), step 2 has no
+    object at all, step 1 is untouched."""
+    backend, proxy = faulty
+    retries = {"retries": {"total_max_attempts": 2, "mode": "standard"}}
+    store = open_store(through_proxy(backend, proxy, config_kwargs=retries, retries=1))
+    save(store, 1, {"prev.bin": SMALL})
+    rule = proxy.add(ops=("UploadPart",), match=_second_part, times=None, **UPLOAD_FAULTS[kind])
+    with pytest.raises(OSError) as caught:
+        save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+    message = str(caught.value)
+    assert f"{backend.url}/step-000002/attempt-" in message
+    if kind == "500":
+        assert type(caught.value) is PayloadUploadError and "/model.bin: UploadPart 2 failed" in message
+    else:
+        assert type(caught.value) is StoreUnreachableError
+        assert (f"/model.bin: cannot write payload 'model.bin' of step 2: endpoint {proxy.endpoint_url} closed "
+                "the connection") in message and message.endswith("; step 2 is not committed")
+    # A 500: the request and its one retry. A cut connection is retried by the client's handling of
+    # connection errors as well (4 requests on this stack): a bounded few.
+    assert rule.hits == 2 if kind == "500" else 2 <= rule.hits <= 8
+    assert proxy.count("AbortMultipartUpload") == 1 and proxy.count("CompleteMultipartUpload") == 0
+    assert _open_uploads(server, backend) == []
+    assert _keys(server, backend, "step-000002/") == []
+    assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
+
+
+# -- ranged reads ---------------------------------------------------------------------------------
+def _committed_large(faulty):
+    """A store whose step 2 holds ``model.bin`` (:data:`LARGE`); the proxy's record cleared."""
+    backend, proxy = faulty
+    store = open_store(backend)
+    save(store, 2, {"model.bin": LARGE})
+    proxy.clear()
+    return store
+
+
+def _model_gets(proxy) -> list:
+    return [r for r in proxy.requests if r.op == "GetObject" and r.path.endswith("/model.bin")]
+
+
+def _range_rule(proxy, start: int, **fault):
+    """Fault the first ranged GET of ``model.bin`` that starts at byte ``start``."""
+    prefix = f"bytes={start}-"
+    return proxy.add(ops=("GetObject",), times=1, **fault,
+                     match=lambda r: r.path.endswith("/model.bin") and r.headers.get("range", "").startswith(prefix))
+
+
+def test_a_payload_is_read_in_parallel_ranges(faulty):
+    store, proxy = _committed_large(faulty), faulty[1]
+    assert store.read(2, "model.bin") == LARGE
+    gets = _model_gets(proxy)
+    ranges = sorted(r.headers["range"] for r in gets)
+    assert ranges == sorted(f"bytes={s}-{min(len(LARGE), s + PART) - 1}" for s in range(0, len(LARGE), PART))
+    assert sum(r.response_bytes for r in gets) == len(LARGE)
+    assert proxy.count("HeadObject") == 0  # planned from the manifest's size
+
+
+@pytest.mark.parametrize("kind", ["short", "corrupt"])
+def test_a_short_or_altered_range_is_an_integrity_error_naming_the_object(faulty, kind):
+    store, proxy = _committed_large(faulty), faulty[1]
+    rule = _range_rule(proxy, PART, fault=kind)
+    with pytest.raises(IntegrityError) as caught:
+        store.read(2, "model.bin")
+    assert rule.hits == 1
+    message = str(caught.value)
+    assert "step-000002/" in message and "model.bin" in message
+    if kind == "short":
+        assert f"bytes {PART}-{2 * PART - 1} returned {PART // 2} bytes" in message
+    assert store.read(2, "model.bin") == LARGE  # the object itself is whole
+
+
+@pytest.mark.parametrize("kind", ["truncate", "slowdown"])
+def test_a_range_cut_or_throttled_is_read_again(faulty, kind):
+    store, proxy = _committed_large(faulty), faulty[1]
+    rule = _range_rule(proxy, 0, **(dict(fault="truncate") if kind == "truncate" else UPLOAD_FAULTS["slowdown"]))
+    assert store.read(2, "model.bin") == LARGE
+    assert rule.hits == 1
+    assert len(_model_gets(proxy)) == -(-len(LARGE) // PART) + 1  # every range once, the faulted one twice
+
+
+@pytest.mark.parametrize("size_bytes", [PART + 1, 3 * PART, 0])
+def test_an_object_of_another_size_is_an_integrity_error_with_its_real_size(faulty, server, size_bytes):
+    """The ranges are planned from the manifest's size; an object replaced behind the store's back
+    (longer, shorter, empty) is reported with its real size."""
+    backend = faulty[0]
+    store = _committed_large(faulty)
+    bucket = _bucket(backend)
+    (key,) = [k for k in _keys(server, backend, "step-000002/") if k.endswith("/model.bin")]
+    server.boto3_client().put_object(Bucket=bucket, Key=key, Body=_data(size_bytes))
+    with pytest.raises(IntegrityError) as caught:
+        store.read(2, "model.bin")
+    message = str(caught.value)
+    assert f"has {size_bytes} bytes, manifest says {len(LARGE)}" in message
+    assert f"payload 'model.bin' at {backend.url}/step-000002/attempt-" in message

@@ -1,0 +1,133 @@
+"""Every write path moves a payload larger than one part as parallel multipart parts, on both S3
+servers (moto, SeaweedFS): an OPD save, an asynchronous save, a rank's part of a multi-rank save,
+the tier upload of a tiered store, ``opd-store cp`` and ``opd-store migrate``. Each is counted at a recording proxy: the
+large payload goes up as one ``CreateMultipartUpload``, its parts (5 MiB, then the rest) and one
+``CompleteMultipartUpload``, and the manifest is the last request that writes.
+
+s3fs's own file writer (what the stores used before) would have sent this payload as one
+``PutObject``: its default block is 50 MiB.
+"""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from opd_store import AsyncCheckpointer, CheckpointStore, TieredStore, save_opd_checkpoint
+from opd_store.cli import main as cli_main
+from opd_store.storage.parts import MIN_PART_SIZE_BYTES
+from opd_store.testing.opd import PROVENANCE, StubAdapterModel, TinyConfig, make_training, save_kwargs, trainer_state
+from opd_store.testing.proxies import S3Proxy, through_proxy
+from opd_store.testing.stores import open_store
+
+PART = MIN_PART_SIZE_BYTES
+WRITES = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload")
+
+
+@pytest.fixture(params=["moto_s3", "seaweed_s3"])
+def proxied(request):
+    """A clean bucket on one of the S3 servers behind a recording proxy: (backend, proxy)."""
+    server = request.getfixturevalue(request.param)
+    proxy = S3Proxy(server.endpoint_url)
+    try:
+        yield through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=4), proxy
+    finally:
+        proxy.stop()
+
+
+def _large_model() -> StubAdapterModel:
+    """An adapter whose weights file is about 1.3 parts (two parts)."""
+    model = StubAdapterModel()
+    model.weights = {"lora_A.weight": torch.arange(int(1.3 * PART) // 4, dtype=torch.float32)}
+    return model
+
+
+def assert_uploaded_in_parts(proxy, name: str, size_bytes: int) -> None:
+    """``name`` went up as a multipart upload of 5 MiB parts, and the manifest was written last."""
+    mine = [r for r in proxy.requests if r.path.endswith("/" + name) and r.op in WRITES]
+    assert [r.op for r in mine if r.op != "UploadPart"] == ["CreateMultipartUpload", "CompleteMultipartUpload"]
+    parts = sorted((r for r in mine if r.op == "UploadPart"), key=lambda r: r.query)
+    expected = [PART] * (size_bytes // PART) + ([size_bytes % PART] if size_bytes % PART else [])
+    assert sorted(r.request_bytes for r in parts) == sorted(expected)
+    writes = [r for r in proxy.requests if r.op in WRITES]
+    assert writes[-1].op == "PutObject" and writes[-1].path.endswith("/manifest.json")
+
+
+def _adapter_entry(store, step: int):
+    return next(e for e in store.manifest(step).payloads if e.name.endswith("adapter_model.safetensors"))
+
+
+def test_opd_save(proxied):
+    backend, proxy = proxied
+    store = open_store(backend)
+    save_opd_checkpoint(**save_kwargs(store, model=_large_model()))
+    entry = _adapter_entry(store, 2)
+    assert entry.size_bytes > PART
+    assert_uploaded_in_parts(proxy, "adapter_model.safetensors", entry.size_bytes)
+
+
+def test_async_save(proxied):
+    backend, proxy = proxied
+    store = open_store(backend)
+    with AsyncCheckpointer() as checkpointer:
+        checkpointer.save(**save_kwargs(store, model=_large_model())).result(120)
+    assert_uploaded_in_parts(proxy, "adapter_model.safetensors", _adapter_entry(store, 2).size_bytes)
+
+
+def test_a_ranks_part(proxied):
+    backend, proxy = proxied
+    store, part_store = open_store(backend), open_store(backend)
+    data = bytes(range(256)) * (int(1.5 * PART) // 256)
+    txn = store.begin(7, world_size=2)
+    txn.write_bytes("shared.bin", b"shared")
+    with part_store.begin_part(7, attempt_id=txn.attempt_id, rank=1, world_size=2) as part:
+        part.write_bytes("rank-01.bin", data)
+    for entry in part.entries:
+        txn.add_entry(entry)
+    txn.commit()
+    assert_uploaded_in_parts(proxy, "rank-01.bin", len(data))
+    assert store.read(7, "rank-01.bin") == data
+
+
+def test_tier_upload(proxied, tmp_path):
+    backend, proxy = proxied
+    tiered = TieredStore(tmp_path / "local-tier", backend.url, storage_options=backend.storage_options)
+    try:
+        save_opd_checkpoint(**save_kwargs(tiered, model=_large_model()))
+        tiered.flush(120)
+    finally:
+        tiered.close()
+    bucket = CheckpointStore(backend.url, storage_options=backend.storage_options)
+    assert_uploaded_in_parts(proxy, "adapter_model.safetensors", _adapter_entry(bucket, 2).size_bytes)
+
+
+def _cli_options(backend, prefix: str = "") -> list[str]:
+    """Command-line options that reach ``backend`` with 5 MiB parts (``prefix``: ``dst-`` for cp)."""
+    options = backend.storage_options
+    return [f"--{prefix}s3-endpoint-url", options["endpoint_url"]] + [
+        arg for setting in (f"key={options['key']}", f"secret={options['secret']}", f"part_size_bytes={PART}")
+        for arg in (f"--{prefix}storage-option", setting)]
+
+
+def test_cli_cp(proxied, tmp_path):
+    backend, proxy = proxied
+    local = CheckpointStore(tmp_path / "local")
+    save_opd_checkpoint(**save_kwargs(local, model=_large_model()))
+    assert cli_main(["cp", str(tmp_path / "local"), "2", backend.url, *_cli_options(backend, "dst-")]) == 0
+    assert_uploaded_in_parts(proxy, "adapter_model.safetensors", _adapter_entry(local, 2).size_bytes)
+
+
+def test_cli_migrate(proxied, tmp_path):
+    backend, proxy = proxied
+    seed_layout = runpy.run_path(str(Path(__file__).parents[1] / "opd" / "seed_layout.py"))
+    _layer, optimizer, scheduler = make_training()
+    seed_layout["write_seed_checkpoint"](
+        checkpoints_dir=tmp_path / "seed", model=_large_model(), processor=None, optimizer=optimizer,
+        scheduler=scheduler, trainer_state=trainer_state(2), config=TinyConfig(),
+        provenance_fingerprints=dict(PROVENANCE), teacher_state={"update_count": 2})
+    assert cli_main(["migrate", str(tmp_path / "seed"), backend.url, *_cli_options(backend)]) == 0
+    store = CheckpointStore(backend.url, storage_options=backend.storage_options)
+    assert_uploaded_in_parts(proxy, "adapter_model.safetensors", _adapter_entry(store, 2).size_bytes)
