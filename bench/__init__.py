@@ -2,6 +2,6 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench                 # issue 9: raw / torch.save / seed / DCP / opd_store
+    .venv/bin/python -m bench                 # raw / torch.save / seed / DCP / opd_store
     .venv/bin/python -m bench --sizes 256 --sections speed,crc   # quicker
 """

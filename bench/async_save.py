@@ -1,4 +1,4 @@
-"""Asynchronous saves versus synchronous ones, measured side by side in one run (issue 8, "Speed").
+"""Asynchronous saves versus synchronous ones, measured side by side in one run.
 
     .venv/bin/python -m bench.async_save [--size-mib 1024] [--repeats 3] [--backends local,s3]
                                           [--job-updates 8] [--job-every 2] [--no-job]
@@ -11,7 +11,8 @@
    measurement, so the two never overlap). The student's ``save_pretrained`` takes ``state_dict=``,
    as PEFT's does. Runs alternate (sync, async, async, sync, ...) on the same store; the first
    async save allocates its staging buffers and is reported apart (``first``); ``steady`` is the
-   median of the later ones, which reuse them. Target: blocked <= 10 % of the synchronous save.
+   median of the later ones, which reuse them. Target: blocked <= 10 % of the synchronous save
+   (the spot-saves target in ``docs/performance.md``).
    Backends: a local directory and moto S3 in its own process (``opd_store.testing.s3.MotoProcess``).
 2. job: updates per second of the main job (``opd_store.job.train.train``, in this process)
    with a checkpoint every ``--job-every`` successful updates, synchronous and ``async_save``,

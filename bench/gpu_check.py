@@ -1,5 +1,6 @@
 """Checks that need a CUDA device: run on a GPU machine, prints one line per check and exits non-zero
-on the first failure (issue 5 scenario 28; issue 8 item 1).
+on the first failure: optimizer state saved on one device loads onto the parameters' device and
+the next step runs; an asynchronous save of CUDA state stages into pinned host memory.
 
     python -m bench.gpu_check [--out DIR]
 

@@ -9,9 +9,9 @@ Every method saves and loads the same training state (:func:`make_training_state
                    ``readinto`` the storage of freshly allocated tensors. S3: one s3fs file
                    (``fs.open(path, "wb")``, multipart) written the same way; load: one GET
                    (``fs.cat_file``) and ``torch.frombuffer`` views of it.
-``torch.save``     issue 2's baseline: ``torch.save(state, path)`` + ``fsync`` (local, torch's C++
-                   file writer) or ``torch.save`` into an s3fs file; load ``torch.load(path)`` /
-                   ``torch.load(BytesIO(fs.cat_file(path)))`` (one GET).
+``torch.save``     the baseline, plain ``torch.save`` with no store: ``torch.save(state, path)`` +
+                   ``fsync`` (local, torch's C++ file writer) or ``torch.save`` into an s3fs file;
+                   load ``torch.load(path)`` / ``torch.load(BytesIO(fs.cat_file(path)))`` (one GET).
 ``seed``           the seed's method (local only; ``/work/shared/seeds``): ``torch.save`` into a
                    staging directory ``.tmp-step-NNNNNN-<uuid>``, a ``COMPLETE`` marker file, then
                    ``rename`` to ``step-NNNNNN``. No fsync (the seed has none). Load: check

@@ -1,4 +1,4 @@
-"""Local tier benchmark (issue 8, item 3): how long a save blocks the caller with the local tier,
+"""Local tier benchmark: how long a save blocks the caller with the local tier,
 against a plain local save and a direct S3 save, measured side by side in one run.
 
     python -m bench.tiered                 # 1 GiB state, 3 rounds
@@ -10,7 +10,8 @@ payload) three ways, in rotating order: (1) a plain ``CheckpointStore`` on local
 ordinary commit), (2) a ``TieredStore`` with the local tier on the same disk and the bucket on S3
 (moto in its own process over loopback): the time until ``commit()`` returns, i.e. what training
 waits for; the background upload is then timed until it is durable (``flush``) before anything
-else runs, (3) a plain ``CheckpointStore`` on the same S3. Target: tiered <= 1.1x plain local.
+else runs, (3) a plain ``CheckpointStore`` on the same S3. Target: tiered <= 1.1x plain local (the
+spot-saves target in ``docs/performance.md``).
 
 Each round starts with one untimed plain local save (the warm-up). The previous round's cleanup
 frees several GiB at once (its local stores, and moto's copy of the upload); on VMs that hand free

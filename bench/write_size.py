@@ -8,7 +8,7 @@ slices), for each ``S``; each (size, run) runs in a process forked from this one
 seconds of the writes, of the fsync, CPU seconds, MiB/s, and the ratio to the fastest size. Written
 to ``bench/results/write-size-<date>.md`` with the kernel version.
 
-Found while benchmarking issue 2 on this project's VMs (Linux 6.18, virtio-balloon free page
+Found while benchmarking the store against raw writes on this project's VMs (Linux 6.18, virtio-balloon free page
 reporting on, see the machine line): whole-tensor writes (8 MiB, as ``torch.save`` hands its file)
 cost 15-20x the CPU of the same bytes in 512 KiB writes, in the kernel (CPU time, no I/O wait).
 Large writes make the page cache allocate large folios, which come from the high-order free blocks

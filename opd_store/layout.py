@@ -84,6 +84,17 @@ def is_attempt_id(name: str) -> bool:
     return isinstance(name, str) and _ATTEMPT_RE.fullmatch(name) is not None
 
 
+def check_attempt_id(value: str) -> str:
+    """Validate an attempt id (the form :func:`new_attempt_id` makes) and return it.
+
+    Raises:
+        ValueError: ``value`` is not of the form ``attempt-YYYYMMDDTHHMMSSZ-<12 hex>``.
+    """
+    if not is_attempt_id(value):
+        raise ValueError(f"attempt_id {value!r} is not of the form attempt-YYYYMMDDTHHMMSSZ-<12 hex>")
+    return value
+
+
 def attempt_created_secs(attempt_id: str) -> float | None:
     """Seconds since the epoch (UTC) encoded in an attempt id, or ``None`` if it is not one."""
     match = _ATTEMPT_RE.fullmatch(attempt_id)
@@ -123,6 +134,7 @@ __all__ = [
     "PROBE_PREFIX",
     "STEP_PREFIX",
     "attempt_created_secs",
+    "check_attempt_id",
     "check_payload_name",
     "is_attempt_id",
     "new_attempt_id",

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ManifestError
-from .layout import check_payload_name, is_attempt_id
+from .layout import check_attempt_id, check_payload_name
 
 MANIFEST_FORMAT = "opd_store.manifest"
 MANIFEST_FORMAT_VERSION = 1
@@ -112,9 +112,7 @@ class Manifest(BaseModel):
     @field_validator("attempt_id")
     @classmethod
     def _attempt(cls, value: str) -> str:
-        if not is_attempt_id(value):
-            raise ValueError(f"attempt_id {value!r} is not of the form attempt-YYYYMMDDTHHMMSSZ-<12 hex>")
-        return value
+        return check_attempt_id(value)
 
     @field_validator("created_at")
     @classmethod

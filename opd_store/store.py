@@ -19,7 +19,7 @@ from .errors import CheckpointNotFoundError, CommitConflictError, UnsupportedBac
 from .layout import (
     LEGACY_MARKER,
     MANIFEST_NAME,
-    is_attempt_id,
+    check_attempt_id,
     new_attempt_id,
     parse_step_dirname,
     step_dirname,
@@ -125,15 +125,8 @@ class CheckpointStore(BaseStore):
         listed step may still be incomplete or corrupt: use :meth:`checkpoints` or
         :meth:`is_complete` to know.
         """
-        tree = self.storage.list_tree("")
-        steps = set()
-        for path in tree:
-            head, _, tail = path.partition("/")
-            if tail == MANIFEST_NAME:
-                step = parse_step_dirname(head)
-                if step is not None:
-                    steps.add(step)
-        return sorted(steps)
+        by_step = objects_by_step(self.storage.list_tree(""))
+        return sorted(step for step, objects in by_step.items() if MANIFEST_NAME in objects)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every step prefix with its status, ascending.
@@ -311,12 +304,10 @@ class CheckpointStore(BaseStore):
             raise CommitConflictError(
                 f"checkpoint already exists: {self.step_url(step)} (legacy seed-layout checkpoint of step {step})"
             )
-        if attempt_id is not None and not is_attempt_id(attempt_id):
-            raise ValueError(f"attempt_id {attempt_id!r} is not of the form attempt-YYYYMMDDTHHMMSSZ-<12 hex>")
         return Transaction(
             self.storage,
             step,
-            attempt_id or new_attempt_id(),
+            new_attempt_id() if attempt_id is None else check_attempt_id(attempt_id),
             world_size=world_size,
             metadata=metadata,
             rank=rank,
@@ -339,8 +330,7 @@ class CheckpointStore(BaseStore):
             CommitConflictError: ``step`` is already committed (nothing is written).
             ValueError: ``attempt_id`` is malformed, or ``rank`` is outside ``[0, world_size)``.
         """
-        if attempt_id is None or not is_attempt_id(attempt_id):
-            raise ValueError(f"attempt_id {attempt_id!r} is not of the form attempt-YYYYMMDDTHHMMSSZ-<12 hex>")
+        check_attempt_id(attempt_id)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
         if self.storage.size(f"{step_dirname(step)}/{MANIFEST_NAME}") is not None:
@@ -394,7 +384,6 @@ class CheckpointStore(BaseStore):
 
     def check_save_retention(self, policy: Any) -> None:
         """Accept any policy: a plain store applies no retention of its own."""
-
 
 
 __all__ = [

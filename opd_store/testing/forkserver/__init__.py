@@ -1,0 +1,44 @@
+"""Start Python programs as new processes forked from a parent that has already imported them.
+
+A test that starts ``python -m opd_store train ...`` pays an interpreter start and the imports of
+torch, transformers and peft every time: several CPU seconds, and far more wall time on a loaded
+2-core machine. :class:`ForkServer` pays them once. It starts one server process
+(:mod:`.server`) that imports the given modules, starts no thread, and then forks one child per
+:meth:`ForkServer.popen`. The child *becomes* the requested program (:mod:`.child`):
+
+* its own ``argv``, environment (replaced whole), working directory and stdin/stdout/stderr (the
+  caller's file descriptors, passed over a Unix socket with ``SCM_RIGHTS``);
+* the program runs as ``__main__`` (``python -m MODULE``, ``python SCRIPT`` or ``python -c CODE``,
+  with ``sys.path[0]`` and ``PYTHONPATH`` as ``python`` sets them);
+* it ends as an interpreter ends: ``atexit`` hooks, interpreter finalization, the exit status of
+  ``sys.exit`` (1 for an uncaught exception), or the signal that ended it (negative, as
+  :mod:`subprocess` reports it);
+* ``random`` and numpy's global generator re-seeded, default ``SIGCHLD`` handling,
+  ``tempfile.tempdir`` forgotten (so ``TMPDIR`` of the new environment counts).
+
+What it is not: a fresh interpreter. Modules the server imported keep what they read at import
+(environment variables read at import time, such as ``HF_HUB_OFFLINE``, which the server sets as a
+fresh machine of the tests and the demo does), and the hash seed is the server's. A test *about* a
+fresh interpreter starts a real subprocess.
+
+:class:`ForkedProcess` (:mod:`.process`) has the :class:`subprocess.Popen` surface the tests use,
+and :func:`run` mirrors :func:`subprocess.run`. :func:`default_server` is one server per calling
+process (a pytest-xdist worker), preloaded with :data:`DEFAULT_PRELOAD` (:mod:`.preload`):
+opd_store's job, the S3/GCS clients, the testing helpers, and the integrations' trainers when
+installed. :meth:`ForkServer.shim_dir` gives shell scripts an ``opd-store`` command that runs through
+the server. The wire protocol between them is in :mod:`.protocol`.
+
+The modules: :mod:`.client` (:class:`ForkServer`, :func:`default_server`, :func:`popen`,
+:func:`run`), :mod:`.process` (:class:`ForkedProcess`), :mod:`.protocol` (the socket protocol, both
+ends, and the shim command), :mod:`.server` (the server process), :mod:`.child` (a forked child
+becoming its program), :mod:`.preload` (what the server imports, under which environment).
+"""
+
+from .client import ForkServer, default_server, popen, run
+from .preload import DEFAULT_PRELOAD, OPTIONAL, REQUIRED_PRELOAD, SERVER_ENV, TRAINER_PRELOAD
+from .process import DEVNULL, PIPE, STDOUT, ForkedProcess
+
+__all__ = [
+    "DEFAULT_PRELOAD", "DEVNULL", "OPTIONAL", "PIPE", "REQUIRED_PRELOAD", "SERVER_ENV", "STDOUT",
+    "TRAINER_PRELOAD", "ForkServer", "ForkedProcess", "default_server", "popen", "run",
+]

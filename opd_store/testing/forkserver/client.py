@@ -1,0 +1,152 @@
+"""The client side of a fork server: start one, fork programs through it, stop it.
+
+:class:`ForkServer` starts one server process (:mod:`.server`) preloaded with the given modules and
+forks a child of it per :meth:`ForkServer.popen` (a :class:`~.process.ForkedProcess`);
+:meth:`ForkServer.run` mirrors :func:`subprocess.run`. :func:`default_server` is one server per
+calling process (a pytest-xdist worker) with :data:`~.preload.DEFAULT_PRELOAD`; :func:`popen` and
+:func:`run` use it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Any, Sequence
+
+from .preload import DEFAULT_PRELOAD, SERVER_ENV
+from .process import DEVNULL, PIPE, STDOUT, ForkedProcess
+from .protocol import program_of, shim_script
+
+
+class ForkServer:
+    """One preloaded server process; :meth:`popen` forks a child of it per program started.
+
+    Args:
+        preload (Sequence[str]): modules the server imports before it forks anything (a name
+            ending in :data:`~.preload.OPTIONAL` only when it is installed).
+        env (dict | None): the server's environment (default: this process's, plus
+            :data:`~.preload.SERVER_ENV`). Modules read it at import; each child gets its own environment.
+
+    Raises:
+        RuntimeError: the server did not start (its stderr is in the message).
+    """
+
+    PIPE, DEVNULL, STDOUT = PIPE, DEVNULL, STDOUT
+
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, env: dict[str, str] | None = None) -> None:
+        self._dir = tempfile.mkdtemp(prefix="opd-forkserver-")
+        self.socket_path = os.path.join(self._dir, "socket")
+        self.log_path = os.path.join(self._dir, "server.log")  # a file: a full pipe would stall the server
+        server_env = dict(os.environ, **SERVER_ENV) if env is None else dict(env)
+        with open(self.log_path, "wb") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "opd_store.testing.forkserver.server", self.socket_path, *preload],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=server_env,
+            )
+        line = self._process.stdout.readline()
+        if line.strip() != b"ready":
+            self._process.kill()
+            self._process.wait()
+            with open(self.log_path, "rb") as log:
+                detail = log.read().decode(errors="replace")[-4000:]
+            raise RuntimeError(f"the fork server did not start: {line!r}\n{detail}")
+        self.preload = tuple(preload)
+
+    def popen(self, args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+              stdin: Any = None, stdout: Any = None, stderr: Any = None, text: bool | None = None,
+              universal_newlines: bool | None = None, encoding: str | None = None,
+              errors: str | None = None) -> ForkedProcess:
+        """Start ``args`` (``[python, "-m", MODULE, ...]``, ``[python, SCRIPT, ...]`` or
+        ``[python, "-c", CODE, ...]``) in a child; the other arguments are
+        :class:`subprocess.Popen`'s (``stdin``/``stdout``/``stderr``: ``None`` to inherit,
+        ``PIPE``, ``DEVNULL``, ``STDOUT`` for stderr, a file object or a descriptor).
+
+        Raises:
+            ValueError: ``args`` is not a Python command line of one of those forms.
+        """
+        program_of(list(map(os.fspath, args)))  # refuse what a child could not run, here
+        return ForkedProcess(self.socket_path, [os.fspath(a) for a in args], env=env, cwd=cwd, stdin=stdin,
+                             stdout=stdout, stderr=stderr, text=bool(text or universal_newlines or encoding or errors),
+                             encoding=encoding, errors=errors)
+
+    def run(self, args: Sequence[str], *, input: Any = None, capture_output: bool = False,
+            timeout: float | None = None, check: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:
+        """:func:`subprocess.run` through :meth:`popen` (same arguments and errors)."""
+        if capture_output:
+            kwargs["stdout"] = kwargs["stderr"] = PIPE
+        if input is not None:
+            kwargs["stdin"] = PIPE
+        with self.popen(args, **kwargs) as process:
+            try:
+                out, err = process.communicate(input, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                raise
+        result = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+        if check:
+            result.check_returncode()
+        return result
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def shim_dir(self) -> str:
+        """A directory holding an ``opd-store`` command that runs ``python -m opd_store`` through
+        this server (put it first on a child's ``PATH``).
+
+        The command (:func:`~.protocol.shim_command`) passes its own stdin/stdout/stderr,
+        environment and directory to the child, forwards SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1
+        and SIGUSR2 to it, and exits with its status (a child ended by a signal ends the command by the same signal). When the
+        command itself is killed, the server kills the child.
+        """
+        directory = os.path.join(self._dir, "bin")
+        if not os.path.isdir(directory):
+            os.mkdir(directory)
+            path = os.path.join(directory, "opd-store")
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(shim_script(self.socket_path))
+            os.chmod(path, 0o755)
+        return directory
+
+    def close(self) -> None:
+        """Stop the server; it kills the children still running."""
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process.stdout.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_DEFAULT: ForkServer | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_server() -> ForkServer:
+    """This process's server with :data:`~.preload.DEFAULT_PRELOAD` (started on first use, stopped at exit;
+    started again if it died)."""
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None or not _DEFAULT.alive():
+            _DEFAULT = ForkServer()
+            atexit.register(_DEFAULT.close)
+        return _DEFAULT
+
+
+def popen(args: Sequence[str], **kwargs: Any) -> ForkedProcess:
+    """:meth:`ForkServer.popen` on :func:`default_server`."""
+    return default_server().popen(args, **kwargs)
+
+
+def run(args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """:meth:`ForkServer.run` on :func:`default_server`."""
+    return default_server().run(args, **kwargs)
