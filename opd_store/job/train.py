@@ -25,7 +25,7 @@ from ..errors import CheckpointNotFoundError, ResumeMismatchError
 from ..opd.adapter import load_adapter
 from ..opd.config import OPDConfig
 from ..opd.distributed import agree_on_notice, agreement_group, current_group, decide_on_rank0
-from ..opd.load import latest_complete_checkpoint, load_opd_checkpoint
+from ..opd.load import load_opd_checkpoint
 from ..opd.save import save_opd_checkpoint
 from ..opd.sharded import save_sharded_opd_checkpoint
 from ..opd.sharded_load import load_sharded_opd_checkpoint
@@ -34,6 +34,7 @@ from ..retention import RetentionPolicy, RunLineage
 from ..store_api import BaseStore
 from .corpus import CORPUS, prompts_at
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
+from .resume_check import check_steps_ahead, newest_intact_step
 from .saving import JobSaves, emit
 from .sharding import full_state, prompt_batches, run_sharded_update, sample_position, shard_student
 from .update import run_update
@@ -168,7 +169,7 @@ def train(
             before this returns.
         updates (int): successful updates to reach (``successful_updates`` at the end).
         checkpoint_every (int): save after every ``checkpoint_every`` successful updates.
-        resume (str): ``auto`` (latest complete checkpoint if any), ``never``, or a step number.
+        resume (str): ``auto`` (newest step that verifies deeply, if any), ``never``, or a step number.
         seed (int): seeds models, data order and every RNG.
         log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
             ``step``, ``ok``, ``loss``, ``lr``); losses are written with full float precision.
@@ -218,6 +219,8 @@ def train(
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
+        IntegrityError / CommitConflictError: a step between the resume point and ``updates`` is
+            already committed, damaged / intact (:func:`~opd_store.job.resume_check.check_steps_ahead`).
         ResumeMismatchError: the checkpoint was saved under another config, provenance or world size.
         UploadError: a tiered store's background upload (or the retention after one) failed (at
             the next save or at the end).
@@ -233,7 +236,7 @@ def train(
     store.check_reachable()
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
-    resumed_from = _resume_target(store, resume, group)  # bad --resume fails before models are built
+    resumed_from = _resume_target(store, resume, updates, group)  # fails before models are built
     gather_final = final_state_path is not None
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
@@ -370,31 +373,29 @@ def train(
                        saves.saves, preempted)
 
 
-def _resume_target(store: BaseStore, resume: str, group=None) -> str | None:
-    """The checkpoint to resume; with a process group, one decision (rank 0's) for every rank."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        try:
-            return latest_complete_checkpoint(store)  # decided on rank 0 under a process group
-        except FileNotFoundError:
-            return None
-    try:
-        step = int(resume)
-    except ValueError as exc:
-        raise ValueError(f"--resume must be auto, never or a step number, got {resume!r}") from exc
-    if group is not None:
-        return decide_on_rank0(group, lambda: _complete_step_url(store, step))
-    return _complete_step_url(store, step)
+def _resume_target(store: BaseStore, resume: str, updates: int, group=None) -> str | None:
+    """The checkpoint to resume (``auto``: the newest step that verifies deeply, damaged newer steps
+    skipped with a warning), after refusing a run that would save a step already committed
+    (:mod:`opd_store.job.resume_check`); with a process group, one decision (rank 0's) for every rank."""
+    if resume not in ("auto", "never") and not str(resume).isdigit():
+        raise ValueError(f"--resume must be auto, never or a step number, got {resume!r}")
+
+    def decide() -> str | None:
+        step = (None if resume == "never" else newest_intact_step(store) if resume == "auto"
+                else _complete_step(store, int(resume)))
+        check_steps_ahead(store, step, updates)
+        return None if step is None else store.step_url(step)
+
+    return decide() if group is None else decide_on_rank0(group, decide)
 
 
-def _complete_step_url(store: BaseStore, step: int) -> str:
+def _complete_step(store: BaseStore, step: int) -> int:
     if not store.is_complete(step):
         complete = [info.step for info in store.checkpoints() if info.status == "complete"]
         raise CheckpointNotFoundError(
             f"--resume {step}: step {step} is not a complete checkpoint in {store.url}; complete steps: {complete or 'none'}"
         )
-    return store.step_url(step)
+    return step
 
 
 __all__ = ["TrainResult", "job_config", "provenance_fingerprints", "train", "warmup_decay"]
