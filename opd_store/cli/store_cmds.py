@@ -1,4 +1,4 @@
-"""Write commands: ``opd-store cp``, ``pin``, ``unpin`` and ``gc``."""
+"""Write commands: ``opd-store cp``, ``pin``, ``unpin``, ``delete`` and ``gc``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from .common import (
 
 
 def add_parsers(subparsers) -> None:
-    """Register ``cp``, ``pin``, ``unpin`` and ``gc``."""
+    """Register ``cp``, ``pin``, ``unpin``, ``delete`` and ``gc``."""
     cp = subparsers.add_parser(
         "cp", help="copy one committed checkpoint to another store, verified and committed there",
         description="Copy step STEP of SRC_URL into DST_URL payload by payload (size and CRC32C "
@@ -45,6 +45,17 @@ def add_parsers(subparsers) -> None:
             sub.add_argument("--reason", default="", help="free text kept with the pin")
         add_store_options(sub)
         sub.set_defaults(handler=run_pin if name == "pin" else run_unpin)
+
+    delete = subparsers.add_parser(
+        "delete", help="delete one damaged step (refused for a step that verifies deeply)",
+        description="Delete step STEP of URL, manifest first, only when it is damaged: a payload missing, "
+        "short or with another CRC32C than its manifest says, or an unreadable manifest. An intact step is "
+        "refused (exit 6): retention (gc) is the way to delete good checkpoints.",
+    )
+    delete.add_argument("url", help="store URL")
+    delete.add_argument("step", type=step_arg, help="the damaged step")
+    add_store_options(delete)
+    delete.set_defaults(handler=run_delete)
 
     gc = subparsers.add_parser(
         "gc", help="apply a retention policy and remove orphans (dry run unless --yes)",
@@ -122,6 +133,24 @@ def run_unpin(args: argparse.Namespace) -> int:
         print(f"unpinned: step {args.step} at {store.step_url(args.step)}")
     else:
         print(f"step {args.step} was not pinned at {store.url}", file=sys.stderr)
+    return EXIT_OK
+
+
+def run_delete(args: argparse.Namespace) -> int:
+    """``opd-store delete``: remove a damaged step (exit 3: nothing there; exit 6: the step is intact)."""
+    from ..errors import CheckpointNotFoundError, CommitConflictError
+    from ..status import UNCOMMITTED
+
+    store = open_store(args.url, args, write=True)
+    report = store.verify(args.step, deep=True)
+    if report.status == UNCOMMITTED:
+        raise CheckpointNotFoundError(f"{store.step_url(args.step)}: step {args.step} is not committed")
+    if report.ok:
+        raise CommitConflictError(f"{store.step_url(args.step)}: step {args.step} verifies deeply; "
+                                  "only a damaged step is deleted (use gc for retention)")
+    store.delete(args.step)
+    problems = "; ".join(p.detail for p in report.problems)
+    print(f"deleted: step {args.step} at {store.step_url(args.step)} ({report.status}: {problems})")
     return EXIT_OK
 
 
