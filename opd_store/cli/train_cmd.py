@@ -10,7 +10,17 @@ import sys
 
 from ..preemption import AWS_METADATA_ENDPOINT, GCE_METADATA_ENDPOINT, SIGNAL_NAMES, PreemptionWatcher
 from ..opd.resume import RESUME_MODES
-from .common import EXIT_RANK_LOST, CliError, add_store_options, positive_int, store_options
+from .common import (
+    EXIT_CONFLICT,
+    EXIT_CORRUPT,
+    EXIT_RANK_LOST,
+    EXIT_RESUME_MISMATCH,
+    EXIT_USAGE,
+    CliError,
+    add_store_options,
+    positive_int,
+    store_options,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -208,7 +218,7 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
         gave_up = sorted(r for r, c in codes.items() if c == EXIT_RANK_LOST)
         others = f"ranks {gave_up} gave up" if gave_up else "the other ranks were stopped"
         print(f"opd-store train: rank {rank} {what}; {others} (within {args.rank_timeout_secs:g} s, then stopped; "
-              f"exit codes by rank: {codes}); {_resume_point(args, options)}", file=sys.stderr)
+              f"exit codes by rank: {codes}); {_rerun_outcome(code, args, options)}", file=sys.stderr)
         return 128 - code if code < 0 else code
     except mp.ProcessRaisedException as exc:
         print(f"opd-store train: error: {exc}", file=sys.stderr)
@@ -218,6 +228,15 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
             signal.signal(signum, handler)
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
     return 0
+
+
+def _rerun_outcome(code: int, args: argparse.Namespace, options: dict) -> str:
+    """What a rerun of the same command does, for the message after a failed run: a failure a rerun
+    repeats (damage, a resume refused, a commit conflict: exit 4, 5, 6, or a usage error, 2) says
+    so instead of promising a resume."""
+    if code in (EXIT_USAGE, EXIT_CORRUPT, EXIT_RESUME_MISMATCH, EXIT_CONFLICT):
+        return "a rerun of the same command fails the same way: see the rank's error above"
+    return _resume_point(args, options)
 
 
 def _resume_point(args: argparse.Namespace, options: dict) -> str:
