@@ -92,3 +92,34 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     for record in _records(tmp_path / "run1.log") + _records(tmp_path / "run2.log"):
         assert record == by_update[record["attempted_update"]]
     assert _records(tmp_path / "run2.log")[-1] == by_update[max(by_update)]
+
+    # One rank's RNG file of the reference's step 4 truncated after the commit: the job stops
+    # before training, on every rank, with exit 4 and a final line that does not promise a resume
+    # (a rerun would fail the same way); once the damaged step is deleted it resumes from step 2
+    # and ends where the reference did.
+    (damaged,) = (tmp_path / "ref" / "step-000004").glob("attempt-*/rng-rank-01.pt")
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    step2 = {p: p.read_bytes() for p in (tmp_path / "ref" / "step-000002").rglob("*") if p.is_file()}
+    for attempt in range(2):
+        refused = forkserver.run(_cmd(tmp_path / "ref", f"refused{attempt}", tmp_path), env=_env(),
+                                 capture_output=True, text=True, timeout=DEADLINE_SECS)
+        assert refused.returncode == 4, refused.stderr[-4000:]
+        assert "skipped step 4 (incomplete: " in refused.stderr and "rng-rank-01.pt" in refused.stderr
+        assert f"step 4 is damaged (incomplete: {damaged.parent.name}/rng-rank-01.pt: expected" in refused.stderr
+        assert f"`opd-store delete {tmp_path / 'ref'} 4`" in refused.stderr
+        last = refused.stderr.strip().splitlines()[-1]
+        assert last.endswith("a rerun of the same command fails the same way: see the rank's error above"), last
+        assert "resume from it" not in refused.stderr
+        assert not (tmp_path / f"refused{attempt}.log").exists() or not _records(tmp_path / f"refused{attempt}.log")
+    assert subprocess.run([sys.executable, "-m", "opd_store", "delete", str(tmp_path / "ref"), "4"],
+                          env=_env(), capture_output=True, timeout=DEADLINE_SECS).returncode == 0
+    redone = forkserver.run(_cmd(tmp_path / "ref", "redo", tmp_path), env=_env(), capture_output=True, text=True,
+                            timeout=DEADLINE_SECS)
+    assert redone.returncode == 0, redone.stderr[-4000:]
+    assert _records(tmp_path / "redo.events")[0]["step"] == 2
+    assert ref_store.steps() == [2, 4] and ref_store.verify(4, deep=True).ok
+    assert {p: p.read_bytes() for p in (tmp_path / "ref" / "step-000002").rglob("*") if p.is_file()} == step2
+    redo = torch.load(tmp_path / "redo.pt", weights_only=True)
+    assert redo["trainer"] == expected["trainer"]
+    for name, tensor in expected["adapter"].items():
+        assert torch.equal(redo["adapter"][name], tensor), name
