@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("storage", ("opd_store.storage", "opd_store.storage.*")),
     ("store", ("opd_store.status", "opd_store.verified_reads", "opd_store.store_api", "opd_store.store", "opd_store.attempt",
                "opd_store.store_refs", "opd_store.payload_writer", "opd_store.transaction",
-               "opd_store.part_transaction", "opd_store.transfer", "opd_store.pins")),
+               "opd_store.part_transaction", "opd_store.transfer", "opd_store.pins", "opd_store.resume_guard")),
     ("retention", ("opd_store.retention", "opd_store.pruning", "opd_store.orphans")),
     ("pipeline", ("opd_store.pipeline", "opd_store.pipeline.*")),
     ("tiered", ("opd_store.tier_routing", "opd_store.tier_uploads", "opd_store.tiered")),
