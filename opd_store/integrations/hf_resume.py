@@ -1,7 +1,7 @@
 """Resume a Hugging Face ``Trainer`` run from the newest complete checkpoint of a store.
 
 ``trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer))`` on a fresh machine:
-find the newest *complete* step (newer uncommitted or damaged steps are skipped with a warning),
+find the newest *intact* step (newer uncommitted or damaged steps are skipped with a warning),
 check that this run may resume it (the OPD layer's resume rules over ``TrainingArguments`` and the
 model config, :mod:`opd_store.integrations.run_config`), fetch every file verified against the
 manifest into ``<output_dir>/checkpoint-N``. ``Trainer.train`` resolves ``resume_from_checkpoint``
@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..opd.distributed import current_group, decide_on_rank0, load_collective
+from ..resume_guard import newest_intact_step
 from ..store import COMPLETE, CheckpointStore
 from .files import fetch_step
 from .hf_layout import checkpoint_dirname
@@ -107,18 +108,13 @@ def store_checkpoint(
 
 
 def _newest_complete(store: CheckpointStore) -> int | None:
-    """The newest complete step, warning about each newer step that is not complete; ``None`` with
-    a warning when the store holds no complete step."""
-    infos = store.checkpoints()
-    complete = [info.step for info in infos if info.status == COMPLETE]
-    for info in infos:
-        if info.status != COMPLETE and (not complete or info.step > complete[-1]):
-            logger.warning("%s: skipping step %d (%s: %s)", store.url, info.step, info.status,
-                           "; ".join(p.detail for p in info.problems) or "no manifest")
-    if not complete:
+    """The newest step that verifies deeply, each newer damaged step skipped with a warning naming
+    it and the file (:func:`~opd_store.resume_guard.newest_intact_step`: a short payload and a
+    checksum mismatch alike); ``None`` with a warning when the store holds no intact step."""
+    step = newest_intact_step(store)
+    if step is None:
         logger.warning("%s holds no complete checkpoint; training starts from scratch", store.url)
-        return None
-    return complete[-1]
+    return step
 
 
 def _align_special_tokens(trainer: Any) -> None:

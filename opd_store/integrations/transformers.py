@@ -52,6 +52,7 @@ from ..opd.rng import preserve_global_rng
 from ..pipeline.collective import FinishCommit, write_and_commit_collective
 from ..pipeline.save import SaveRequest, after_commit, run_save
 from ..pipeline.worker import EXIT_STAGE_SAVES, BackgroundTask, BackgroundWorker
+from ..resume_guard import refuse_damaged_step_ahead
 from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, CheckpointStore
 from .files import FileSnapshot, directory_files, snapshot_files, upload_files
@@ -131,6 +132,8 @@ class StoreCallback(TrainerCallback):
             CommitConflictError: the store holds complete checkpoints newer than the step this run
                 starts from (0, or the resumed step): its saves would collide with them, or
                 interleave two runs' steps. Nothing has been trained yet.
+            IntegrityError: a committed step newer than that is damaged (names it, the file and
+                ``opd-store delete``; :mod:`opd_store.resume_guard`). Nothing has been trained yet.
             ResumeMismatchError: the resumed step belongs to another run (names every field).
 
         Rank obligations: every rank runs it (the Trainer calls callbacks on every rank); rank 0
@@ -139,7 +142,8 @@ class StoreCallback(TrainerCallback):
         self._run_config = trainer_run_config(args, model, resume_mode=self.resume_mode)
         resumed = state.global_step
 
-        def parent_step() -> int | None:
+        def parent_step() -> int | None:  # a damaged newer step first: its save would collide too
+            refuse_damaged_step_ahead(self.store, resumed, None, f"resuming step {resumed}" if resumed else "from step 0")
             complete = {info.step: info for info in self.store.checkpoints() if info.status == COMPLETE}
             newer = sorted(step for step in complete if step > resumed)
             if newer:

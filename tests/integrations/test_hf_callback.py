@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import types
@@ -13,7 +14,13 @@ from pathlib import Path
 import pytest
 from transformers import TrainerCallback
 
-from opd_store import CheckpointStore, IncompleteCheckpointError, ResumeMismatchError, StoreUnreachableError
+from opd_store import (
+    CheckpointStore,
+    IncompleteCheckpointError,
+    IntegrityError,
+    ResumeMismatchError,
+    StoreUnreachableError,
+)
 from opd_store.integrations.transformers import StoreCallback, resume_from_store, store_checkpoint
 from opd_store.job.trl_demo import GKDSpec, build_trainer, final_state
 from opd_store.preemption import PreemptionWatcher
@@ -184,6 +191,39 @@ def test_execution_only_changes_resume_and_a_fresh_start_into_a_used_store_is_re
     path = store_checkpoint(run_a_store, trainer=trainer)
     assert path == str(tmp_path / "out" / "checkpoint-4")
     assert sorted(os.listdir(path)) == sorted(TRAINER_FILES)
+
+
+@RUN_A
+@pytest.mark.parametrize("kind", ["truncate", "flip"])
+def test_damaged_newest_step_is_skipped_and_the_run_stops_before_training(run_a_store, tmp_path, kind, caplog):
+    # A copy of run A whose step 4 optimizer.pt lost its last 10 bytes or had one byte flipped
+    # after the commit: both are skipped alike (warning naming step and file), step 2 is fetched,
+    # and train() stops at on_train_begin (its save of checkpoint-4 would collide with the damaged
+    # step) with the line naming the command that removes it. Nothing committed changes.
+    store_dir = tmp_path / "store"
+    shutil.copytree(run_a_store, store_dir)
+    (damaged,) = store_dir.glob("step-000004/attempt-*/optimizer.pt")
+    data = bytearray(damaged.read_bytes())
+    if kind == "truncate":
+        del data[-10:]
+    else:
+        data[100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in store_dir.rglob("*") if p.is_file()}
+    trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4), callbacks=[StoreCallback(str(store_dir))])
+    path = store_checkpoint(store_dir, trainer=trainer)
+    assert path == str(tmp_path / "out" / "checkpoint-2")
+    (warning,) = [r.getMessage() for r in caplog.records if "skipped step 4" in r.getMessage()]
+    assert f"{damaged.parent.name}/optimizer.pt" in warning
+    assert ("corrupt: " if kind == "flip" else "incomplete: ") in warning
+    with pytest.raises(IntegrityError) as raised:
+        trainer.train(resume_from_checkpoint=path)
+    assert str(raised.value).startswith(f"{store_dir}/step-000004: step 4 is damaged (")
+    assert str(raised.value).endswith(f"this run (resuming step 2) would save step 4 again, which a committed step "
+                                      f"never allows; training did not start: keep what you need of it, remove it "
+                                      f"with `opd-store delete {store_dir} 4`, then rerun the same command")
+    assert trainer.state.global_step == 2  # nothing trained
+    assert {p: p.read_bytes() for p in store_dir.rglob("*") if p.is_file()} == before
 
 
 @RUN_A
