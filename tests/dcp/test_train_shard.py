@@ -155,3 +155,21 @@ def test_sharded_job_killed_resumed_exact_and_elastic(tmp_path):
     final = torch.load(tmp_path / "elastic2.pt", weights_only=True)
     assert final["trainer"]["successful_updates"] == 4 and elastic_store.latest_step() == 4
     assert final["adapter"].keys() == torch.load(tmp_path / "ref.pt", weights_only=True)["adapter"].keys()
+
+    # 6. one byte of rank 1's shard file of the reference's step 4 flipped after the commit: the
+    # step is skipped like a truncated one, and since the run would save step 4 again it stops
+    # before training on every restart (exit 4) naming the file and `opd-store delete`; the last
+    # line does not promise a resume. Nothing committed changes.
+    (shard,) = (tmp_path / "ref" / "step-000004").glob("attempt-*/__1_0.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()}
+    refused = _run(_cmd(tmp_path / "ref", "refused", tmp_path, 4))
+    assert refused.returncode == 4, refused.stderr[-4000:]
+    assert f"step 4 is damaged (corrupt: {shard.parent.name}/__1_0.distcp: expected crc32c" in refused.stderr
+    assert f"`opd-store delete {tmp_path / 'ref'} 4`" in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.endswith("a rerun of the same command fails the same way: see the rank's error above"), last
+    assert "resume from it" not in refused.stderr and not _records(tmp_path / "refused.log")
+    assert {p: p.read_bytes() for p in (tmp_path / "ref").rglob("*") if p.is_file()} == before
