@@ -17,6 +17,7 @@ import pytest
 
 from opd_store import CheckpointStore
 from opd_store.cli import main
+from opd_store.testing.stores import Backend
 
 UPDATES = ["--updates", "4", "--checkpoint-every", "2"]
 
@@ -52,9 +53,8 @@ def _records(path) -> list[dict]:
 @pytest.mark.parametrize(("backend_name", "kind"), [("local", "truncate"), ("local", "flip"), ("s3", "flip")])
 def test_damaged_newest_step_stops_before_training_then_resumes_after_delete(backend_name, kind, request, tmp_path,
                                                                               capsys, caplog):
-    from conftest import make_backend
-
-    backend = make_backend(backend_name, request, tmp_path)
+    backend = (request.getfixturevalue("s3_backend") if backend_name == "s3"
+               else Backend("local", str(tmp_path / "store"), {}))
     opts = _cli_options(backend)
     store = CheckpointStore(backend.url, storage_options=backend.storage_options)
     assert main(["train", "--store", backend.url, *opts, *UPDATES, "--log", str(tmp_path / "ref.log")]) == 0
