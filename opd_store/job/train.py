@@ -32,6 +32,7 @@ from ..opd.sharded_load import load_sharded_opd_checkpoint
 from ..preemption import PreemptionWatcher
 from ..retention import RetentionPolicy, RunLineage
 from ..store_api import BaseStore
+from .checkpoint_kind import check_checkpoint_kind
 from .corpus import CORPUS, prompts_at
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
 from .saving import JobSaves, emit
@@ -218,7 +219,8 @@ def train(
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
-        ResumeMismatchError: the checkpoint was saved under another config, provenance or world size.
+        ResumeMismatchError: the checkpoint was saved under another config, provenance or world size,
+            or sharded while ``shard`` is off (or the other way round; the message names ``--shard``).
         UploadError: a tiered store's background upload (or the retention after one) failed (at
             the next save or at the end).
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
@@ -234,6 +236,7 @@ def train(
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
     resumed_from = _resume_target(store, resume, group)  # bad --resume fails before models are built
+    check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models are built
     gather_final = final_state_path is not None
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
