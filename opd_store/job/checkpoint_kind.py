@@ -15,7 +15,7 @@ from ..opd.names import SCHEMA_SHARDED
 from ..store_api import BaseStore
 
 
-def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard: bool) -> None:
+def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard: bool) -> int | None:
     """Refuse to resume ``checkpoint_url`` (a step of ``store``) when it was saved the other way.
 
     Args:
@@ -23,20 +23,24 @@ def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard
         checkpoint_url (str | None): the step to resume (``.../step-NNNNNN``); ``None``: no resume.
         shard (bool): whether this run shards (``--shard``).
 
+    Returns:
+        int | None: the step's saved world size (the resume's ``saved_world_size``), ``None`` when
+        there is no step or no readable manifest.
+
     Raises:
         ResumeMismatchError: the step is sharded and ``shard`` is off, or the other way round; the
             message names the step, its URL and the flag. A step whose manifest cannot be read
             (a seed-layout one) is left to the loader.
     """
     if checkpoint_url is None:
-        return
+        return None
     step = parse_step_dirname(checkpoint_url.rstrip("/").rsplit("/", 1)[-1])
     if step is None:
-        return
+        return None
     try:
         manifest = store.manifest(step)
     except (FileNotFoundError, ValueError):
-        return
+        return None
     sharded = manifest.metadata.get("opd_schema") == SCHEMA_SHARDED
     if sharded and not shard:
         raise ResumeMismatchError(
@@ -46,6 +50,7 @@ def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard
         raise ResumeMismatchError(
             f"step {step} at {checkpoint_url} is a replicated checkpoint (saved without --shard); "
             "resume it without --shard")
+    return manifest.world_size
 
 
 __all__ = ["check_checkpoint_kind"]

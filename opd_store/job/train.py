@@ -236,7 +236,7 @@ def train(
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
     resumed_from = _resume_target(store, resume, group)  # bad --resume fails before models are built
-    check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models are built
+    saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
     gather_final = final_state_path is not None
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
@@ -275,16 +275,14 @@ def train(
     if resumed_from is not None:
         load_kwargs = dict(optimizer=optimizer, scheduler=scheduler, config=config, provenance_fingerprints=provenance,
                            teacher_state_loader=teacher_state.load, storage_options=store.storage_options)
-        extra: dict[str, Any] = {}
         if shard:
-            resumed = load_sharded_opd_checkpoint(resumed_from, model=student, **load_kwargs)
-            trainer = resumed.trainer_state
-            if resumed.elastic.changed:
-                extra = {"saved_world_size": resumed.elastic.saved_world_size, "world_size": world_size,
-                         "unclaimed_ranks": list(resumed.elastic.unclaimed_ranks)}
+            trainer = load_sharded_opd_checkpoint(resumed_from, model=student, **load_kwargs).trainer_state
         else:
             load_adapter(resumed_from, student, storage_options=store.storage_options)
             trainer = load_opd_checkpoint(resumed_from, **load_kwargs)
+        extra = ({"saved_world_size": saved_world_size, "world_size": world_size,  # elastic (else refused)
+                  "unclaimed_ranks": list(range(world_size, saved_world_size))}
+                 if saved_world_size not in (None, world_size) else {})
         resumed_step = int(trainer["successful_updates"])
         emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step, **extra})
     position = sample_position(seed, rank, world_size, config.training.queries_per_update) if shard else None
