@@ -135,3 +135,4 @@ def test_replicated_checkpoint_with_shard_names_the_flag_exit_5(tmp_path):
     assert (f"opd-store train: error: rank 0: step 20 at {store_dir}/step-000020 is a replicated checkpoint "
             "(saved without --shard); resume it without --shard\n") in result.stderr
     assert "load_opd_checkpoint" not in result.stderr
+
