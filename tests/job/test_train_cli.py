@@ -136,3 +136,13 @@ def test_replicated_checkpoint_with_shard_names_the_flag_exit_5(tmp_path):
             "(saved without --shard); resume it without --shard\n") in result.stderr
     assert "load_opd_checkpoint" not in result.stderr
 
+
+
+@pytest.mark.parametrize("extra", [["--nproc", "2", "--async-save"], ["--shard", "--local-tier", "LOCAL"],
+                                   ["--nproc", "2", "--shard", "--async-save"]])
+def test_several_ranks_refuse_async_save_and_local_tier_exit_2(tmp_path, capsys, extra):
+    extra = [str(tmp_path / "local") if arg == "LOCAL" else arg for arg in extra]
+    assert main(["train", "--store", str(tmp_path / "store"), "--updates", "2", *extra]) == 2
+    assert _stderr_lines(capsys) == [
+        "opd-store train: error: --nproc > 1 and --shard cannot be combined with --async-save or --local-tier"]
+    assert not (tmp_path / "store").exists() and not (tmp_path / "local").exists()  # refused before anything ran
