@@ -248,7 +248,9 @@ def _rank_main(rank: int, args: argparse.Namespace, options: dict, init_method: 
 
     import torch.distributed as dist
 
-    from .common import exit_code_for
+    from .common import configure_logging, exit_code_for
+
+    configure_logging(args.verbose)  # as quiet as one process: client libraries' warnings only with -v
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.nproc,
                             timeout=datetime.timedelta(seconds=args.dist_timeout_secs))

@@ -10,7 +10,8 @@ launcher here runs with SIGINT ignored, as such a job does.
 Both ways ranks start are covered: forked (``--shard --start-method fork``) and spawned (the
 replicated job's default). The launcher is a child of the preloaded fork server; the test waits for
 the first committed step, SIGKILLs the launcher, then polls the ranks' pids (from the job's
-``started`` event) with a bounded wait, and checks that the store did not change after the kill.
+``started`` event) with a bounded wait, and checks that the store did not change after the kill
+and that the ranks printed nothing (no client library's warnings without ``-v``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def test_sigkilled_launcher_takes_its_ranks_with_it(tmp_path, start):
         running = wait_until_gone(pids, RANKS_GONE_SECS)
         assert running == [], f"ranks {running} outlived their SIGKILLed launcher"
         assert CheckpointStore(store_dir).steps() == committed_at_kill  # nothing committed after the kill
+        # The ranks are as quiet as one process: client libraries' warnings (transformers'
+        # FutureWarnings in a spawned rank, a fresh interpreter) only with -v; the launcher died
+        # before its summary line.
+        assert output.read_text() == ""
     finally:
         launcher.kill()
         for pid in wait_until_gone(pids, 0):  # a failed run: end what the launcher left
