@@ -182,8 +182,7 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
         import opd_store.job.train  # noqa: F401 - imported once here, shared by the forked ranks
     try:
         context = mp.start_processes(_rank_main, args=(args, options, init_method, os.getpid()), nprocs=args.nproc,
-                                     join=False,
-                                     start_method=args.start_method)
+                                     join=False, start_method=args.start_method)
     except BaseException:
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
         raise
