@@ -11,12 +11,11 @@ configures it.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import traceback
 
-from .common import EXIT_UNEXPECTED, EXIT_USAGE, CliError, exit_code_for
+from .common import EXIT_UNEXPECTED, EXIT_USAGE, CliError, configure_logging, exit_code_for
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: usage error (2) or --help (0); main returns, never exits
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
-    _configure_logging(args.verbose)
+    configure_logging(args.verbose)
     try:
         code = args.handler(args)
         sys.stdout.flush()  # a closed pipe fails here, inside the handler below, not at exit
@@ -92,30 +91,6 @@ def _report(args: argparse.Namespace, exc: Exception) -> int:
         code = EXIT_UNEXPECTED
     print(f"opd-store {args.command}: error: {message}", file=sys.stderr)
     return code
-
-
-class _OwnRecords(logging.Filter):
-    """Pass opd_store's own log records only (client libraries' retries and tracebacks stay out
-    of a command's stderr unless ``--verbose``)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.name == "opd_store" or record.name.startswith("opd_store.")
-
-
-def _configure_logging(verbose: bool) -> None:
-    """Log to stderr: opd_store's records at WARNING, or with ``verbose`` everything at INFO
-    (client libraries' records and Python warnings included). A process whose logging is already
-    configured (an application or a test runner calling :func:`main`) keeps its own."""
-    root = logging.getLogger()
-    if root.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    if not verbose:
-        handler.addFilter(_OwnRecords())
-    root.addHandler(handler)
-    root.setLevel(logging.INFO if verbose else logging.WARNING)
-    logging.captureWarnings(True)  # google-auth and others warn through `warnings`: filtered the same way
 
 
 __all__ = ["main", "build_parser", "EXIT_USAGE"]

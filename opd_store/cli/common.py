@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
@@ -242,7 +243,35 @@ def step_arg(text: str) -> int:
     return value
 
 
+
+class _OwnRecords(logging.Filter):
+    """Pass opd_store's own log records only (client libraries' retries and tracebacks stay out
+    of a command's stderr unless ``--verbose``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name == "opd_store" or record.name.startswith("opd_store.")
+
+
+def configure_logging(verbose: bool) -> None:
+    """Log to stderr: opd_store's records at WARNING, or with ``verbose`` everything at INFO
+    (client libraries' records and Python warnings included). A process whose logging is already
+    configured (an application or a test runner calling :func:`~opd_store.cli.main`, a rank forked
+    from the CLI process) keeps its own. Every rank of ``train --nproc N`` calls it too: a spawned
+    rank is a fresh interpreter, and would otherwise print client libraries' warnings once per rank."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if not verbose:
+        handler.addFilter(_OwnRecords())
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.captureWarnings(True)  # google-auth and others warn through `warnings`: filtered the same way
+
+
 __all__ = [
+    "configure_logging",
     "CliError",
     "EXIT_CONFLICT",
     "EXIT_CORRUPT",

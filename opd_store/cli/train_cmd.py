@@ -172,7 +172,9 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
     job's first process) are forwarded to every rank. When a rank fails, the others get
     ``--rank-timeout-secs`` to give up on their own (a dead peer's connections fail their
     collectives at once), then are stopped (SIGTERM, then SIGKILL after as long again); nothing a
-    failed save wrote is committed, and the message names the step a rerun resumes from.
+    failed save wrote is committed, and the message names the step a rerun resumes from. When this
+    process dies, even by SIGKILL, the kernel kills every rank
+    (:func:`~opd_store.cli.rank_process.tie_to_launcher`), so no rank goes on committing beside a rerun.
 
     Returns the first failing rank's exit code (``128 + signal`` for a rank killed by a signal).
     """
@@ -189,8 +191,8 @@ def _spawn(args: argparse.Namespace, options: dict) -> int:
     if args.start_method == "fork":
         import opd_store.job.train  # noqa: F401 - imported once here, shared by the forked ranks
     try:
-        context = mp.start_processes(_rank_main, args=(args, options, init_method), nprocs=args.nproc, join=False,
-                                     start_method=args.start_method)
+        context = mp.start_processes(_rank_main, args=(args, options, init_method, os.getpid()), nprocs=args.nproc,
+                                     join=False, start_method=args.start_method)
     except BaseException:
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
         raise
@@ -253,14 +255,20 @@ def _resume_point(args: argparse.Namespace, options: dict) -> str:
     return f"the latest complete checkpoint is step {step}; rerun the same command to resume from it"
 
 
-def _rank_main(rank: int, args: argparse.Namespace, options: dict, init_method: str) -> None:
-    """One spawned rank: join the process group (``init_method``: the run's rendezvous file),
-    train, leave; exit with the CLI's exit code."""
+def _rank_main(rank: int, args: argparse.Namespace, options: dict, init_method: str, launcher_pid: int) -> None:
+    """One spawned rank: tie its life to the launcher's (``launcher_pid``), join the process group
+    (``init_method``: the run's rendezvous file), train, leave; exit with the CLI's exit code."""
     import datetime
+
+    from .rank_process import tie_to_launcher
+
+    tie_to_launcher(launcher_pid, rank)  # first: a launcher killed from here on takes this rank with it
 
     import torch.distributed as dist
 
-    from .common import exit_code_for
+    from .common import configure_logging, exit_code_for
+
+    configure_logging(args.verbose)  # as quiet as one process: client libraries' warnings only with -v
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.nproc,
                             timeout=datetime.timedelta(seconds=args.dist_timeout_secs))

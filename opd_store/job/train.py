@@ -32,6 +32,7 @@ from ..opd.sharded_load import load_sharded_opd_checkpoint
 from ..preemption import PreemptionWatcher
 from ..retention import RetentionPolicy, RunLineage
 from ..store_api import BaseStore
+from .checkpoint_kind import check_checkpoint_kind
 from .corpus import CORPUS, prompts_at
 from .models import ModelSpec, build_student, build_teacher, build_tokenizer
 from .resume_check import check_steps_ahead, newest_intact_step
@@ -221,7 +222,8 @@ def train(
         CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
         IntegrityError / CommitConflictError: a step between the resume point and ``updates`` is
             already committed, damaged / intact (:func:`~opd_store.job.resume_check.check_steps_ahead`).
-        ResumeMismatchError: the checkpoint was saved under another config, provenance or world size.
+        ResumeMismatchError: the checkpoint was saved under another config, provenance or world size,
+            or sharded while ``shard`` is off (or the other way round; the message names ``--shard``).
         UploadError: a tiered store's background upload (or the retention after one) failed (at
             the next save or at the end).
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
@@ -237,6 +239,7 @@ def train(
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
     resumed_from = _resume_target(store, resume, updates, group)  # fails before models are built
+    saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
     gather_final = final_state_path is not None
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
@@ -275,16 +278,14 @@ def train(
     if resumed_from is not None:
         load_kwargs = dict(optimizer=optimizer, scheduler=scheduler, config=config, provenance_fingerprints=provenance,
                            teacher_state_loader=teacher_state.load, storage_options=store.storage_options)
-        extra: dict[str, Any] = {}
         if shard:
-            resumed = load_sharded_opd_checkpoint(resumed_from, model=student, **load_kwargs)
-            trainer = resumed.trainer_state
-            if resumed.elastic.changed:
-                extra = {"saved_world_size": resumed.elastic.saved_world_size, "world_size": world_size,
-                         "unclaimed_ranks": list(resumed.elastic.unclaimed_ranks)}
+            trainer = load_sharded_opd_checkpoint(resumed_from, model=student, **load_kwargs).trainer_state
         else:
             load_adapter(resumed_from, student, storage_options=store.storage_options)
             trainer = load_opd_checkpoint(resumed_from, **load_kwargs)
+        extra = ({"saved_world_size": saved_world_size, "world_size": world_size,  # elastic (else refused)
+                  "unclaimed_ranks": list(range(world_size, saved_world_size))}
+                 if saved_world_size not in (None, world_size) else {})
         resumed_step = int(trainer["successful_updates"])
         emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step, **extra})
     position = sample_position(seed, rank, world_size, config.training.queries_per_update) if shard else None

@@ -25,6 +25,7 @@ from .names import (
     CONFIG_YAML,
     PAYLOAD_KEYS,
     RNG_SINGLE,
+    SCHEMA_SHARDED,
     SCHEMA_V1,
     SCHEMAS,
     TRAINING_STATE,
@@ -145,7 +146,8 @@ def load_opd_checkpoint(
         dict: the trainer state (tensors on the CPU).
 
     Raises:
-        ValueError: the checkpoint is incomplete (:class:`~opd_store.errors.IncompleteCheckpointError`,
+        ValueError: the checkpoint is sharded (use :func:`~opd_store.opd.sharded_load.load_sharded_opd_checkpoint`),
+            is incomplete (:class:`~opd_store.errors.IncompleteCheckpointError`,
             naming its URL), has an unknown schema, a malformed training state or a restored
             teacher update count that differs from ``successful_updates``, or ``rank`` is out of
             range.
@@ -192,7 +194,14 @@ def _load_one(
 
     # store.open: a local payload is read once by torch.load from the verified file (no bytes copy
     # of the whole payload beside the loaded tensors); a remote one is one GET held in memory.
-    with store.open(step, TRAINING_STATE) as handle:
+    try:
+        handle = store.open(step, TRAINING_STATE)
+    except CheckpointNotFoundError as exc:
+        if _metadata_of(store, step).get("opd_schema") == SCHEMA_SHARDED:
+            raise ValueError(f"{url} is a sharded OPD checkpoint (schema {SCHEMA_SHARDED!r}, no {TRAINING_STATE}): "
+                             "load it with load_sharded_opd_checkpoint") from exc
+        raise
+    with handle:
         payload = load_payload(handle, source=f"{url}/{TRAINING_STATE}", allow_pickle=allow_pickle)
     schema = payload.get("schema") if isinstance(payload, dict) else None
     if schema not in SCHEMAS:
@@ -240,6 +249,14 @@ def _load_one(
     finish_resume(trainer=state, teacher=payload["teacher"], scheduler=scheduler, scheduler_state=payload["scheduler"],
                   teacher_state_loader=teacher_state_loader, decision=decision, elastic=elastic, rng_state=rng_state)
     return state
+
+
+def _metadata_of(store: BaseStore, step: int) -> dict:
+    """The step's manifest metadata, empty when it has no readable manifest (a seed-layout step)."""
+    try:
+        return dict(store.manifest(step).metadata)
+    except (FileNotFoundError, ValueError):
+        return {}
 
 
 def latest_complete_checkpoint(

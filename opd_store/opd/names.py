@@ -41,6 +41,7 @@ from ..store_refs import split_checkpoint_url
 SCHEMA_V1 = "opd_checkpoint_v1"
 SCHEMA_V2 = "opd_checkpoint_v2"
 SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
+SCHEMA_SHARDED = "opd_sharded_v1"  # opd_store.opd.sharded: DCP files, no training_state.pt
 TRAINING_STATE = "training_state.pt"
 CONFIG_YAML = "config.yaml"
 RNG_SINGLE = "rng.pt"
@@ -140,6 +141,7 @@ __all__ = [
     "PAYLOAD_KEYS",
     "PROCESSOR_DIR",
     "PROCESSOR_MARKERS",
+    "SCHEMA_SHARDED",
     "REQUIRED_TRAINER_KEYS",
     "RNG_SINGLE",
     "SCHEMAS",

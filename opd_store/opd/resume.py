@@ -123,6 +123,7 @@ def validate_execution_change(
     *,
     allow_rollout_limit_change: bool,
     checkpoint_url: str = "",
+    mode: str | None = None,
 ) -> tuple[tuple[str, ...], bool]:
     """Check that only execution-only fields (and maybe the rollout limit) changed.
 
@@ -142,6 +143,9 @@ def validate_execution_change(
         allow_rollout_limit_change (bool): whether the rollout limit may differ
             (``rollout_limit_change`` mode).
         checkpoint_url (str): named in error messages.
+        mode (str | None): the resume mode the user asked for, named in error messages (``elastic``
+            judges config changes as ``execution_change`` does); default ``rollout_limit_change`` or
+            ``execution_change`` after ``allow_rollout_limit_change``.
 
     Returns:
         tuple[tuple[str, ...], bool]: the differing paths that were accepted (config paths sorted,
@@ -153,7 +157,7 @@ def validate_execution_change(
             Also raised when ``saved_config_dict`` is not a mapping. A config without markings
             refuses every difference, and the message says why.
     """
-    mode = "rollout_limit_change" if allow_rollout_limit_change else "execution_change"
+    mode = mode or ("rollout_limit_change" if allow_rollout_limit_change else "execution_change")
     if not isinstance(saved_config_dict, Mapping):
         raise ResumeMismatchError(
             f"cannot resume OPD checkpoint {checkpoint_url or '<unnamed>'} under resume_mode "
@@ -294,7 +298,7 @@ def validate_resume(
     else:
         accepted, changed = validate_execution_change(
             saved_config_dict, config, saved_provenance, provenance_fingerprints,
-            allow_rollout_limit_change=allow, checkpoint_url=url,
+            allow_rollout_limit_change=allow, checkpoint_url=url, mode=mode,
         )
     return ResumeDecision(mode=mode, rollout_limit_changed=changed, accepted_changes=accepted, **sizes)
 

@@ -47,7 +47,7 @@ from ..store_api import BaseStore
 from ..store_refs import as_store
 from ..torch_io import torch_save
 from .distributed import RankGroup
-from .names import CONFIG_YAML, PROCESSOR_DIR
+from .names import CONFIG_YAML, PROCESSOR_DIR, SCHEMA_SHARDED
 from .rng import capture_rng_state, preserve_global_rng
 from .safe_load import sanitize_state
 from .save import stream_pretrained
@@ -55,7 +55,6 @@ from .snapshot import check_provenance, check_trainer_state, config_record, mani
 
 logger = logging.getLogger("opd_store.opd.sharded")
 
-SCHEMA_SHARDED = "opd_sharded_v1"
 MODEL_KEY, OPTIM_KEY, OPD_KEY, RANK_STATE_KEY = "model", "optim", "opd", "rank_state"
 TRAINING_STATE_KEY = "training_state"
 

@@ -233,9 +233,10 @@ def backend_operation(exc: BaseException) -> str | None:
 
 
 def describe(exc: BaseException) -> str:
-    """One line naming a failure: ``"<Type>: <first line of the message>"``, with the meaning and
+    """One line naming a failure: ``"<Type>: <first line of the message>"`` (and the second when
+    the first ends with ``:``), with the meaning and
     backend code when the table knows them (``"(denied, AccessDenied)"``)."""
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    text = f"{type(exc).__name__}: {_first_line(exc)}"
     meaning = classify(exc)
     if meaning is Meaning.OTHER:
         return text
@@ -332,7 +333,10 @@ def explain(
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    """The message's first line; when it only introduces what follows (ends with ``:``, as
+    botocore's ``Parameter validation failed:`` does), the next line too, so the cause is never cut off."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 __all__ = [

@@ -26,13 +26,14 @@ from ..errors import OpdStoreError, StoreUnreachableError
 from .backend_errors import is_missing, is_unreachable
 from .base import Storage
 
-# The verbs whose failures name an object, and what each was doing (``cannot <operation>``).
+# The verbs whose failures name an object, and what each was doing: ``<URL>: cannot <operation>:
+# <cause>``, so each operation is a whole phrase after the URL (never one ending in "of").
 _VERB_OPERATIONS = {
-    "list_children": "list", "list_tree": "list", "list_tree_modified": "list", "size": "read the size of",
+    "list_children": "list", "list_tree": "list", "list_tree_modified": "list", "size": "read its size",
     "read_bytes": "read", "open_read": "open", "open_checked": "read", "open_write": "start writing",
     "finish_write": "write", "create_exclusive": "create", "delete": "delete", "delete_tree": "delete",
-    "sync_prefix": "sync", "list_uploads": "list the multipart uploads of", "abort_upload": "abort an upload under",
-    "newest_part_secs": "list the parts of an upload under", "clock_secs": "read the clock of",
+    "sync_prefix": "sync", "list_uploads": "list its multipart uploads", "abort_upload": "abort an upload under it",
+    "newest_part_secs": "list the parts of an upload under it", "clock_secs": "read the store's clock",
 }
 
 

@@ -64,7 +64,8 @@ def open_storage(
         UnsupportedBackendError: a URL scheme no fsspec filesystem implements, or one without a
             create-only write and no ``allow_check_then_put`` (the message names the URL and what
             is supported), or a backend whose package is not installed.
-        ValueError: the URL is empty or chained (``a::b``), a timeout option is not a positive
+        ValueError: the URL is empty or chained (``a::b``), an S3 or GCS URL names no bucket
+            (``s3://``), a timeout option is not a positive
             number, or a transfer setting is out of range.
     """
     text = os.fspath(url)
@@ -96,6 +97,9 @@ def open_storage(
         return fs
 
     root = fs_cls._strip_protocol(text).rstrip("/") or "/"  # noqa: SLF001 - what url_to_fs does
+    if cls is not None and getattr(cls, "bucketed", False) and root.strip("/") == "":
+        # Else the client fails at the first request with a validation error about an empty Bucket.
+        raise ValueError(f"{text}: the URL names no bucket (expected {scheme}://BUCKET or {scheme}://BUCKET/PREFIX)")
     if cls is LocalStorage:
         root = os.path.abspath(root)
         storage: Storage = LocalStorage(build_client, root, root, timeouts=timeouts)

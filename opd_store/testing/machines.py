@@ -1,5 +1,6 @@
 """A "fresh machine" for a process start (new, empty working directory, ``HOME`` and ``TMPDIR``),
-the CPU time of a process, torch's thread count for a block, and the end of a server process.
+the CPU time of a process, torch's thread count for a block, whether processes still run (a
+bounded poll), and the end of a server process.
 
 ``opd-store demo``, the soak (``bench/soak.py``) and the spot tests start the job again and again
 and must prove that only the store carries state from one start to the next. Each start gets a new
@@ -14,6 +15,7 @@ import contextlib
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,6 +71,36 @@ def process_cpu_secs(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited: a zombie (exited, not yet reaped by a
+    parent that may not be ours, such as an orphan's new parent) counts as gone. Linux reads
+    ``/proc/PID/stat``; elsewhere a zombie counts as running."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def wait_until_gone(pids: list[int], timeout_secs: float, poll_secs: float = 0.05) -> list[int]:
+    """Poll until none of ``pids`` runs (:func:`process_running`) or ``timeout_secs`` passed;
+    returns the pids still running (empty once all are gone)."""
+    deadline = time.monotonic() + timeout_secs
+    while True:
+        running = [pid for pid in pids if process_running(pid)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(poll_secs)
+
+
 def end_process(process: subprocess.Popen, timeout_secs: float) -> None:
     """Terminate ``process`` (SIGTERM), wait up to ``timeout_secs``, then kill it and reap it."""
     process.terminate()
@@ -79,4 +111,5 @@ def end_process(process: subprocess.Popen, timeout_secs: float) -> None:
         process.wait()
 
 
-__all__ = ["MACHINE_ENV", "end_process", "fresh_machine", "process_cpu_secs", "torch_threads"]
+__all__ = ["MACHINE_ENV", "end_process", "fresh_machine", "process_cpu_secs", "process_running", "torch_threads",
+           "wait_until_gone"]

@@ -208,3 +208,9 @@ def test_progress_stays_quiet_when_stderr_is_not_a_terminal(local_backend, tmp_p
     assert code == 0 and err == ""
     code, out, err = run(capsys, "verify", tmp_path / "dst", "--deep")
     assert code == 0 and err == ""
+
+
+def test_ls_of_a_url_without_a_bucket_says_so_exit_2(capsys):
+    assert main(["ls", "s3://"]) == 2
+    assert capsys.readouterr().err == (
+        "opd-store ls: error: s3://: the URL names no bucket (expected s3://BUCKET or s3://BUCKET/PREFIX)\n")

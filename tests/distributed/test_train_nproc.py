@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,3 +124,27 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     assert redo["trainer"] == expected["trainer"]
     for name, tensor in expected["adapter"].items():
         assert torch.equal(redo["adapter"][name], tensor), name
+
+
+def test_elastic_replicated_resume_reports_world_sizes(tmp_path):
+    """Saved by 2 replicated ranks, resumed by 1 under ``--resume-mode elastic``: the ``resumed``
+    event names both world sizes and the saved rank whose RNG state no rank restores, as the
+    ``--shard`` path does (docs/resume.md)."""
+    store_dir = tmp_path / "store"
+    common = ["--store", str(store_dir), "--updates", "4", "--checkpoint-every", "2", "--start-method", "fork"]
+    saved = forkserver.run([sys.executable, "-m", "opd_store", "train", *common, "--nproc", "2",
+                            "--log", str(tmp_path / "run1.log"), "--events", str(tmp_path / "run1.events")],
+                           capture_output=True, text=True, timeout=DEADLINE_SECS)
+    assert saved.returncode == 0, saved.stderr[-4000:]
+    store = CheckpointStore(store_dir)
+    assert store.steps() == [2, 4] and store.manifest(2).world_size == 2
+    shutil.rmtree(store_dir / "step-000004")  # the job resumes from step 2 and commits step 4 again
+    resumed = forkserver.run([sys.executable, "-m", "opd_store", "train", *common, "--nproc", "1",
+                              "--resume-mode", "elastic", "--log", str(tmp_path / "run2.log"),
+                              "--events", str(tmp_path / "run2.events")],
+                             capture_output=True, text=True, timeout=DEADLINE_SECS)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _records(tmp_path / "run2.events")[0] == {
+        "event": "resumed", "url": f"{store_dir}/step-000002", "step": 2, "saved_world_size": 2, "world_size": 1,
+        "unclaimed_ranks": [1]}
+    assert store.steps() == [2, 4] and store.manifest(4).world_size == 1

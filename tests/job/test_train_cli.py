@@ -4,11 +4,13 @@ any training starts; a short run checkpoints and resumes from its store."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from opd_store import CheckpointStore
 from opd_store.cli import main
+from opd_store.testing import forkserver
 
 
 def _stderr_lines(capsys) -> list[str]:
@@ -103,3 +105,44 @@ def test_resume_with_changed_updates_is_refused_exit_5(tmp_path, capsys):
     text = capsys.readouterr().err
     assert text.startswith(f"opd-store train: error: cannot resume OPD checkpoint {store_dir}/step-000002")
     assert "training.total_updates: saved 2, current 3" in text
+
+
+def _committed_step(store_dir, step: int, **metadata) -> None:
+    """A committed step whose manifest says how it was saved (the job refuses the wrong kind
+    before it reads any payload or builds a model)."""
+    with CheckpointStore(store_dir).begin(step, metadata=metadata) as txn:
+        with txn.open("payload.bin") as handle:
+            handle.write(b"not read")
+
+
+def test_sharded_checkpoint_without_shard_names_the_flag_exit_5(tmp_path, capsys):
+    store_dir = tmp_path / "store"
+    _committed_step(store_dir, 20, opd_schema="opd_sharded_v1")
+    code = main(["train", "--store", str(store_dir), "--updates", "40", "--log", str(tmp_path / "log")])
+    assert code == 5
+    assert _stderr_lines(capsys) == [
+        f"opd-store train: error: step 20 at {store_dir}/step-000020 is a sharded checkpoint (saved with --shard, "
+        "world size 1); pass --shard to resume it"]
+
+
+def test_replicated_checkpoint_with_shard_names_the_flag_exit_5(tmp_path):
+    store_dir = tmp_path / "store"
+    _committed_step(store_dir, 20, opd_schema="opd_checkpoint_v1")
+    result = forkserver.run([sys.executable, "-m", "opd_store", "train", "--store", str(store_dir), "--updates", "40",
+                             "--shard", "--start-method", "fork", "--log", str(tmp_path / "log")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 5, result.stderr[-4000:]
+    assert (f"opd-store train: error: rank 0: step 20 at {store_dir}/step-000020 is a replicated checkpoint "
+            "(saved without --shard); resume it without --shard\n") in result.stderr
+    assert "load_opd_checkpoint" not in result.stderr
+
+
+
+@pytest.mark.parametrize("extra", [["--nproc", "2", "--async-save"], ["--shard", "--local-tier", "LOCAL"],
+                                   ["--nproc", "2", "--shard", "--async-save"]])
+def test_several_ranks_refuse_async_save_and_local_tier_exit_2(tmp_path, capsys, extra):
+    extra = [str(tmp_path / "local") if arg == "LOCAL" else arg for arg in extra]
+    assert main(["train", "--store", str(tmp_path / "store"), "--updates", "2", *extra]) == 2
+    assert _stderr_lines(capsys) == [
+        "opd-store train: error: --nproc > 1 and --shard cannot be combined with --async-save or --local-tier"]
+    assert not (tmp_path / "store").exists() and not (tmp_path / "local").exists()  # refused before anything ran

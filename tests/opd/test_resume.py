@@ -121,6 +121,10 @@ def test_elastic_accepts_a_world_size_change_and_judges_the_rest_as_execution_ch
     message = refusal(parent=make_config("exact"), current=make_config("elastic", **{"training.learning_rate": 2e-5}),
                       saved_world_size=4, world_size=2)
     assert "training.learning_rate" in message
+    assert "resume_mode 'elastic'" in message and "execution_change" not in message  # the mode the user asked for
+    provenance_only = refusal(parent=make_config("exact"), current=make_config("elastic"),
+                              provenance=dict(PROVENANCE, dataset="sha256:other"), saved_world_size=4, world_size=2)
+    assert "resume_mode 'elastic'" in provenance_only and "execution_change" not in provenance_only
 
 
 def test_world_size_checked_before_anything_else():

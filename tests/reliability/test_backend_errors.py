@@ -114,3 +114,22 @@ def test_a_pin_that_lost_the_create_race_is_already_there(s3_backend):
 
 def test_unknown_http_errors_are_other():
     assert classify(HttpError({"code": 500, "message": "boom"})) is Meaning.OTHER
+
+
+def test_a_message_that_only_introduces_its_cause_keeps_the_cause():
+    """botocore's validation errors put the cause on the line after ``Parameter validation failed:``."""
+    from botocore.exceptions import ParamValidationError
+
+    exc = ParamValidationError(report='Invalid bucket name "": Bucket name must match the regex "^[a-z]"')
+    assert describe(exc) == ('ParamValidationError: Parameter validation failed: Invalid bucket name "": '
+                             'Bucket name must match the regex "^[a-z]"')
+    assert describe(OSError("one line\nsecond line")) == "OSError: one line"
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///", "gs://", "s3a://"])
+def test_a_bucket_url_without_a_bucket_is_refused_without_io(url):
+    with pytest.raises(ValueError) as caught:
+        CheckpointStore(url)
+    scheme = url.split("://")[0]
+    assert str(caught.value) == (f"{url}: the URL names no bucket (expected {scheme}://BUCKET or "
+                                 f"{scheme}://BUCKET/PREFIX)")

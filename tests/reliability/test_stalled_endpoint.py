@@ -80,3 +80,16 @@ def test_a_load_against_a_stalled_endpoint_fails_naming_step_and_object(s3_proxy
     assert rule.hits == 2  # the ranged GET: one botocore attempt in each of s3fs's two passes
     proxy.clear()
     assert store.read(1, "model.bin") == b"step one"
+
+
+def test_a_stalled_size_check_names_the_object_in_one_sentence(s3_proxy):
+    """``begin`` first reads the size of the step's manifest (is the step committed?): a stalled
+    HEAD names the manifest and the operation as a whole phrase (never ``cannot read the size of:``)."""
+    backend, proxy = s3_proxy
+    store = _store(backend)
+    proxy.add(ops=("HeadObject",), fault="stall", times=None, match=lambda r: r.path.endswith("/manifest.json"))
+    with pytest.raises(StoreUnreachableError) as caught:
+        store.begin(2)
+    assert str(caught.value) == (f"{store.url}/step-000002/manifest.json: cannot read its size: endpoint "
+                                 f"{proxy.endpoint_url} did not answer within 1 s")
+    proxy.clear()
