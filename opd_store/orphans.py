@@ -28,7 +28,9 @@ local filesystem stamps on a new file), read *before* the listing, minus that ac
 is an orphan only when that age reaches the grace period; the attempt id's time is reported as a
 hint (``writer_clock_age_secs``) and never decides anything. An object without a recorded time (a
 backend that reports none) keeps its attempt. A multipart upload under an attempt prefix lives and
-dies with its attempt; one outside every attempt is judged by its own activity. Before an orphan is
+dies with its attempt, even while the attempt has no published object yet (its payloads upload in
+parallel, so a save may be only open uploads, one of them idle while another streams); one outside
+every attempt is judged by its own activity. Before an orphan is
 deleted its prefix is listed again against a fresh reading of the clock, so a writer that came
 back meanwhile keeps it.
 
@@ -186,8 +188,11 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
             last = initiated if newest_part is None else max(initiated, newest_part)
         uploads.append((rel, upload_id, last))
         key = _attempt_of(rel)
-        if key is not None and key in attempts:
-            attempts[key].saw(last)
+        if key is not None:
+            # An attempt may be only uploads so far (its payloads stream in parallel and none is
+            # published yet): its age is still the newest activity of all of them, never one
+            # upload's alone (an idle payload's upload would be aborted under a live save).
+            attempts.setdefault(key, _Attempt(*key)).saw(last)
 
     orphans, live = [], []
     committed = _committed_attempts(store, by_step, {key[0] for key in attempts})
