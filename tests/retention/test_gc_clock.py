@@ -254,6 +254,7 @@ def test_an_orphan_written_to_again_before_its_deletion_is_kept(writer_backend):
         txn.write_bytes("a.bin", A_BYTES)
     attempt = store.begin(STEP)
     attempt.write_bytes("a.bin", A_BYTES)
+    attempt.settle()  # on S3 the publish runs in the background: a.bin is stored once settled
     found = find_orphans(store, older_than_secs=HOUR, now_secs=store.storage.clock_secs() + 2 * HOUR)
     assert [o.attempt_id for o in found] == [attempt.attempt_id]
     assert delete_orphans(store, found, older_than_secs=HOUR) == []
