@@ -296,3 +296,43 @@ def test_an_attempt_of_uploads_only_keeps_its_idle_upload(s3_backend, moto_s3, c
     assert [o.attempt_id for o in done.orphans] == [attempt_id]
     assert sorted(u.upload_id for u in done.uploads) == sorted([idle, streaming])
     assert open_uploads(backend, moto_s3) == []
+
+
+def test_an_orphan_whose_writer_streams_again_before_its_deletion_keeps_attempt_and_upload(
+        s3_backend, moto_s3, capsys):
+    """The survey finds an attempt idle for two hours (a.bin, and b.bin's open upload with one
+    part, both stored then); before the deletion its writer uploads b.bin's next part. The second
+    look sees that part (an upload is activity of its attempt, as an object is): neither the
+    attempt nor its upload is removed, although the survey had found both stale."""
+    from faults import FaultyStorage
+
+    backend = s3_backend
+    client = moto_s3.boto3_client()
+    bucket, _, root = backend.url[len("s3://"):].partition("/")
+    attempt_id = new_attempt_id()
+    key = f"{root}/step-{STEP:06d}/{attempt_id}/b.bin"
+    with moto_clock(-2 * HOUR):
+        client.put_object(Bucket=bucket, Key=f"{root}/step-{STEP:06d}/{attempt_id}/a.bin", Body=A_BYTES)
+        upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=B_BYTES[:BLOCK_BYTES])
+
+    class WriterComesBack(FaultyStorage):
+        """Uploads b.bin's second part when the store's clock is read the second time (the
+        deletion's fresh reading, after the survey's)."""
+
+        readings = 0
+
+        def clock_secs(self) -> float:
+            self.readings += 1
+            if self.readings == 2:
+                client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=2,
+                                   Body=B_BYTES[BLOCK_BYTES:])
+            return self.inner.clock_secs()
+
+    plain = CheckpointStore(backend.url, storage_options=backend.storage_options)
+    store = CheckpointStore.from_storage(WriterComesBack(plain.storage))
+    report = collect_garbage(store, RetentionPolicy(), dry_run=False)
+    assert (report.orphans, report.uploads) == ([], [])
+    assert store.storage.readings == 2
+    assert raw_keys(backend) == [f"step-000002/{attempt_id}/a.bin"]
+    assert open_uploads(backend, moto_s3) == [upload_id]
