@@ -28,9 +28,11 @@ local filesystem stamps on a new file), read *before* the listing, minus that ac
 is an orphan only when that age reaches the grace period; the attempt id's time is reported as a
 hint (``writer_clock_age_secs``) and never decides anything. An object without a recorded time (a
 backend that reports none) keeps its attempt. A multipart upload under an attempt prefix lives and
-dies with its attempt; one outside every attempt is judged by its own activity. Before an orphan is
-deleted its prefix is listed again against a fresh reading of the clock, so a writer that came
-back meanwhile keeps it.
+dies with its attempt, even while the attempt has no published object yet (its payloads upload in
+parallel, so a save may be only open uploads, one of them idle while another streams); one outside
+every attempt is judged by its own activity. Before an orphan is
+deleted its objects and open uploads are listed again against a fresh reading of the clock, so a
+writer that came back meanwhile keeps it, and its uploads with it.
 
 The grace period must exceed the longest time a live save goes without writing: on S3 a payload's
 parts and on local disk its bytes count as writes while it streams, but a GCS resumable upload is
@@ -180,14 +182,14 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
             attempt.saw(modified)
     uploads: list[tuple[str, str, float]] = []
     for rel, upload_id, initiated in storage.list_uploads():
-        last = initiated
-        if now - initiated >= older_than_secs:  # a live upload has a recent part (moto: Initiated is fixed)
-            newest_part = storage.newest_part_secs(rel, upload_id)
-            last = initiated if newest_part is None else max(initiated, newest_part)
+        last = _upload_activity(storage, now, older_than_secs, rel, upload_id, initiated)
         uploads.append((rel, upload_id, last))
         key = _attempt_of(rel)
-        if key is not None and key in attempts:
-            attempts[key].saw(last)
+        if key is not None:
+            # An attempt may be only uploads so far (its payloads stream in parallel and none is
+            # published yet): its age is still the newest activity of all of them, never one
+            # upload's alone (an idle payload's upload would be aborted under a live save).
+            attempts.setdefault(key, _Attempt(*key)).saw(last)
 
     orphans, live = [], []
     committed = _committed_attempts(store, by_step, {key[0] for key in attempts})
@@ -209,6 +211,17 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
         if age >= older_than_secs:
             stale.append(StaleUpload(rel, upload_id, age))
     return Survey(now, orphans, stale, live)
+
+
+def _upload_activity(storage, now: float, older_than_secs: float, rel: str, upload_id: str,
+                     initiated: float) -> float:
+    """The last activity of one multipart upload on the store's clock: its ``Initiated``, or its
+    newest part's time when it was initiated longer ago than the grace period (a live upload has a
+    recent part; moto also reports one fixed ``Initiated`` for every upload)."""
+    if now - initiated < older_than_secs:
+        return initiated
+    newest_part = storage.newest_part_secs(rel, upload_id)
+    return initiated if newest_part is None else max(initiated, newest_part)
 
 
 def _committed_attempts(store: CheckpointStore, by_step: dict[int, dict[str, int]],
@@ -249,14 +262,16 @@ def find_stale_uploads(
 def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
                    older_than_secs: float | None = None) -> list[Orphan]:
     """Delete orphan attempt prefixes. One that a manifest names by now is kept, and so, when
-    ``older_than_secs`` is given, is one written to within the grace period by now (its prefix is
-    listed again against a fresh reading of the store's clock: a writer that came back).
+    ``older_than_secs`` is given, is one written to within the grace period by now: its objects
+    and its open multipart uploads are listed again against a fresh reading of the store's clock
+    (a writer that came back, perhaps streaming a payload not yet published).
 
     Returns:
         list[Orphan]: the orphans deleted.
     """
     orphans = list(orphans)
     now = store.storage.clock_secs() if orphans and older_than_secs is not None else None
+    open_uploads = store.storage.list_uploads() if now is not None else []
     deleted = []
     for orphan in orphans:
         try:
@@ -268,6 +283,8 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
             continue
         if now is not None:
             times = [modified for _size, modified in store.storage.list_tree_modified(orphan.rel).values()]
+            times += [_upload_activity(store.storage, now, older_than_secs, rel, upload_id, initiated)
+                      for rel, upload_id, initiated in open_uploads if rel.startswith(f"{orphan.rel}/")]
             if any(modified is None or now - modified < older_than_secs for modified in times):
                 logger.warning("gc: %s was written to meanwhile; kept", orphan.url)
                 continue
@@ -343,6 +360,9 @@ def _collect_tier(store: CheckpointStore, policy: RetentionPolicy, not_durable: 
     report.deleted_steps = execute_plan(store, report.plan)
     # A given now_secs (tests) is the store's clock for the whole pass: no second reading.
     report.orphans = delete_orphans(store, report.orphans, older_than_secs=grace_secs if now_secs is None else None)
+    # An upload under an attempt lives and dies with it: none of an orphan kept at its deletion.
+    kept = {(o.step, o.attempt_id) for o in found.orphans} - {(o.step, o.attempt_id) for o in report.orphans}
+    report.uploads = [u for u in report.uploads if _attempt_of(u.rel) not in kept]
     for upload in report.uploads:
         store.storage.abort_upload(upload.rel, upload.upload_id)
     return report

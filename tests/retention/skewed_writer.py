@@ -11,7 +11,8 @@ on stdin, never by sleeping:
 
 ``txn``
     Begin step 2, write ``a.bin`` (published), stream 6 MiB of ``b.bin`` (on S3 with a 5 MiB upload
-    block: one part uploaded, the multipart upload open), print ``paused <attempt id>``, wait for a
+    block: one part uploaded, the multipart upload open), wait until all of that is stored (a.bin's
+    background publish settled, the part's ``UploadPart`` answered), print ``paused <attempt id>``, wait for a
     line, finish ``b.bin``, commit, print ``committed <attempt id>``. The parent may SIGKILL it
     while it waits (an abandoned attempt).
 ``async``
@@ -73,11 +74,30 @@ def gated(store: CheckpointStore, name: str) -> CheckpointStore:
     return CheckpointStore.from_storage(FaultyStorage(store.storage, Fault(when=wait_at_gate, once=False)))
 
 
+def parts_stored(store: CheckpointStore) -> threading.Semaphore:
+    """Released once per multipart part the S3 server has stored (botocore ``after-call`` of
+    ``UploadPart`` on the store's own client); never released on other backends, whose writes are
+    stored when ``write`` returns."""
+    stored = threading.Semaphore(0)
+    if store.storage.url_root.startswith("s3://"):
+        store.storage.fs.connect()
+        store.storage.fs.s3.meta.events.register("after-call.s3.UploadPart", lambda **_kw: stored.release())
+    return stored
+
+
 def run_txn(store: CheckpointStore) -> None:
+    # The parent judges what the store holds at "paused" (and, killing the writer there, what it
+    # keeps): everything written before it must have landed by then. Payloads publish in the
+    # background and parts upload in flight, so the writer waits for them: a.bin's publish
+    # (settle) and, on S3, b.bin's first part (stored by the server, not merely handed over).
+    stored = parts_stored(store)
     txn = store.begin(STEP)
     txn.write_bytes("a.bin", A_BYTES)
+    txn.settle()
     with txn.open("b.bin") as writer:
         writer.write(B_BYTES[:STREAMED_FIRST])
+        if store.storage.url_root.startswith("s3://") and not stored.acquire(timeout=120):
+            raise SystemExit("b.bin's first part was not stored within 120 s")
         say(f"paused {txn.attempt_id}")
         sys.stdin.readline()
         writer.write(B_BYTES[STREAMED_FIRST:])

@@ -25,7 +25,7 @@ import pytest
 import opd_store
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.layout import attempt_created_secs
+from opd_store.layout import attempt_created_secs, new_attempt_id
 from opd_store.orphans import collect_garbage, delete_orphans, find_orphans
 from opd_store.retention import RetentionPolicy
 from opd_store.testing import forkserver
@@ -254,9 +254,85 @@ def test_an_orphan_written_to_again_before_its_deletion_is_kept(writer_backend):
         txn.write_bytes("a.bin", A_BYTES)
     attempt = store.begin(STEP)
     attempt.write_bytes("a.bin", A_BYTES)
+    attempt.settle()  # on S3 the publish runs in the background: a.bin is stored once settled
     found = find_orphans(store, older_than_secs=HOUR, now_secs=store.storage.clock_secs() + 2 * HOUR)
     assert [o.attempt_id for o in found] == [attempt.attempt_id]
     assert delete_orphans(store, found, older_than_secs=HOUR) == []
     assert f"step-000002/{attempt.attempt_id}/a.bin" in raw_keys(backend)
     assert delete_orphans(store, found) == found  # without the second look it would have gone
     assert all(not key.startswith("step-000002/") for key in raw_keys(backend))
+
+
+def test_an_attempt_of_uploads_only_keeps_its_idle_upload(s3_backend, moto_s3, capsys):
+    """A save whose payloads upload in parallel may be only open multipart uploads, none published
+    yet. One payload idle for two hours on the store's clock (its one part stored then) while
+    another streams now: the attempt is live, so ``gc`` aborts neither upload (an upload under an
+    attempt lives and dies with its attempt, never judged alone); collected together once the
+    store's clock says the newest part is older than the grace."""
+    backend = s3_backend
+    client = moto_s3.boto3_client()
+    bucket, _, root = backend.url[len("s3://"):].partition("/")
+    attempt_id = new_attempt_id()
+    prefix = f"{root}/step-{STEP:06d}/{attempt_id}"
+
+    def upload_with_one_part(name: str) -> str:
+        upload_id = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/{name}")["UploadId"]
+        client.upload_part(Bucket=bucket, Key=f"{prefix}/{name}", UploadId=upload_id, PartNumber=1,
+                           Body=B_BYTES[:BLOCK_BYTES])
+        return upload_id
+
+    with moto_clock(-2 * HOUR):
+        idle = upload_with_one_part("idle.bin")
+    streaming = upload_with_one_part("streaming.bin")
+    assert open_uploads(backend, moto_s3) == sorted([idle, streaming])
+
+    report = gc_yes(capsys, backend)
+    assert (report["orphans"], report["stale_uploads"]) == ([], [])
+    assert open_uploads(backend, moto_s3) == sorted([idle, streaming])
+
+    store = CheckpointStore(backend.url, storage_options=backend.storage_options)
+    later = store.storage.clock_secs() + HOUR + 60
+    done = collect_garbage(store, RetentionPolicy(), dry_run=False, now_secs=later)
+    assert [o.attempt_id for o in done.orphans] == [attempt_id]
+    assert sorted(u.upload_id for u in done.uploads) == sorted([idle, streaming])
+    assert open_uploads(backend, moto_s3) == []
+
+
+def test_an_orphan_whose_writer_streams_again_before_its_deletion_keeps_attempt_and_upload(
+        s3_backend, moto_s3, capsys):
+    """The survey finds an attempt idle for two hours (a.bin, and b.bin's open upload with one
+    part, both stored then); before the deletion its writer uploads b.bin's next part. The second
+    look sees that part (an upload is activity of its attempt, as an object is): neither the
+    attempt nor its upload is removed, although the survey had found both stale."""
+    from faults import FaultyStorage
+
+    backend = s3_backend
+    client = moto_s3.boto3_client()
+    bucket, _, root = backend.url[len("s3://"):].partition("/")
+    attempt_id = new_attempt_id()
+    key = f"{root}/step-{STEP:06d}/{attempt_id}/b.bin"
+    with moto_clock(-2 * HOUR):
+        client.put_object(Bucket=bucket, Key=f"{root}/step-{STEP:06d}/{attempt_id}/a.bin", Body=A_BYTES)
+        upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=B_BYTES[:BLOCK_BYTES])
+
+    class WriterComesBack(FaultyStorage):
+        """Uploads b.bin's second part when the store's clock is read the second time (the
+        deletion's fresh reading, after the survey's)."""
+
+        readings = 0
+
+        def clock_secs(self) -> float:
+            self.readings += 1
+            if self.readings == 2:
+                client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=2,
+                                   Body=B_BYTES[BLOCK_BYTES:])
+            return self.inner.clock_secs()
+
+    plain = CheckpointStore(backend.url, storage_options=backend.storage_options)
+    store = CheckpointStore.from_storage(WriterComesBack(plain.storage))
+    report = collect_garbage(store, RetentionPolicy(), dry_run=False)
+    assert (report.orphans, report.uploads) == ([], [])
+    assert store.storage.readings == 2
+    assert raw_keys(backend) == [f"step-000002/{attempt_id}/a.bin"]
+    assert open_uploads(backend, moto_s3) == [upload_id]
