@@ -238,6 +238,20 @@ class S3Storage(_BucketStorage):
 
         return sync(self.fs.loop, self.fs._lsdir, base, refresh=True)
 
+    def _find_tree(self, base: str) -> dict[str, dict]:
+        """Every object under ``base`` in one recursive listing, and no other request.
+
+        s3fs's ``find`` of a prefix with nothing under it asks ``HeadObject`` of the prefix's own
+        name (is it a file?): one more round trip on every empty store, and a request that needs
+        ``s3:GetObject`` on the prefix itself, which a run's IAM policy scoped to ``prefix/*``
+        denies. Listing the parent with ``<leaf>/`` as s3fs's ``prefix`` filter lists the same
+        objects and never asks ``HeadObject``.
+        """
+        parent, _, leaf = base.rstrip("/").rpartition("/")
+        if not parent:  # the bucket itself: s3fs asks nothing more for an empty key
+            return self.fs.find(base, detail=True)
+        return self.fs.find(parent, prefix=leaf + "/", detail=True)
+
     def read_bytes(self, rel: str, *, small: bool = False, max_bytes: int | None = None) -> bytes:
         self.refresh()
         if max_bytes is not None:  # one ranged GET (no HEAD: the range is absolute)

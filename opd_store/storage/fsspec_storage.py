@@ -137,7 +137,7 @@ class FsspecStorage(Storage):
         self.refresh()
         base = self.path(rel)
         try:
-            found = self.fs.find(base, detail=True)
+            found = self._find_tree(base)
         except Exception as exc:  # noqa: BLE001 - a missing prefix lists as empty
             if is_missing(exc):
                 return {}
@@ -150,6 +150,10 @@ class FsspecStorage(Storage):
             if name:
                 out[name] = (int(info.get("size") or 0), modified_secs(info))
         return out
+
+    def _find_tree(self, base: str) -> dict[str, dict]:
+        """Every object under the filesystem path ``base``: fsspec ``find`` entries by full path."""
+        return self.fs.find(base, detail=True)
 
     def size(self, rel: str) -> int | None:
         self.refresh()
