@@ -16,7 +16,7 @@ import opd_store.dcp.writer as dcp_writer
 from opd_store.dcp import StoreReader, StoreWriter, async_save, load, save
 from sharded_models import compare, full_state, local_shards, mlp
 
-RESHARD_PAIRS = ((1, 2), (1, 4), (2, 1), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2))
+RESHARD_PAIRS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2))
 
 
 def _save_mlp(ctx, size: int, step: int, *, plain_dcp: bool = False):

@@ -47,7 +47,7 @@ def test_resharding_between_1_2_4_and_8_ranks(tmp_path):
                         "backend": backend.to_json()}, tmp_path / "run")
     assert all("error" not in scenario for rank in ranks for scenario in rank.values()), ranks
     pairs = ranks[0]["resharding"]["pairs"]
-    assert sorted(pairs) == ["1->2", "1->4", "2->1", "2->4", "4->1", "4->2", "4->4", "8->2"]
+    assert sorted(pairs) == ["1->1", "1->2", "1->4", "2->1", "2->2", "2->4", "4->1", "4->2", "4->4", "8->2"]
     for pair, outcome in pairs.items():
         # 2 Linear layers: 4 parameters, and AdamW's step, exp_avg, exp_avg_sq for each
         assert outcome["tensors"] == 16 and outcome["elements"] == 418 and outcome["differing"] == [], pair
