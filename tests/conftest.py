@@ -11,6 +11,8 @@ bucket, a cleared ``memory://``, a new temp directory). The helpers live in :mod
 
 from __future__ import annotations
 
+import collections
+import re
 import sys
 import types
 from pathlib import Path
@@ -27,6 +29,30 @@ from store_fixtures import backend_named  # noqa: E402
 use_emulator_environment()  # before anything imports gcsfs or botocore
 
 ALL_BACKENDS = ("local", "memory", "s3", "gcs")
+
+_DURATIONS = Path(__file__).with_name("DURATIONS.md")
+_PHASE = re.compile(r"^\s*(?P<secs>\d+(?:\.\d+)?)s\s+(?:setup|call|teardown)\s+(?P<nodeid>\S+)\s*$")
+
+
+def recorded_secs(report: Path = _DURATIONS) -> dict[str, float]:
+    """Seconds per test id (setup + call + teardown) from the slowest-phases table of the committed
+    durations report (scripts/durations.py writes it; phases under its threshold are absent)."""
+    secs: dict[str, float] = collections.defaultdict(float)
+    if report.exists():
+        for line in report.read_text(encoding="utf-8").splitlines():
+            phase = _PHASE.match(line)
+            if phase:
+                secs[phase["nodeid"]] += float(phase["secs"])
+    return secs
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Run the longest tests first: xdist hands out work one test at a time as workers free up, so
+    a 40-second test collected last keeps one core busy while the other idles at the end of the
+    run (longest-processing-time-first scheduling). The order is the recorded durations, heaviest
+    first, then collection order; it is the same in every worker, as xdist requires."""
+    secs = recorded_secs()
+    items.sort(key=lambda item: -secs.get(item.nodeid, 0.0))
 
 
 @pytest.fixture(scope="session")

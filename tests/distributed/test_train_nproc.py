@@ -1,4 +1,4 @@
-"""``opd-store train --nproc 2``: a rank killed mid-save, the job restarted, bit-exact (issue 7).
+"""``opd-store train --nproc 2``: a rank killed mid-save, the job restarted, bit-exact.
 
 The job runs as a real CLI process that spawns two gloo ranks. The kill lands while rank 1 is in
 the middle of its RNG part of step 4 (tests/distributed/inject/sitecustomize.py blocks it there
@@ -29,10 +29,14 @@ DEADLINE_SECS = 1200
 pytestmark = pytest.mark.timeout(3 * DEADLINE_SECS)
 
 
-def _cmd(store: Path, tag: str, tmp_path: Path) -> list[str]:
+def _cmd(store: Path, tag: str, tmp_path: Path, *, fork: bool = False) -> list[str]:
+    """The job's command line. ``fork``: ranks forked from the (preloaded) launcher instead of the
+    default fresh interpreters; the killed run and its resume keep the default (the injection
+    module loads only in a fresh interpreter), the runs around them fork to save the imports."""
     return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
             "--checkpoint-every", "2", "--nproc", "2", "--log", str(tmp_path / f"{tag}.log"),
-            "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt")]
+            "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt"),
+            *(["--start-method", "fork"] if fork else [])]
 
 
 def _env(**extra) -> dict:
@@ -45,7 +49,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
-    reference = forkserver.run(_cmd(tmp_path / "ref", "ref", tmp_path), env=_env(), capture_output=True, text=True,
+    reference = forkserver.run(_cmd(tmp_path / "ref", "ref", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
                                timeout=DEADLINE_SECS)
     assert reference.returncode == 0, reference.stderr[-4000:]
     ref_store = CheckpointStore(tmp_path / "ref")
@@ -102,7 +106,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     damaged.write_bytes(damaged.read_bytes()[:-10])
     step2 = {p: p.read_bytes() for p in (tmp_path / "ref" / "step-000002").rglob("*") if p.is_file()}
     for attempt in range(2):
-        refused = forkserver.run(_cmd(tmp_path / "ref", f"refused{attempt}", tmp_path), env=_env(),
+        refused = forkserver.run(_cmd(tmp_path / "ref", f"refused{attempt}", tmp_path, fork=True), env=_env(),
                                  capture_output=True, text=True, timeout=DEADLINE_SECS)
         assert refused.returncode == 4, refused.stderr[-4000:]
         assert "skipped step 4 (incomplete: " in refused.stderr and "rng-rank-01.pt" in refused.stderr
@@ -114,7 +118,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
         assert not (tmp_path / f"refused{attempt}.log").exists() or not _records(tmp_path / f"refused{attempt}.log")
     assert subprocess.run([sys.executable, "-m", "opd_store", "delete", str(tmp_path / "ref"), "4"],
                           env=_env(), capture_output=True, timeout=DEADLINE_SECS).returncode == 0
-    redone = forkserver.run(_cmd(tmp_path / "ref", "redo", tmp_path), env=_env(), capture_output=True, text=True,
+    redone = forkserver.run(_cmd(tmp_path / "ref", "redo", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
                             timeout=DEADLINE_SECS)
     assert redone.returncode == 0, redone.stderr[-4000:]
     assert _records(tmp_path / "redo.events")[0]["step"] == 2
