@@ -82,6 +82,18 @@ def compose_groups(names: list[str], fan_in: int = MAX_COMPOSE_SOURCES) -> list[
         level += 1
 
 
+class _RewindableBody(MemoryReader):
+    """A part's request body that outlives one attempt: aiohttp closes a file body once it was sent,
+    and gcsfs rewinds the same body for a retry (gcsfs's own ``UnclosableBytesIO`` exists for the
+    same reason). :meth:`release` closes it when the request is over."""
+
+    def close(self) -> None:
+        """Kept open for a retry (see the class)."""
+
+    def release(self) -> None:
+        super().close()
+
+
 def upload_url(fs, bucket: str) -> str:
     """The JSON API's upload endpoint for ``bucket`` on ``fs``'s endpoint (``fs.base`` is
     ``<endpoint>/storage/v1/``; uploads go to ``<endpoint>/upload/storage/v1/b/<bucket>/o``)."""
@@ -122,7 +134,7 @@ class GCSComposite:
 
     async def _media_upload(self, request: str, key: str, body: bytearray) -> dict[str, Any]:
         """One single-request upload (``uploadType=media``) of ``body`` as ``key``; its JSON answer."""
-        reader = MemoryReader(body)
+        reader = _RewindableBody(body)
         try:
             return await self._fs._call(
                 "POST", upload_url(self._fs, self._bucket),
@@ -131,7 +143,7 @@ class GCSComposite:
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, request, exc)  # noqa: B904 - the cause is set by named_error
         finally:
-            reader.close()
+            reader.release()
 
     async def put(self, body: bytearray) -> None:
         await self._media_upload("upload", self._key, body)
@@ -163,7 +175,7 @@ class GCSComposite:
                 the next attempt or removed with its uncommitted attempt).
         """
         results: list[str] = []
-        levels = compose_groups(list(parts))
+        levels = compose_groups(list(parts), MAX_COMPOSE_SOURCES)
         for depth, groups in enumerate(levels):
             sources = [[results[int(s.partition(":")[2])] if depth else s for s in group] for group in groups]
             last = depth == len(levels) - 1
