@@ -300,3 +300,41 @@ def test_an_object_of_another_size_is_an_integrity_error_with_its_real_size(faul
     message = str(caught.value)
     assert f"has {size_bytes} bytes, manifest says {len(LARGE)}" in message
     assert f"payload 'model.bin' at {backend.url}/step-000002/attempt-" in message
+
+
+# -- GCS: the compose tree ------------------------------------------------------------------------
+def test_compose_groups_make_a_tree_of_at_most_32_sources_in_byte_order():
+    from opd_store.storage.gcs_transfers import compose_groups
+
+    names = [f"p{i:05d}" for i in range(1, 1090)]  # 1,089 parts: 35 groups, then 2, then 1
+    levels = compose_groups(names)
+    assert [len(level) for level in levels] == [35, 2, 1]
+    assert all(len(group) <= 32 for level in levels for group in level)
+    assert [name for group in levels[0] for name in group] == names  # every part once, in order
+    assert levels[1] == [[f"0:{i}" for i in range(32)], [f"0:{i}" for i in range(32, 35)]]
+    assert levels[2] == [["1:0", "1:1"]]
+    assert compose_groups(["only"]) == [[["only"]]]
+    assert compose_groups(names[:32]) == [[names[:32]]]
+
+
+@pytest.mark.parametrize("server", ["fake_gcs"], indirect=True)
+def test_a_gcs_payload_of_more_parts_than_one_compose_takes_is_composed_as_a_tree(faulty, server, monkeypatch):
+    """With a fan-in of 2 (GCS's is 32: the same code path, 4 parts instead of 33), the 4 parts of
+    ``model.bin`` become 2 intermediate composites, then the payload; every temporary object is
+    deleted before the manifest is created."""
+    import opd_store.storage.gcs_transfers as gcs_transfers
+
+    monkeypatch.setattr(gcs_transfers, "MAX_COMPOSE_SOURCES", 2)
+    backend, proxy = faulty
+    store = open_store(backend)
+    save(store, 2, {"model.bin": LARGE})
+    composes = [r for r in proxy.requests if r.op == "Compose"]
+    targets = sorted(GCS.object_of(r).rpartition("/")[2] + (PART_MARKER if PART_MARKER in r.path else "")
+                     for r in composes)
+    assert targets == ["model.bin", "model.bin.part-", "model.bin.part-"]
+    deletes = [i for i, r in enumerate(proxy.requests) if r.op == "DeleteObject"]
+    assert len(deletes) == 4 + 2  # the parts and the intermediate composites
+    manifest = next(i for i, r in enumerate(proxy.requests) if r.op == GCS.create_op)
+    assert manifest > max(deletes)
+    assert _leftovers(server, backend) == []
+    assert store.read(2, "model.bin") == LARGE
