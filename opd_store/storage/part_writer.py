@@ -111,7 +111,7 @@ class PartWriter:
 
     # -- file protocol -------------------------------------------------------------------------
     def write(self, data) -> int:
-        """Copy ``data`` into part buffers; each full one starts uploading at once.
+        """Copy ``data`` into part buffers; each full one starts uploading as soon as a byte follows it.
 
         Raises:
             PayloadUploadError: an earlier part failed (the upload is being aborted).
@@ -125,14 +125,16 @@ class PartWriter:
         total = view.nbytes
         part_size = self._pool.part_size_bytes
         while view.nbytes:
+            # A full buffer goes up once a byte follows it: a payload of exactly one part is then
+            # still one request at finish.
+            if self._fill == part_size:
+                self._submit_part()
             if self._buffer is None:
                 self._buffer = self._pool.acquire()
             count = min(view.nbytes, part_size - self._fill)
             self._buffer[self._fill:self._fill + count] = view[:count]
             self._fill += count
             view = view[count:]
-            if self._fill == part_size:
-                self._submit_part()
         self._size_bytes += total
         return total
 

@@ -338,3 +338,38 @@ def test_a_gcs_payload_of_more_parts_than_one_compose_takes_is_composed_as_a_tre
     assert manifest > max(deletes)
     assert _leftovers(server, backend) == []
     assert store.read(2, "model.bin") == LARGE
+
+
+# -- sizes around a part --------------------------------------------------------------------------
+SIZES = {"empty.bin": 0, "one.bin": 1, "under.bin": PART - 1, "part.bin": PART, "over.bin": PART + 1,
+         "three.bin": 3 * PART + 1}
+
+
+def test_payloads_around_the_part_size_round_trip_bit_exact_in_the_fewest_requests(faulty):
+    """A payload of at most one part (0, 1, part - 1, part bytes) is one upload request and no
+    assembly; part + 1 is 2 parts, 3 parts + 1 is 4, each assembled once (and on GCS its
+    temporary objects deleted); every read is one ranged GET per part and nothing else."""
+    backend, proxy = faulty
+    dialect = dialect_of(backend)
+    store = open_store(backend)
+    payloads = {name: _data(size, salt=size % 7) for name, size in SIZES.items()}
+    save(store, 3, payloads)
+    for name, size in SIZES.items():
+        parts = -(-size // PART)
+        mine = [r.op for r in proxy.requests if dialect.names(r, name)]
+        if parts <= 1:
+            single = "MediaUpload" if dialect is GCS else "PutObject"
+            assert mine == [single], (name, mine)
+        else:
+            assert mine.count(dialect.part_op) == parts and mine.count(dialect.assemble_op) == 1, (name, mine)
+            assert mine.count("DeleteObject") == (parts if dialect is GCS else 0), (name, mine)
+    proxy.clear()
+    for name, data in payloads.items():
+        assert store.read(3, name) == data, name
+        gets = [r for r in proxy.requests if r.op == dialect.get_op and dialect.names(r, name)]
+        assert len(gets) == -(-len(data) // PART), name
+    assert _leftovers_of(backend) == []
+
+
+def _leftovers_of(backend) -> list[str]:
+    return [key for key in stored_keys(backend) if PART_MARKER in key]
