@@ -107,7 +107,9 @@ def stored_keys(backend, under: str = "") -> list[str]:
     """Every object key under ``<store root>/<under>`` (a fresh listing, no cache), relative to the root."""
     plain = raw_backend(backend)
     fs, root = plain.raw_fs(), plain.raw_root()
-    return sorted(p[len(root) + 1:] for p in fs.find(f"{root}/{under}".rstrip("/")))
+    base = f"{root}/{under}".rstrip("/")
+    # SeaweedFS lists a prefix's directory entry as an object of its own: not a key under it.
+    return sorted(p[len(root) + 1:] for p in fs.find(base) if p.rstrip("/") != base)
 
 
 __all__ = ["GCS", "S3", "Dialect", "dialect_of", "raw_backend", "stored_keys"]
