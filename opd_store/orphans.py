@@ -35,8 +35,8 @@ deleted its objects and open uploads are listed again against a fresh reading of
 writer that came back meanwhile keeps it, and its uploads with it.
 
 The grace period must exceed the longest time a live save goes without writing: on S3 a payload's
-parts and on local disk its bytes count as writes while it streams, but a GCS resumable upload is
-invisible until it completes, so there it must exceed the longest single payload upload.
+parts, on GCS its temporary part objects and on local disk its bytes count as writes while it
+streams; a payload of at most one part is one request, invisible until it lands.
 
 A tiered store is collected tier by tier (:meth:`BaseStore.retention_tiers
 <opd_store.store_api.BaseStore.retention_tiers>`), each tier on its own clock: the bucket with the

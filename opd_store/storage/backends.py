@@ -200,6 +200,26 @@ class _BucketStorage(FsspecStorage):
         self.fs.pipe_file(self.path(rel), data, mode="create")
         self.refresh()
 
+    # Payload writers are parallel part writers (opd_store.storage.part_writer): publishing runs in
+    # the background, discarding removes what was uploaded.
+    def start_finish(self, handle, rel: str):
+        return handle.finish()
+
+    def abort_write(self, handle, rel: str) -> None:
+        handle.discard()
+
+    def _expected_size(self, rel: str, size_bytes: int | None) -> int:
+        """``size_bytes``, or the object's size asked of the store when the caller has none.
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        if size_bytes is None:
+            size_bytes = self.size(rel)
+            if size_bytes is None:
+                raise FileNotFoundError(f"{self.url(rel)}: no such object")
+        return size_bytes
+
 
 class S3Storage(_BucketStorage):
     """Amazon S3 (or an S3-compatible server) through s3fs.
@@ -276,21 +296,12 @@ class S3Storage(_BucketStorage):
         bucket, key = self._bucket_and_key(rel)
         return S3PartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
 
-    def start_finish(self, handle, rel: str):
-        return handle.finish()
-
-    def abort_write(self, handle, rel: str) -> None:
-        handle.discard()
-
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         from .s3_reads import read_checked
 
-        if size_bytes is None:
-            size_bytes = self.size(rel)
-            if size_bytes is None:
-                raise FileNotFoundError(f"{self.url(rel)}: no such object")
         bucket, key = self._bucket_and_key(rel)
-        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers, size_bytes)  # type: ignore[return-value]
+        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers,  # type: ignore[return-value]
+                            self._expected_size(rel, size_bytes))
 
     def list_uploads(self) -> list[tuple[str, str, float]]:
         # ListMultipartUploads with the store's prefix (s3fs's list_multipart_uploads lists the
@@ -317,7 +328,16 @@ class S3Storage(_BucketStorage):
 
 
 class GCSStorage(NoMultipartUploads, _BucketStorage):
-    """Google Cloud Storage through gcsfs."""
+    """Google Cloud Storage through gcsfs.
+
+    Payloads move in parallel: uploads (:mod:`opd_store.storage.gcs_transfers`) as parallel
+    composite uploads (temporary part objects of ``transfers.part_size_bytes``, up to
+    ``transfers.parts_in_flight`` at once across the store's payloads, composed into the payload and
+    deleted before it is reported published); reads (:mod:`opd_store.storage.gcs_reads`) as parallel
+    ranged downloads into one buffer. No upload is left open to list: a failed payload's temporary
+    objects are deleted, and any a killed writer left lie in its uncommitted attempt, which ``gc``
+    removes.
+    """
 
     commit_primitive = "single-request upload with ifGenerationMatch=0 (412 when the object exists)"
     credential_sources = remote_probes.GCS_CREDENTIAL_SOURCES
@@ -336,6 +356,19 @@ class GCSStorage(NoMultipartUploads, _BucketStorage):
 
     def clock_secs(self) -> float:
         return remote_probes.gcs_clock_secs(self)
+
+    def open_write(self, rel: str) -> BinaryIO:
+        from .gcs_transfers import GCSPartWriter
+
+        bucket, _, key = self.path(rel).partition("/")
+        return GCSPartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
+
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
+        from .gcs_reads import read_checked
+
+        bucket, _, key = self.path(rel).partition("/")
+        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers,  # type: ignore[return-value]
+                            self._expected_size(rel, size_bytes))
 
 
 class CheckThenPutStorage(NoMultipartUploads, FsspecStorage):

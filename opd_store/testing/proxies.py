@@ -1,4 +1,5 @@
-"""HTTP proxies on loopback in front of an S3 server (moto), for fault and timing tests.
+"""HTTP proxies on loopback in front of an S3 server (moto, SeaweedFS), for fault and timing tests
+(the same proxies speak GCS's JSON API in front of fake-gcs-server: :mod:`opd_store.testing.gcs`).
 
 Clients (s3fs, boto3) talk to a proxy's :attr:`~S3Proxy.endpoint_url`; it forwards each request to
 the server unchanged unless it was told otherwise:
@@ -171,12 +172,9 @@ class S3Proxy:
                     pass
 
             def _send_error(self, record: Request, status: int, code: str) -> None:
-                payload = (
-                    f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
-                    f"<Message>{_ERROR_MESSAGES.get(code, code)}</Message><RequestId>proxy</RequestId></Error>"
-                ).encode()
+                content_type, payload = proxy.error_body(status, code)
                 self.send_response(status)
-                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 if self.command != "HEAD":
@@ -188,7 +186,7 @@ class S3Proxy:
                 body = self._body()
                 split = urlsplit(self.path)
                 record = Request(
-                    op=s3_operation(self.command, split.path, split.query),
+                    op=proxy.operation(self.command, split.path, split.query),
                     method=self.command,
                     path=split.path,
                     query=split.query,
@@ -255,6 +253,19 @@ class S3Proxy:
         self.endpoint_url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def operation(method: str, path: str, query: str) -> str:
+        """The API operation a request is recorded as (S3's: :func:`~opd_store.testing.s3.s3_operation`)."""
+        return s3_operation(method, path, query)
+
+    @staticmethod
+    def error_body(status: int, code: str) -> tuple[str, bytes]:
+        """``(content type, body)`` of a ``status`` fault's answer: S3's XML error naming ``code``."""
+        return "application/xml", (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+            f"<Message>{_ERROR_MESSAGES.get(code, code)}</Message><RequestId>proxy</RequestId></Error>"
+        ).encode()
 
     def _decide(self, record: Request) -> tuple | None:
         """``None`` to forward ``record``; ``("status", code, name)``, ``("drop",)``,

@@ -1,7 +1,9 @@
-"""Parallel S3 transfers on both servers of the suite (moto and SeaweedFS), through a proxy that
-records every request: parts in flight at once from a bounded pool of part buffers, several payloads
-of a save moving at once, ranged reads into one buffer, and the faults of a transfer (a part that
-keeps failing, a connection cut, a short or altered range, throttling).
+"""Parallel transfers on every object-store server of the suite (S3: moto and SeaweedFS; GCS:
+fake-gcs-server), through a proxy that records every request: parts in flight at once from a bounded
+pool of part buffers, several payloads of a save moving at once, ranged reads into one buffer, and
+the faults of a transfer (a part that keeps failing, a connection cut, a short or altered range,
+throttling). S3 uploads a payload as a multipart upload, GCS as temporary part objects composed
+into it (:mod:`opd_store.testing.transfer_dialects` names each store's requests).
 
 Every store here uses S3's smallest part (5 MiB) so that a few MiB make a multipart upload.
 """
@@ -14,8 +16,10 @@ import pytest
 
 from opd_store import IntegrityError, PayloadUploadError, StoreUnreachableError
 from opd_store.storage.parts import MIN_PART_SIZE_BYTES
-from opd_store.testing.proxies import HoldProxy, S3FaultProxy, through_proxy
-from opd_store.testing.stores import open_store
+from opd_store.storage.gcs_transfers import PART_MARKER
+from opd_store.testing.proxies import through_proxy
+from opd_store.testing.stores import open_store, raw_put
+from opd_store.testing.transfer_dialects import GCS, dialect_of, raw_backend, stored_keys
 
 from core.helpers import save
 
@@ -30,39 +34,38 @@ LARGE = _data(3 * PART + PART // 2)  # four parts: three whole ones and a half
 SMALL = b"small payload " * 10
 
 
-@pytest.fixture(params=["moto_s3", "seaweed_s3"])
+@pytest.fixture(params=["moto_s3", "seaweed_s3", "fake_gcs"])
 def server(request):
-    """One of the suite's S3 servers (moto's mock, SeaweedFS's production server)."""
+    """One of the suite's object-store servers (moto's mock, SeaweedFS's production S3 server,
+    fake-gcs-server)."""
     return request.getfixturevalue(request.param)
 
 
 @pytest.fixture
 def faulty(server):
-    """A clean bucket behind :class:`S3FaultProxy`: (backend with 5 MiB parts, 3 in flight, proxy)."""
-    proxy = S3FaultProxy(server.endpoint_url)
+    """A clean bucket behind the store's fault proxy: (backend with 5 MiB parts, 3 in flight, proxy)."""
+    backend = server.new_backend()
+    proxy = dialect_of(backend).fault_proxy(server.endpoint_url)
     try:
-        yield through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=3), proxy
+        yield through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=3), proxy
     finally:
         proxy.stop()
 
 
 def _bucket(backend) -> str:
-    return backend.url[len("s3://"):].partition("/")[0]
+    return backend.url.partition("://")[2].partition("/")[0]
 
 
-def _open_uploads(server, backend) -> list[dict]:
+def _leftovers(server, backend) -> list:
+    """What an upload left on the server: S3's open multipart uploads, GCS's temporary part objects."""
+    if dialect_of(backend) is GCS:
+        return [key for key in stored_keys(backend) if PART_MARKER in key]
     return server.boto3_client().list_multipart_uploads(Bucket=_bucket(backend)).get("Uploads", [])
 
 
-def _keys(server, backend, under: str) -> list[str]:
-    bucket, _, prefix = backend.url[len("s3://"):].partition("/")
-    listed = server.boto3_client().list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/{under}")
-    return [o["Key"] for o in listed.get("Contents", [])]
-
-
-def _parts(proxy, name: str) -> list:
-    """Forwarded ``UploadPart`` requests of the payload ``name``."""
-    return [r for r in proxy.requests if r.op == "UploadPart" and r.fault is None and r.path.endswith("/" + name)]
+def _parts(proxy, backend, name: str) -> list:
+    """Forwarded part uploads of the payload ``name``."""
+    return dialect_of(backend).parts(proxy, name)
 
 
 def _saving(store, payloads: dict[str, bytes]) -> tuple[threading.Thread, list]:
@@ -84,21 +87,24 @@ def _saving(store, payloads: dict[str, bytes]) -> tuple[threading.Thread, list]:
 def test_parts_go_up_at_once_and_the_pool_bounds_the_buffers(server):
     """Three parts are in flight at once (all held by the proxy), and the writer then waits for a
     part buffer: no fourth buffer is made while the three are in flight."""
-    proxy = HoldProxy(server.endpoint_url, lambda method, path: method == "PUT" and "partNumber=" in path)
+    backend = server.new_backend()
+    dialect = dialect_of(backend)
+    proxy = dialect.hold_proxy(server.endpoint_url, dialect.is_part)
     try:
-        store = open_store(through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=3))
+        store = open_store(through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=3))
         thread, outcome = _saving(store, {"model.bin": LARGE})
-        held = proxy.wait_held(3)
+        proxy.wait_held(3)
         pool = store.storage.part_pool()
-        assert sorted(h.split("partNumber=")[1].split("&")[0] for h in held) == ["1", "2", "3"]
+        assert sorted(dialect.part_number(r) for r in proxy.requests if r.op == dialect.part_op) == [1, 2, 3]
         assert pool.stats()["in_flight"] == 3 and pool.stats()["allocated"] == 3
         assert thread.is_alive() and not outcome  # the writer waits for a buffer; nothing is committed
         assert store.steps() == []
         proxy.release()
         thread.join(120)
         assert outcome and not isinstance(outcome[0], BaseException), outcome
-        parts = [r for r in proxy.requests if r.op == "UploadPart"]
+        parts = _parts(proxy, backend, "model.bin")
         assert sorted(r.request_bytes for r in parts) == [PART // 2, PART, PART, PART]
+        assert proxy.count(dialect.assemble_op) == 1 and _leftovers(server, backend) == []
         # Three buffers were ever made; the last part went up from one of them, cut to its size.
         assert pool.stats() == {"in_use": 0, "in_flight": 0, "free": 2, "allocated": 3, "peak_in_use": 3}
         assert store.read(1, "model.bin") == LARGE
@@ -110,26 +116,33 @@ def test_the_next_payload_streams_while_the_last_parts_of_one_move(server):
     """``a.bin``'s last part and ``b.bin``'s completion are held at once: the save wrote ``b.bin``
     while ``a.bin`` was still uploading; the manifest comes last and lists both in write order."""
     first, second = _data(PART + PART // 2, 1), _data(PART + PART // 3, 2)
+    backend = server.new_backend()
+    dialect = dialect_of(backend)
 
     def hold(method: str, path: str) -> bool:
+        if dialect is GCS:  # a.bin's part 2, b.bin's compose
+            return ("a.bin.part-" in path and "-00002" in path) or path.endswith("b.bin/compose")
         last_part_of_a = method == "PUT" and "/a.bin?" in path and "partNumber=2" in path
         return last_part_of_a or (method == "POST" and "/b.bin?uploadId=" in path)
 
-    proxy = HoldProxy(server.endpoint_url, hold)
+    proxy = dialect.hold_proxy(server.endpoint_url, hold)
     try:
-        store = open_store(through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=4))
+        store = open_store(through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=4))
         thread, outcome = _saving(store, {"a.bin": first, "b.bin": second})
-        held = proxy.wait_held(2)
-        assert sorted(h.split("/")[-1].split("?")[0] for h in held) == ["a.bin", "b.bin"]
-        assert store.steps() == [] and proxy.count("PutObject") == 0  # no manifest yet
+        proxy.wait_held(2)
+        held = [r for r in proxy.requests
+                if hold(r.method, r.path + (f"?{r.query}" if r.query else ""))]
+        assert sorted(dialect.object_of(r).rpartition("/")[2] for r in held) == ["a.bin", "b.bin"]
+        assert store.steps() == [] and proxy.count(dialect.create_op) == 0  # no manifest yet
         proxy.release()
         thread.join(120)
         assert outcome and not isinstance(outcome[0], BaseException), outcome
         assert [e.name for e in store.manifest(1).payloads] == ["a.bin", "b.bin"]
         ops = proxy.ops()
-        manifest_put = next(i for i, r in enumerate(proxy.requests) if r.op == "PutObject")
-        assert proxy.requests[manifest_put].path.endswith("/manifest.json")  # the one PutObject, after both uploads
-        assert manifest_put > max(i for i, op in enumerate(ops) if op in ("UploadPart", "CompleteMultipartUpload"))
+        manifest_put = next(i for i, r in enumerate(proxy.requests) if r.op == dialect.create_op)
+        assert proxy.count(dialect.create_op) == 1  # the manifest's create (S3 names it: GCS's is in the body)
+        assert dialect.object_of(proxy.requests[manifest_put]).endswith("/manifest.json") or dialect is GCS
+        assert manifest_put > max(i for i, op in enumerate(ops) if op in (dialect.part_op, dialect.assemble_op))
         assert store.read(1, "a.bin") == first and store.read(1, "b.bin") == second
     finally:
         proxy.stop()
@@ -143,24 +156,28 @@ UPLOAD_FAULTS = {
 }
 
 
-def _second_part(request) -> bool:
-    return "partNumber=2&" in request.query + "&"
+def _second_part_rule(proxy, backend, **fault):
+    """Fault the upload of ``model.bin``'s second part (``times`` of them; once by default)."""
+    dialect = dialect_of(backend)
+    return proxy.add(ops=(dialect.part_op,), **{"times": 1, **fault},
+                     match=lambda r: dialect.part_number(r) == 2 and dialect.names(r, "model.bin"))
 
 
 @pytest.mark.parametrize("kind", sorted(UPLOAD_FAULTS))
 def test_a_part_failing_once_is_retried_and_commits(faulty, server, kind):
     backend, proxy = faulty
     store = open_store(backend)
-    rule = proxy.add(ops=("UploadPart",), match=_second_part, times=1, **UPLOAD_FAULTS[kind])
+    rule = _second_part_rule(proxy, backend, **UPLOAD_FAULTS[kind])
     save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
     assert rule.hits == 1
-    parts = _parts(proxy, "model.bin")
-    assert len(parts) == len({r.query for r in parts}) == 4  # every part once, after the retry
+    parts = _parts(proxy, backend, "model.bin")
+    assert sorted(dialect_of(backend).part_number(r) for r in parts) == [1, 2, 3, 4]  # each once, after the retry
     assert sum(r.request_bytes for r in parts) == len(LARGE)
     assert store.read(2, "model.bin") == LARGE and store.read(2, "small.bin") == SMALL
-    assert _open_uploads(server, backend) == []
+    assert _leftovers(server, backend) == []
 
 
+@pytest.mark.parametrize("server", ["moto_s3", "seaweed_s3"], indirect=True)  # botocore's retries are settable
 @pytest.mark.parametrize("kind", ["500", "cut"])
 def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faulty, server, kind):
     """The upload is aborted once its other parts settled (no upload left open on the server), the
@@ -171,7 +188,7 @@ def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faul
     retries = {"retries": {"total_max_attempts": 2, "mode": "standard"}}
     store = open_store(through_proxy(backend, proxy, config_kwargs=retries, retries=1))
     save(store, 1, {"prev.bin": SMALL})
-    rule = proxy.add(ops=("UploadPart",), match=_second_part, times=None, **UPLOAD_FAULTS[kind])
+    rule = _second_part_rule(proxy, backend, times=None, **UPLOAD_FAULTS[kind])
     with pytest.raises(OSError) as caught:
         save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
     message = str(caught.value)
@@ -186,8 +203,31 @@ def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faul
     # connection errors as well (4 requests on this stack): a bounded few.
     assert rule.hits == 2 if kind == "500" else 2 <= rule.hits <= 8
     assert proxy.count("AbortMultipartUpload") == 1 and proxy.count("CompleteMultipartUpload") == 0
-    assert _open_uploads(server, backend) == []
-    assert _keys(server, backend, "step-000002/") == []
+    assert _leftovers(server, backend) == []
+    assert stored_keys(backend, "step-000002/") == []
+    assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
+
+
+@pytest.mark.parametrize("server", ["fake_gcs"], indirect=True)
+def test_a_gcs_part_refused_deletes_every_temporary_object_and_commits_nothing(faulty, server):
+    """A part upload refused with a status gcsfs does not retry (400): the save raises
+    :class:`PayloadUploadError` naming the payload and the part's request; every temporary part
+    object (those uploaded before, beside and after it) is deleted once the parts in flight settled,
+    no compose is sent, step 2 has no object at all, step 1 is untouched. (A 5xx on every attempt
+    ends the same way after gcsfs's 6 attempts, about 30 s of its backoff: too slow to test here.)"""
+    backend, proxy = faulty
+    store = open_store(backend)
+    save(store, 1, {"prev.bin": SMALL})
+    rule = _second_part_rule(proxy, backend, times=None, fault="status", status=400, code="badRequest")
+    with pytest.raises(PayloadUploadError) as caught:
+        save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+    message = str(caught.value)
+    assert f"{backend.url}/step-000002/attempt-" in message and "/model.bin: upload of part 2 (model.bin.part-" in message
+    assert rule.hits == 1  # a 400 is not retried
+    assert len(_parts(proxy, backend, "model.bin")) >= 1  # parts before it landed, then were deleted
+    assert proxy.count("Compose") == 0 and proxy.count("DeleteObject") >= 1
+    assert _leftovers(server, backend) == []
+    assert stored_keys(backend, "step-000002/") == []
     assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
 
 
@@ -201,31 +241,33 @@ def _committed_large(faulty):
     return store
 
 
-def _model_gets(proxy) -> list:
-    return [r for r in proxy.requests if r.op == "GetObject" and r.path.endswith("/model.bin")]
+def _model_gets(proxy, backend) -> list:
+    dialect = dialect_of(backend)
+    return [r for r in proxy.requests if r.op == dialect.get_op and dialect.names(r, "model.bin")]
 
 
-def _range_rule(proxy, start: int, **fault):
+def _range_rule(proxy, backend, start: int, **fault):
     """Fault the first ranged GET of ``model.bin`` that starts at byte ``start``."""
     prefix = f"bytes={start}-"
-    return proxy.add(ops=("GetObject",), times=1, **fault,
-                     match=lambda r: r.path.endswith("/model.bin") and r.headers.get("range", "").startswith(prefix))
+    dialect = dialect_of(backend)
+    return proxy.add(ops=(dialect.get_op,), times=1, **fault,
+                     match=lambda r: dialect.names(r, "model.bin") and r.headers.get("range", "").startswith(prefix))
 
 
 def test_a_payload_is_read_in_parallel_ranges(faulty):
-    store, proxy = _committed_large(faulty), faulty[1]
+    store, (backend, proxy) = _committed_large(faulty), faulty
     assert store.read(2, "model.bin") == LARGE
-    gets = _model_gets(proxy)
+    gets = _model_gets(proxy, backend)
     ranges = sorted(r.headers["range"] for r in gets)
     assert ranges == sorted(f"bytes={s}-{min(len(LARGE), s + PART) - 1}" for s in range(0, len(LARGE), PART))
     assert sum(r.response_bytes for r in gets) == len(LARGE)
-    assert proxy.count("HeadObject") == 0  # planned from the manifest's size
+    assert proxy.count(dialect_of(backend).stat_op) == 0  # planned from the manifest's size
 
 
 @pytest.mark.parametrize("kind", ["short", "corrupt"])
 def test_a_short_or_altered_range_is_an_integrity_error_naming_the_object(faulty, kind):
-    store, proxy = _committed_large(faulty), faulty[1]
-    rule = _range_rule(proxy, PART, fault=kind)
+    store, (backend, proxy) = _committed_large(faulty), faulty
+    rule = _range_rule(proxy, backend, PART, fault=kind)
     with pytest.raises(IntegrityError) as caught:
         store.read(2, "model.bin")
     assert rule.hits == 1
@@ -238,11 +280,11 @@ def test_a_short_or_altered_range_is_an_integrity_error_naming_the_object(faulty
 
 @pytest.mark.parametrize("kind", ["truncate", "slowdown"])
 def test_a_range_cut_or_throttled_is_read_again(faulty, kind):
-    store, proxy = _committed_large(faulty), faulty[1]
-    rule = _range_rule(proxy, 0, **(dict(fault="truncate") if kind == "truncate" else UPLOAD_FAULTS["slowdown"]))
+    store, (backend, proxy) = _committed_large(faulty), faulty
+    rule = _range_rule(proxy, backend, 0, **(dict(fault="truncate") if kind == "truncate" else UPLOAD_FAULTS["slowdown"]))
     assert store.read(2, "model.bin") == LARGE
     assert rule.hits == 1
-    assert len(_model_gets(proxy)) == -(-len(LARGE) // PART) + 1  # every range once, the faulted one twice
+    assert len(_model_gets(proxy, backend)) == -(-len(LARGE) // PART) + 1  # every range once, the faulted one twice
 
 
 @pytest.mark.parametrize("size_bytes", [PART + 1, 3 * PART, 0])
@@ -251,11 +293,83 @@ def test_an_object_of_another_size_is_an_integrity_error_with_its_real_size(faul
     (longer, shorter, empty) is reported with its real size."""
     backend = faulty[0]
     store = _committed_large(faulty)
-    bucket = _bucket(backend)
-    (key,) = [k for k in _keys(server, backend, "step-000002/") if k.endswith("/model.bin")]
-    server.boto3_client().put_object(Bucket=bucket, Key=key, Body=_data(size_bytes))
+    (rel,) = [k for k in stored_keys(backend, "step-000002/") if k.endswith("/model.bin")]
+    raw_put(raw_backend(backend), rel, _data(size_bytes))
     with pytest.raises(IntegrityError) as caught:
         store.read(2, "model.bin")
     message = str(caught.value)
     assert f"has {size_bytes} bytes, manifest says {len(LARGE)}" in message
     assert f"payload 'model.bin' at {backend.url}/step-000002/attempt-" in message
+
+
+# -- GCS: the compose tree ------------------------------------------------------------------------
+def test_compose_groups_make_a_tree_of_at_most_32_sources_in_byte_order():
+    from opd_store.storage.gcs_transfers import compose_groups
+
+    names = [f"p{i:05d}" for i in range(1, 1090)]  # 1,089 parts: 35 groups, then 2, then 1
+    levels = compose_groups(names)
+    assert [len(level) for level in levels] == [35, 2, 1]
+    assert all(len(group) <= 32 for level in levels for group in level)
+    assert [name for group in levels[0] for name in group] == names  # every part once, in order
+    assert levels[1] == [[f"0:{i}" for i in range(32)], [f"0:{i}" for i in range(32, 35)]]
+    assert levels[2] == [["1:0", "1:1"]]
+    assert compose_groups(["only"]) == [[["only"]]]
+    assert compose_groups(names[:32]) == [[names[:32]]]
+
+
+@pytest.mark.parametrize("server", ["fake_gcs"], indirect=True)
+def test_a_gcs_payload_of_more_parts_than_one_compose_takes_is_composed_as_a_tree(faulty, server, monkeypatch):
+    """With a fan-in of 2 (GCS's is 32: the same code path, 4 parts instead of 33), the 4 parts of
+    ``model.bin`` become 2 intermediate composites, then the payload; every temporary object is
+    deleted before the manifest is created."""
+    import opd_store.storage.gcs_transfers as gcs_transfers
+
+    monkeypatch.setattr(gcs_transfers, "MAX_COMPOSE_SOURCES", 2)
+    backend, proxy = faulty
+    store = open_store(backend)
+    save(store, 2, {"model.bin": LARGE})
+    composes = [r for r in proxy.requests if r.op == "Compose"]
+    targets = sorted(GCS.object_of(r).rpartition("/")[2] + (PART_MARKER if PART_MARKER in r.path else "")
+                     for r in composes)
+    assert targets == ["model.bin", "model.bin.part-", "model.bin.part-"]
+    deletes = [i for i, r in enumerate(proxy.requests) if r.op == "DeleteObject"]
+    assert len(deletes) == 4 + 2  # the parts and the intermediate composites
+    manifest = next(i for i, r in enumerate(proxy.requests) if r.op == GCS.create_op)
+    assert manifest > max(deletes)
+    assert _leftovers(server, backend) == []
+    assert store.read(2, "model.bin") == LARGE
+
+
+# -- sizes around a part --------------------------------------------------------------------------
+SIZES = {"empty.bin": 0, "one.bin": 1, "under.bin": PART - 1, "part.bin": PART, "over.bin": PART + 1,
+         "three.bin": 3 * PART + 1}
+
+
+def test_payloads_around_the_part_size_round_trip_bit_exact_in_the_fewest_requests(faulty):
+    """A payload of at most one part (0, 1, part - 1, part bytes) is one upload request and no
+    assembly; part + 1 is 2 parts, 3 parts + 1 is 4, each assembled once (and on GCS its
+    temporary objects deleted); every read is one ranged GET per part and nothing else."""
+    backend, proxy = faulty
+    dialect = dialect_of(backend)
+    store = open_store(backend)
+    payloads = {name: _data(size, salt=size % 7) for name, size in SIZES.items()}
+    save(store, 3, payloads)
+    for name, size in SIZES.items():
+        parts = -(-size // PART)
+        mine = [r.op for r in proxy.requests if dialect.names(r, name)]
+        if parts <= 1:
+            single = "MediaUpload" if dialect is GCS else "PutObject"
+            assert mine == [single], (name, mine)
+        else:
+            assert mine.count(dialect.part_op) == parts and mine.count(dialect.assemble_op) == 1, (name, mine)
+            assert mine.count("DeleteObject") == (parts if dialect is GCS else 0), (name, mine)
+    proxy.clear()
+    for name, data in payloads.items():
+        assert store.read(3, name) == data, name
+        gets = [r for r in proxy.requests if r.op == dialect.get_op and dialect.names(r, name)]
+        assert len(gets) == -(-len(data) // PART), name
+    assert _leftovers_of(backend) == []
+
+
+def _leftovers_of(backend) -> list[str]:
+    return [key for key in stored_keys(backend) if PART_MARKER in key]

@@ -1,11 +1,13 @@
-"""Every write path moves a payload larger than one part as parallel multipart parts, on both S3
-servers (moto, SeaweedFS): an OPD save, an asynchronous save, a rank's part of a multi-rank save,
-the tier upload of a tiered store, ``opd-store cp`` and ``opd-store migrate``. Each is counted at a recording proxy: the
-large payload goes up as one ``CreateMultipartUpload``, its parts (5 MiB, then the rest) and one
-``CompleteMultipartUpload``, and the manifest is the last request that writes.
+"""Every write path moves a payload larger than one part as parallel parts, on both S3 servers
+(moto, SeaweedFS) and on GCS (fake-gcs-server): an OPD save, an asynchronous save, a rank's part of
+a multi-rank save, the tier upload of a tiered store, ``opd-store cp`` and ``opd-store migrate``.
+Each is counted at a recording proxy: on S3 the large payload goes up as one
+``CreateMultipartUpload``, its parts (5 MiB, then the rest) and one ``CompleteMultipartUpload``; on
+GCS as its parts (temporary objects) and one ``compose``; the manifest is the last request that
+writes.
 
 s3fs's own file writer (what the stores used before) would have sent this payload as one
-``PutObject``: its default block is 50 MiB.
+``PutObject`` (its default block is 50 MiB), gcsfs's as one resumable upload.
 """
 
 from __future__ import annotations
@@ -20,20 +22,22 @@ from opd_store import AsyncCheckpointer, CheckpointStore, TieredStore, save_opd_
 from opd_store.cli import main as cli_main
 from opd_store.storage.parts import MIN_PART_SIZE_BYTES
 from opd_store.testing.opd import PROVENANCE, StubAdapterModel, TinyConfig, make_training, save_kwargs, trainer_state
-from opd_store.testing.proxies import S3Proxy, through_proxy
+from opd_store.testing.proxies import through_proxy
 from opd_store.testing.stores import open_store
+from opd_store.testing.gcs import gcs_object
+from opd_store.testing.transfer_dialects import GCS, S3, dialect_of
 
 PART = MIN_PART_SIZE_BYTES
-WRITES = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload")
 
 
-@pytest.fixture(params=["moto_s3", "seaweed_s3"])
+@pytest.fixture(params=["moto_s3", "seaweed_s3", "fake_gcs"])
 def proxied(request):
-    """A clean bucket on one of the S3 servers behind a recording proxy: (backend, proxy)."""
+    """A clean bucket on one of the object-store servers behind a recording proxy: (backend, proxy)."""
     server = request.getfixturevalue(request.param)
-    proxy = S3Proxy(server.endpoint_url)
+    backend = server.new_backend()
+    proxy = dialect_of(backend).proxy(server.endpoint_url)
     try:
-        yield through_proxy(server.new_backend(), proxy, part_size_bytes=PART, parts_in_flight=4), proxy
+        yield through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=4), proxy
     finally:
         proxy.stop()
 
@@ -46,14 +50,23 @@ def _large_model() -> StubAdapterModel:
 
 
 def assert_uploaded_in_parts(proxy, name: str, size_bytes: int) -> None:
-    """``name`` went up as a multipart upload of 5 MiB parts, and the manifest was written last."""
-    mine = [r for r in proxy.requests if r.path.endswith("/" + name) and r.op in WRITES]
-    assert [r.op for r in mine if r.op != "UploadPart"] == ["CreateMultipartUpload", "CompleteMultipartUpload"]
-    parts = sorted((r for r in mine if r.op == "UploadPart"), key=lambda r: r.query)
+    """``name`` went up in 5 MiB parts (S3: a multipart upload; GCS: temporary objects composed into
+    it, then deleted), and the manifest was written last."""
+    dialect = GCS if isinstance(proxy, GCS.proxy) else S3
+    mine = [r for r in proxy.requests if dialect.names(r, name) and r.op in dialect.writes]
+    assembly = ["Compose"] if dialect is GCS else ["CreateMultipartUpload", "CompleteMultipartUpload"]
+    assert [r.op for r in mine if r.op != dialect.part_op] == assembly
+    parts = [r for r in mine if r.op == dialect.part_op]
     expected = [PART] * (size_bytes // PART) + ([size_bytes % PART] if size_bytes % PART else [])
     assert sorted(r.request_bytes for r in parts) == sorted(expected)
-    writes = [r for r in proxy.requests if r.op in WRITES]
-    assert writes[-1].op == "PutObject" and writes[-1].path.endswith("/manifest.json")
+    assert sorted(dialect.part_number(r) for r in parts) == list(range(1, len(expected) + 1))
+    writes = [r for r in proxy.requests if r.op in dialect.writes]
+    assert writes[-1].op == dialect.create_op and (dialect is GCS or writes[-1].path.endswith("/manifest.json"))
+    if dialect is GCS:  # every temporary part object deleted before the manifest
+        deleted = [r for r in proxy.requests if r.op == "DeleteObject" and ".part-" in gcs_object(r)
+                   and dialect.names(r, name)]
+        assert len(deleted) == len(expected)
+        assert proxy.requests.index(deleted[-1]) < proxy.requests.index(writes[-1])
 
 
 def _adapter_entry(store, step: int):
@@ -107,6 +120,9 @@ def test_tier_upload(proxied, tmp_path):
 def _cli_options(backend, prefix: str = "") -> list[str]:
     """Command-line options that reach ``backend`` with 5 MiB parts (``prefix``: ``dst-`` for cp)."""
     options = backend.storage_options
+    if backend.name == "gcs":
+        settings = [f"{key}={options[key]}" for key in ("endpoint_url", "token", "project")]
+        return [arg for setting in settings + [f"part_size_bytes={PART}"] for arg in (f"--{prefix}storage-option", setting)]
     return [f"--{prefix}s3-endpoint-url", options["endpoint_url"]] + [
         arg for setting in (f"key={options['key']}", f"secret={options['secret']}", f"part_size_bytes={PART}")
         for arg in (f"--{prefix}storage-option", setting)]

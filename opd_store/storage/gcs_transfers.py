@@ -1,0 +1,232 @@
+"""Parallel GCS uploads over gcsfs's asynchronous API: parallel composite uploads.
+
+gcsfs's file writer sends a payload over one connection (a resumable upload, one chunk after the
+other). :func:`GCSPartWriter` (``Storage.open_write``) uploads it the way gcloud and gsutil's
+"parallel composite uploads" do (GCS docs, "Parallel composite uploads"): each full part buffer goes
+up as a *temporary object* beside the payload while the caller keeps writing, up to
+``parts_in_flight`` at once (the shared :class:`~opd_store.storage.part_writer.PartWriter`), and
+the payload is then assembled from them by ``compose``, on gcsfs's own event loop and aiohttp
+session (its credentials, endpoint, timeouts and retries: 5xx, 408 and 429 back off up to 6 times).
+
+==================  ==============================================================================
+at most one part    one ``POST .../upload/storage/v1/b/B/o?uploadType=media&name=K`` (a single-
+                    request upload; no temporary object, no compose)
+each part           one ``uploadType=media`` upload of the temporary object
+                    ``<payload>.part-<token>-00001``, ``-00002``... in the same attempt prefix. The
+                    body is a seekable reader over the part buffer
+                    (:class:`~opd_store.storage.parts.MemoryReader`), sent in chunks without a copy
+                    of the part (gcsfs rewinds it for a retry).
+finish              ``POST .../o/K/compose`` of the parts, in order. GCS composes at most 32
+                    source objects per request (GCS docs, "Compose objects": "between 1 and 32
+                    source objects"), so more parts are composed as a tree: groups of 32 into
+                    temporary objects ``<payload>.part-<token>-c1-00001``..., then those, until one
+                    request makes the payload. Then every temporary object is deleted, and only then
+                    is the payload reported published: a save's manifest, created after every
+                    payload's completion, never names an attempt that still holds temporary objects.
+any failure         (after gcsfs's retries) every temporary object written is deleted once the parts
+                    in flight have settled, and the failure is raised as
+                    :class:`~opd_store.errors.PayloadUploadError` naming the object and the request;
+                    a deletion that fails is logged, and the objects left are inside the attempt
+                    prefix, which ``gc`` removes with the uncommitted attempt.
+==================  ==============================================================================
+
+A composite object has a CRC32C but no MD5 hash (GCS docs, "Composite objects": "Composite objects
+do not have an MD5 hash metadata field"); opd_store checks its own CRC32C on every read, so nothing
+here depends on an MD5. The reads are :mod:`opd_store.storage.gcs_reads`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any
+from urllib.parse import quote
+
+from .part_writer import PartWriter, named_error
+from .parts import MemoryReader, PartPool
+
+logger = logging.getLogger("opd_store.storage")
+
+MAX_COMPOSE_SOURCES = 32
+"""GCS's most source objects in one compose request (GCS docs, "Compose objects")."""
+
+PART_MARKER = ".part-"
+"""What every temporary part object's name holds after its payload's name."""
+
+
+def compose_groups(names: list[str], fan_in: int = MAX_COMPOSE_SOURCES) -> list[list[list[str]]]:
+    """The compose tree of ``names`` (in order): one list of groups per level, the last level one
+    group. A group of level ``n > 0`` names the results of level ``n - 1`` by their index.
+
+    Each level groups the previous one's results ``fan_in`` at a time (in order, so the bytes stay
+    in order); a level of one group composes the payload.
+
+    Args:
+        names (list[str]): the part objects, in byte order (at least one).
+        fan_in (int): sources per compose request (GCS: at most 32).
+
+    Returns:
+        list[list[list[str]]]: for each level, its groups of source names; level ``n > 0``'s
+        sources are ``"<level-1>:<index>"`` placeholders for the previous level's results.
+    """
+    levels: list[list[list[str]]] = []
+    sources = list(names)
+    level = 0
+    while True:
+        groups = [sources[i:i + fan_in] for i in range(0, len(sources), fan_in)]
+        levels.append(groups)
+        if len(groups) == 1:
+            return levels
+        sources = [f"{level}:{i}" for i in range(len(groups))]
+        level += 1
+
+
+class _RewindableBody(MemoryReader):
+    """A part's request body that outlives one attempt: aiohttp closes a file body once it was sent,
+    and gcsfs rewinds the same body for a retry (gcsfs's own ``UnclosableBytesIO`` exists for the
+    same reason). :meth:`release` closes it when the request is over."""
+
+    def close(self) -> None:
+        """Kept open for a retry (see the class)."""
+
+    def release(self) -> None:
+        super().close()
+
+
+def upload_url(fs, bucket: str) -> str:
+    """The JSON API's upload endpoint for ``bucket`` on ``fs``'s endpoint (``fs.base`` is
+    ``<endpoint>/storage/v1/``; uploads go to ``<endpoint>/upload/storage/v1/b/<bucket>/o``)."""
+    endpoint = fs.base.rstrip("/").removesuffix("/storage/v1")
+    return f"{endpoint}/upload/storage/v1/b/{quote(bucket, safe='')}/o"
+
+
+class GCSComposite:
+    """One GCS object uploaded as composed temporary parts (a
+    :class:`~opd_store.storage.part_writer.Multipart`).
+
+    Args:
+        fs: the store's ``gcsfs.GCSFileSystem``.
+        bucket (str), key (str): the object.
+        url (str): the object's URL (for messages).
+
+    Attributes:
+        temporary (list[str]): keys of every temporary object this upload may have created (its
+            parts and intermediate composites), in the order they were started.
+    """
+
+    def __init__(self, fs, bucket: str, key: str, url: str) -> None:
+        self._fs = fs
+        self._bucket = bucket
+        self._key = key
+        self.url = url
+        self.loop = fs.loop
+        self._token = secrets.token_hex(4)
+        self.temporary: list[str] = []
+
+    def start(self) -> None:
+        """Nothing to create before the first part (a part is an object of its own)."""
+
+    def _temporary_key(self, suffix: str) -> str:
+        key = f"{self._key}{PART_MARKER}{self._token}-{suffix}"
+        self.temporary.append(key)
+        return key
+
+    async def _media_upload(self, request: str, key: str, body: bytearray) -> dict[str, Any]:
+        """One single-request upload (``uploadType=media``) of ``body`` as ``key``; its JSON answer."""
+        reader = _RewindableBody(body)
+        try:
+            return await self._fs._call(
+                "POST", upload_url(self._fs, self._bucket),
+                uploadType="media", name=key, data=reader, json_out=True,
+                headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(body))})
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise named_error(self.url, request, exc)  # noqa: B904 - the cause is set by named_error
+        finally:
+            reader.release()
+
+    async def put(self, body: bytearray) -> None:
+        await self._media_upload("upload", self._key, body)
+
+    async def upload_part(self, number: int, body: bytearray) -> str:
+        key = self._temporary_key(f"{number:05d}")
+        await self._media_upload(f"upload of part {number} ({key.rpartition('/')[2]})", key, body)
+        return key
+
+    async def _compose(self, sources: list[str], destination: str) -> None:
+        try:
+            await self._fs._call(
+                "POST", "b/{}/o/{}/compose", self._bucket, destination,
+                json={"kind": "storage#composeRequest", "sourceObjects": [{"name": s} for s in sources],
+                      "destination": {"name": destination, "bucket": self._bucket,
+                                      "contentType": "application/octet-stream"}},
+                headers={"Content-Type": "application/json"}, json_out=True)
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise named_error(self.url, f"compose of {len(sources)} objects into {destination.rpartition('/')[2]}",
+                              exc)  # noqa: B904 - the cause is set by named_error
+
+    async def complete(self, parts: list[Any]) -> None:
+        """Compose ``parts`` (their keys, in order) into the object (a tree above 32), then delete
+        every temporary object.
+
+        Raises:
+            PayloadUploadError: a compose or a deletion failed after gcsfs's retries (the caller
+                then removes the temporary objects; a payload composed already is overwritten by
+                the next attempt or removed with its uncommitted attempt).
+        """
+        results: list[str] = []
+        levels = compose_groups(list(parts), MAX_COMPOSE_SOURCES)
+        for depth, groups in enumerate(levels):
+            sources = [[results[int(s.partition(":")[2])] if depth else s for s in group] for group in groups]
+            last = depth == len(levels) - 1
+            targets = [self._key] if last else [self._temporary_key(f"c{depth + 1}-{i + 1:05d}")
+                                                 for i in range(len(groups))]
+            await asyncio.gather(*(self._compose(group, target) for group, target in zip(sources, targets)))
+            results = targets
+        await self._delete_temporary(strict=True)
+
+    async def abort(self) -> None:
+        await self._delete_temporary(strict=False)
+
+    async def _delete_temporary(self, *, strict: bool) -> None:
+        """Delete every temporary object (one request each, concurrently; one never created is
+        gone already).
+
+        Raises:
+            PayloadUploadError: ``strict`` and a deletion failed after gcsfs's retries (the
+                payload is then not reported published, so no manifest names an attempt holding it).
+        """
+        keys, self.temporary = self.temporary, []
+        outcomes = await asyncio.gather(*(self._delete(key) for key in keys), return_exceptions=True)
+        failed = [(key, o) for key, o in zip(keys, outcomes) if isinstance(o, BaseException)]
+        if not failed:
+            return
+        self.temporary = [key for key, _ in failed]  # an abort after a failed finish tries them again
+        key, exc = failed[0]
+        if strict:
+            raise named_error(self.url, f"delete of {len(failed)} temporary part objects ({key.rpartition('/')[2]}...)",
+                              exc)
+        logger.warning("%s: could not delete %d temporary part objects (%s...): %r; `opd-store gc` removes them "
+                       "with the uncommitted attempt", self.url, len(failed), key, exc)
+
+    async def _delete(self, key: str) -> None:
+        try:
+            await self._fs._call("DELETE", "b/{}/o/{}", self._bucket, key)
+        except FileNotFoundError:  # never created (a part that failed), or deleted already
+            pass
+
+
+def GCSPartWriter(fs, bucket: str, key: str, url: str, pool: PartPool) -> PartWriter:  # noqa: N802 - a file's constructor
+    """A write-only binary file for the GCS object ``bucket/key``, uploaded as a parallel composite
+    upload (:class:`~opd_store.storage.part_writer.PartWriter` over :class:`GCSComposite`).
+
+    Args:
+        fs: the store's ``gcsfs.GCSFileSystem``.
+        bucket (str), key (str): the object.
+        url (str): the object's URL (for messages).
+        pool (PartPool): the store's part buffers (their size is the part size).
+    """
+    return PartWriter(GCSComposite(fs, bucket, key, url), pool)
+
+
+__all__ = ["GCSComposite", "GCSPartWriter", "MAX_COMPOSE_SOURCES", "PART_MARKER", "compose_groups"]
