@@ -1,9 +1,13 @@
 """Copy one committed checkpoint between stores, committed at the destination with the same protocol.
 
 Used by ``opd-store cp`` and by the tiered store's uploads. The copy streams payload by payload (never
-a whole payload in memory): each source object is read in chunks straight into a destination
-payload writer, which checksums the bytes as they pass; a size or CRC32C that differs from the
-source manifest aborts the attempt before anything is committed. After the commit, the destination
+a whole payload in memory): each source object is read in chunks through one reused buffer straight
+into a destination payload writer, and its size and CRC32C are computed over the bytes as they pass;
+a size or CRC32C that differs from the source manifest aborts the attempt before anything is
+committed. The source is read with ``Storage.open_read_stream`` of the manifest's size: from S3,
+``parts_in_flight`` ranged GETs of ``part_size_bytes`` at once in at most that many reused part
+buffers (:mod:`opd_store.storage.range_stream`), so a copy moves over several connections in
+bounded memory; the destination writes in parallel parts as every save does. After the commit, the destination
 is verified deeply (every object read back, sizes and CRC32C against its manifest); a copy that
 fails that check is deleted again (manifest first) and reported.
 """
@@ -12,15 +16,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
 from .checksum import Crc32c
 from .errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, SaveAbandonedError
 from .layout import step_dirname
+from .manifest import PayloadEntry
 from .status import COMPLETE, LEGACY
 from .storage.backend_errors import is_missing
 from .store import CheckpointStore
+
+if TYPE_CHECKING:
+    from .transaction import Transaction
 
 logger = logging.getLogger("opd_store.transfer")
 
@@ -63,12 +72,15 @@ def copy_checkpoint(
         CheckpointNotFoundError: ``src`` has no checkpoint at ``step`` (``FileNotFoundError``).
         IncompleteCheckpointError: the source step is not complete (incomplete, corrupt, or a
             legacy seed-layout step, which has no manifest: use ``opd-store migrate``).
-        IntegrityError: a source payload's bytes differ from its manifest entry (nothing is
-            committed), or the committed destination copy fails deep verification (it is deleted).
+        IntegrityError: a source payload's bytes differ from its manifest entry, or a ranged read
+            of it came back short or found an object of another size (the message names the step,
+            the payload and the object; nothing is committed), or the committed destination copy
+            fails deep verification (it is deleted).
         CommitConflictError: ``dst`` already holds ``step`` (``FileExistsError``); nothing written.
         ManifestError: the source manifest is unreadable.
         SaveAbandonedError: ``cancelled`` was set; nothing committed at ``dst``.
-        OSError: a backend failure; the destination step is then not committed.
+        OSError: a backend failure; the destination step is then not committed (an unreachable
+            source endpoint: :class:`~opd_store.errors.StoreUnreachableError` naming the object).
     """
     callback = callback or DEFAULT_CALLBACK
     status = src.status(step)
@@ -91,37 +103,9 @@ def copy_checkpoint(
     with dst.begin(step, world_size=manifest.world_size, metadata=dict(manifest.metadata)) as txn:
         if cancelled is not None:
             txn.cancel_when(cancelled)
+        chunk = bytearray(_CHUNK_BYTES)  # one reused buffer between the source reader and the writer
         for entry in manifest.payloads:
-            source_url = src.storage.url(f"{prefix}/{entry.path}")
-            try:
-                reader = src.storage.open_read(f"{prefix}/{entry.path}")
-            except Exception as exc:  # noqa: BLE001 - a missing payload is named; anything else propagates
-                if not is_missing(exc):
-                    raise
-                raise IncompleteCheckpointError(
-                    f"step {step}: payload {entry.name!r} listed in the manifest is missing at {source_url}"
-                ) from exc
-            crc = Crc32c()
-            with reader, txn.open(entry.name) as writer:
-                while True:
-                    chunk = reader.read(_CHUNK_BYTES)
-                    if not chunk:
-                        break
-                    crc.update(chunk)
-                    writer.write(chunk)
-                    callback.relative_update(len(chunk))
-                    if cancelled is not None and cancelled.is_set():
-                        raise SaveAbandonedError(
-                            f"copy of step {step} to {dst.url} abandoned before its commit (exit deadline passed); "
-                            "nothing committed there")
-                    if crc.size_bytes > entry.size_bytes:
-                        break
-                if crc.size_bytes != entry.size_bytes or crc.hexdigest() != entry.crc32c:
-                    raise IntegrityError(
-                        f"step {step}: source payload {entry.name!r} at {source_url} does not match its "
-                        f"manifest (expected {entry.size_bytes} bytes, crc32c {entry.crc32c}; read "
-                        f"{crc.size_bytes} bytes, crc32c {crc.hexdigest()}); nothing committed at {dst.url}"
-                    )
+            _copy_payload(src, step, entry, txn, dst.url, chunk, callback, cancelled)
     url = txn.committed_url
     report = dst.verify(step, deep=True) if verify_deep else None
     if report is not None and not report.ok:
@@ -132,6 +116,55 @@ def copy_checkpoint(
         )
     logger.info("copied %s to %s (%d bytes)", src.step_url(step), url, manifest.total_size_bytes)
     return url
+
+
+def _copy_payload(src: CheckpointStore, step: int, entry: PayloadEntry, txn: "Transaction", dst_url: str,
+                  chunk: bytearray, callback: Callback, cancelled: threading.Event | None) -> None:
+    """Stream one source payload into ``txn`` through ``chunk``, checking its size and CRC32C
+    against ``entry`` before the payload is closed (see :func:`copy_checkpoint` for the errors)."""
+    rel = f"{step_dirname(step)}/{entry.path}"
+    source_url = src.storage.url(rel)
+
+    def missing(exc: BaseException) -> IncompleteCheckpointError:
+        return IncompleteCheckpointError(
+            f"step {step}: payload {entry.name!r} listed in the manifest is missing at {source_url}")
+
+    try:
+        reader = src.storage.open_read_stream(rel, entry.size_bytes)
+    except Exception as exc:  # noqa: BLE001 - a missing payload is named; anything else propagates
+        if not is_missing(exc):
+            raise
+        raise missing(exc) from exc
+    crc = Crc32c()
+    view = memoryview(chunk)
+    with reader, txn.open(entry.name) as writer:
+        while True:
+            try:
+                count = reader.readinto(view)
+            except IntegrityError as exc:  # a short range, an object of another size: named with the step
+                raise IntegrityError(f"step {step}: source payload {entry.name!r}: {exc}; nothing committed at "
+                                     f"{dst_url}") from exc
+            except Exception as exc:  # noqa: BLE001 - a payload gone since the listing is named
+                if not is_missing(exc):
+                    raise
+                raise missing(exc) from exc
+            if not count:
+                break
+            crc.update(view[:count])
+            writer.write(view[:count])
+            callback.relative_update(count)
+            if cancelled is not None and cancelled.is_set():
+                raise SaveAbandonedError(
+                    f"copy of step {step} to {dst_url} abandoned before its commit (exit deadline passed); "
+                    "nothing committed there")
+            if crc.size_bytes > entry.size_bytes:
+                break
+        if crc.size_bytes != entry.size_bytes or crc.hexdigest() != entry.crc32c:
+            raise IntegrityError(
+                f"step {step}: source payload {entry.name!r} at {source_url} does not match its "
+                f"manifest (expected {entry.size_bytes} bytes, crc32c {entry.crc32c}; read "
+                f"{crc.size_bytes} bytes, crc32c {crc.hexdigest()}); nothing committed at {dst_url}"
+            )
 
 
 __all__ = ["copy_checkpoint"]

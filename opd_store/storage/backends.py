@@ -227,7 +227,8 @@ class S3Storage(_BucketStorage):
     Payloads move in parallel: uploads (:mod:`opd_store.storage.s3_transfers`) as multipart parts
     of ``transfers.part_size_bytes``, up to ``transfers.parts_in_flight`` at once across the
     store's payloads; reads (:mod:`opd_store.storage.s3_reads`) as parallel ranged GETs into one
-    buffer.
+    buffer; streaming reads for copies (:mod:`opd_store.storage.range_stream`) as parallel ranged
+    GETs into ``parts_in_flight`` reused part buffers, handed out in order.
     """
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
@@ -302,6 +303,17 @@ class S3Storage(_BucketStorage):
         bucket, key = self._bucket_and_key(rel)
         return read_checked(self.fs, bucket, key, self.url(rel), self.transfers,  # type: ignore[return-value]
                             self._expected_size(rel, size_bytes))
+
+    def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
+        if not size_bytes:  # nothing to range over: one stream, whose size the caller checks
+            return self.open_read(rel)
+        from .range_stream import RangeStream, s3_range_fetcher
+
+        bucket, key = self._bucket_and_key(rel)
+        url = self.url(rel)
+        return RangeStream(self.fs.loop, s3_range_fetcher(self.fs, bucket, key, url, size_bytes), url,  # type: ignore[return-value]
+                           size_bytes, self.read_pool(), self.transfers.parts_in_flight,
+                           translate=lambda exc: self.unreachable_error(rel, "read", exc))
 
     def list_uploads(self) -> list[tuple[str, str, float]]:
         # ListMultipartUploads with the store's prefix (s3fs's list_multipart_uploads lists the

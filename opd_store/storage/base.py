@@ -92,6 +92,7 @@ class Storage(abc.ABC):
         self.timeouts = timeouts or ClientTimeouts()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
         self._part_pool: PartPool | None = None
+        self._read_pool: PartPool | None = None
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
@@ -116,12 +117,20 @@ class Storage(abc.ABC):
         """Move payloads with ``settings`` from now on (before the first transfer)."""
         self.transfers = settings
         self._part_pool = None
+        self._read_pool = None
 
     def part_pool(self) -> PartPool:
         """This store's reused part buffers: ``parts_in_flight`` of ``part_size_bytes``."""
         if self._part_pool is None:
             self._part_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
         return self._part_pool
+
+    def read_pool(self) -> PartPool:
+        """Reused buffers of :meth:`open_read_stream` readers (at most ``parts_in_flight`` each),
+        apart from the upload buffers of :meth:`part_pool`: a reader never waits for an upload."""
+        if self._read_pool is None:
+            self._read_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
+        return self._read_pool
 
     # -- names -------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -294,6 +303,18 @@ class Storage(abc.ABC):
             FileNotFoundError: no such object.
         """
         return io.BytesIO(self.read_bytes(rel))
+
+    def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
+        """A forward-only reader of the ``size_bytes`` expected of ``rel`` (a manifest's size) in
+        bounded memory, for copies. The default is :meth:`open_read`; S3 keeps ``parts_in_flight``
+        ranges in flight (:class:`~opd_store.storage.range_stream.RangeStream`). No checksum is
+        checked: the caller compares what it reads with the manifest.
+
+        Raises:
+            FileNotFoundError: no such object (here, or at the reader's first read).
+            IntegrityError: (reads of ranges) a short range, or an object of another size.
+        """
+        return self.open_read(rel)
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.

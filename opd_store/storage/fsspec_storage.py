@@ -30,7 +30,7 @@ from .base import Storage
 # <cause>``, so each operation is a whole phrase after the URL (never one ending in "of").
 _VERB_OPERATIONS = {
     "list_children": "list", "list_tree": "list", "list_tree_modified": "list", "size": "read its size",
-    "read_bytes": "read", "open_read": "open", "open_checked": "read", "open_write": "start writing",
+    "read_bytes": "read", "open_read": "open", "open_read_stream": "open", "open_checked": "read", "open_write": "start writing",
     "finish_write": "write", "create_exclusive": "create", "delete": "delete", "delete_tree": "delete",
     "sync_prefix": "sync", "list_uploads": "list its multipart uploads", "abort_upload": "abort an upload under it",
     "newest_part_secs": "list the parts of an upload under it", "clock_secs": "read the store's clock",
@@ -45,10 +45,11 @@ def _translating(operation: str, method):
         except OpdStoreError:
             raise
         except Exception as exc:  # noqa: BLE001 - only unreachable-store failures are translated
-            if not is_unreachable(exc):
-                raise
             rel = kwargs.get("rel") or next((arg for arg in args if isinstance(arg, str)), "")  # finish_write(handle, rel)
-            raise StoreUnreachableError(f"{self.url(rel)}: cannot {operation}: {self.explain(exc)}") from exc
+            translated = self.unreachable_error(rel, operation, exc)
+            if translated is None:
+                raise
+            raise translated from exc
 
     verb.translates_failures = True
     return verb
@@ -95,6 +96,15 @@ class FsspecStorage(Storage):
         if not full.startswith(prefix):
             raise ValueError(f"listing returned {full!r} outside {base!r}")
         return full[len(prefix):]
+
+    def unreachable_error(self, rel: str, operation: str, exc: BaseException) -> StoreUnreachableError | None:
+        """``exc`` as the :class:`~opd_store.errors.StoreUnreachableError` that a verb on ``rel``
+        doing ``operation`` raises (``<URL>: cannot <operation>: <cause>``), or ``None`` when it
+        is not a failure to reach the store (it is then raised as it is). Also used by readers that
+        fail after the verb that made them returned (a streaming read's ranges)."""
+        if isinstance(exc, OpdStoreError) or not is_unreachable(exc):
+            return None
+        return StoreUnreachableError(f"{self.url(rel)}: cannot {operation}: {self.explain(exc)}")
 
     def refresh(self) -> None:
         """Drop every listing and size cached by the filesystem instance."""
