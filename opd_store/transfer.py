@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
@@ -118,6 +118,40 @@ def copy_checkpoint(
     return url
 
 
+def stream_payload(read_into: Callable[[memoryview], int], writer: BinaryIO, chunk: bytearray, crc: Crc32c, *,
+                   limit_bytes: int, each_chunk: Callable[[int], None] | None = None) -> None:
+    """Copy a source into ``writer`` through the reused buffer ``chunk``, updating ``crc`` (size
+    and CRC32C) with every byte before it is written; stops at the end of the source or once more
+    than ``limit_bytes`` passed (the caller compares ``crc`` with what it expected).
+
+    Args:
+        read_into (Callable[[memoryview], int]): fills the view it is given from the source and
+            returns the bytes filled, 0 at its end (a reader's ``readinto``, from
+            ``Storage.open_read_stream``).
+        writer (BinaryIO): a payload writer (``Transaction.open``).
+        chunk (bytearray): the buffer each read lands in (its length is the chunk size).
+        crc (Crc32c): updated in place.
+        limit_bytes (int): the size expected of the source.
+        each_chunk (Callable[[int], None] | None): called with each chunk's byte count after it
+            was written (progress; it may raise to stop the copy).
+
+    Raises:
+        Exception: whatever ``read_into``, the writer or ``each_chunk`` raise.
+    """
+    view = memoryview(chunk)
+    try:
+        while crc.size_bytes <= limit_bytes:
+            count = read_into(view)
+            if not count:
+                return
+            crc.update(view[:count])
+            writer.write(view[:count])
+            if each_chunk is not None:
+                each_chunk(count)
+    finally:
+        view.release()
+
+
 def _copy_payload(src: CheckpointStore, step: int, entry: PayloadEntry, txn: "Transaction", dst_url: str,
                   chunk: bytearray, callback: Callback, cancelled: threading.Event | None) -> None:
     """Stream one source payload into ``txn`` through ``chunk``, checking its size and CRC32C
@@ -135,30 +169,28 @@ def _copy_payload(src: CheckpointStore, step: int, entry: PayloadEntry, txn: "Tr
         if not is_missing(exc):
             raise
         raise missing(exc) from exc
+
+    def read_into(view: memoryview) -> int:
+        try:
+            return reader.readinto(view)
+        except IntegrityError as exc:  # a short range, an object of another size: named with the step
+            raise IntegrityError(f"step {step}: source payload {entry.name!r}: {exc}; nothing committed at "
+                                 f"{dst_url}") from exc
+        except Exception as exc:  # noqa: BLE001 - a payload gone since the listing is named
+            if not is_missing(exc):
+                raise
+            raise missing(exc) from exc
+
+    def each_chunk(count: int) -> None:
+        callback.relative_update(count)
+        if cancelled is not None and cancelled.is_set():
+            raise SaveAbandonedError(
+                f"copy of step {step} to {dst_url} abandoned before its commit (exit deadline passed); "
+                "nothing committed there")
+
     crc = Crc32c()
-    view = memoryview(chunk)
     with reader, txn.open(entry.name) as writer:
-        while True:
-            try:
-                count = reader.readinto(view)
-            except IntegrityError as exc:  # a short range, an object of another size: named with the step
-                raise IntegrityError(f"step {step}: source payload {entry.name!r}: {exc}; nothing committed at "
-                                     f"{dst_url}") from exc
-            except Exception as exc:  # noqa: BLE001 - a payload gone since the listing is named
-                if not is_missing(exc):
-                    raise
-                raise missing(exc) from exc
-            if not count:
-                break
-            crc.update(view[:count])
-            writer.write(view[:count])
-            callback.relative_update(count)
-            if cancelled is not None and cancelled.is_set():
-                raise SaveAbandonedError(
-                    f"copy of step {step} to {dst_url} abandoned before its commit (exit deadline passed); "
-                    "nothing committed there")
-            if crc.size_bytes > entry.size_bytes:
-                break
+        stream_payload(read_into, writer, chunk, crc, limit_bytes=entry.size_bytes, each_chunk=each_chunk)
         if crc.size_bytes != entry.size_bytes or crc.hexdigest() != entry.crc32c:
             raise IntegrityError(
                 f"step {step}: source payload {entry.name!r} at {source_url} does not match its "
@@ -167,4 +199,4 @@ def _copy_payload(src: CheckpointStore, step: int, entry: PayloadEntry, txn: "Tr
             )
 
 
-__all__ = ["copy_checkpoint"]
+__all__ = ["copy_checkpoint", "stream_payload"]

@@ -6,6 +6,10 @@ or ``rng-rank-XX.pt``, ``adapter/`` and ``config.yaml``. Those directories alrea
 store URL (a bucket, typically) so they gain a manifest with sizes and CRC32C checksums. Payload
 names and bytes are kept exactly; the ``COMPLETE`` marker is dropped (the manifest replaces it).
 
+Files that may be pickles (``.pt``, ``.bin``, ``.pth``) are read whole, to prove they load
+weights-only; every other file (the adapter's weights, the processor's files) streams in bounded
+memory, from a bucket over ``parts_in_flight`` ranged GETs at once (``Storage.open_read_stream``).
+
 Each copy is verified: the destination manifest must list exactly the source's files with their
 sizes and checksums, and every payload is read back through the store (which re-checks it against
 the manifest) and its checksum compared with the source's. Migration is idempotent: a step already
@@ -20,11 +24,13 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..checksum import crc32c_hex
+from ..checksum import Crc32c, crc32c_hex
 from ..errors import CheckpointNotFoundError, CommitConflictError, IntegrityError, UnsafeCheckpointError
 from ..status import COMPLETE, LEGACY, UNCOMMITTED
 from ..store import CheckpointStore
+from ..layout import step_dirname
 from ..store_refs import as_store
+from ..transfer import stream_payload
 from .names import TRAINING_STATE
 from .safe_load import find_unsafe_globals, load_payload
 
@@ -98,8 +104,13 @@ def _metadata(payload: Any, source_url: str) -> tuple[int, dict[str, Any]]:
     return world_size, metadata
 
 
+_PICKLED_SUFFIXES = (".pt", ".bin", ".pth")
+"""Files that may be ``torch.save`` archives: read whole, to prove they load weights-only."""
+_CHUNK_BYTES = 8 << 20
+
+
 def _check_loadable(name: str, data: bytes, url: str) -> None:
-    if not name.endswith((".pt", ".bin", ".pth")):
+    if not name.endswith(_PICKLED_SUFFIXES):
         return
     try:
         unsafe = find_unsafe_globals(data)
@@ -127,13 +138,18 @@ def _copy_step(src: CheckpointStore, dst: CheckpointStore, step: int) -> str:
     with dst.begin(step, world_size=world_size, metadata=metadata) as txn:
         txn.write_bytes(TRAINING_STATE, state_bytes)
         del state_bytes
+        sizes = src.storage.list_tree(step_dirname(step))
+        chunk = bytearray(_CHUNK_BYTES)
         for name in names:
             if name == TRAINING_STATE:
                 continue
-            data = src.read(step, name)
-            _check_loadable(name, data, source_url)
-            digests[name] = (len(data), crc32c_hex(data))
-            txn.write_bytes(name, data)
+            if name.endswith(_PICKLED_SUFFIXES):
+                data = src.read(step, name)
+                _check_loadable(name, data, source_url)
+                digests[name] = (len(data), crc32c_hex(data))
+                txn.write_bytes(name, data)
+            else:
+                digests[name] = _stream_file(src, step, name, sizes.get(name, 0), txn, chunk)
     url = txn.committed_url
     try:
         _verify_copy(dst, step, digests, url)
@@ -141,6 +157,27 @@ def _copy_step(src: CheckpointStore, dst: CheckpointStore, step: int) -> str:
         dst.delete(step)
         raise
     return url
+
+
+def _stream_file(src: CheckpointStore, step: int, name: str, size_bytes: int, txn: Any,
+                 chunk: bytearray) -> tuple[int, str]:
+    """Stream the seed file ``name`` (listed with ``size_bytes``) into ``txn`` in bounded memory
+    (from a bucket: parallel ranged GETs, ``Storage.open_read_stream``); its size and CRC32C.
+
+    Raises:
+        IntegrityError: a ranged read came back short, or the file is no longer ``size_bytes``
+            long (changed while it was copied); nothing of the step is committed.
+        OSError: the backend's failure (the file gone since the listing: ``FileNotFoundError``).
+    """
+    rel = f"{step_dirname(step)}/{name}"
+    crc = Crc32c()
+    with src.storage.open_read_stream(rel, size_bytes) as reader, txn.open(name) as writer:
+        stream_payload(reader.readinto, writer, chunk, crc, limit_bytes=size_bytes)
+        if crc.size_bytes != size_bytes:
+            raise IntegrityError(f"{src.storage.url(rel)}: seed file {name!r} was listed with {size_bytes} bytes but "
+                                 f"read with {'more' if crc.size_bytes > size_bytes else crc.size_bytes}; it changed "
+                                 f"during the migration of step {step}, which is not committed")
+    return crc.size_bytes, crc.hexdigest()
 
 
 def _verify_copy(dst: CheckpointStore, step: int, digests: dict[str, tuple[int, str]], url: str) -> None:

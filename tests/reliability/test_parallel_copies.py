@@ -1,4 +1,4 @@
-"""A copy (``opd-store cp``, ``copy_checkpoint``) reads its S3 source over several connections in
+"""A copy (``opd-store cp``, ``copy_checkpoint``, and ``migrate`` from a bucket) reads its S3 source over several connections in
 bounded memory, on both S3 servers of the suite (moto and SeaweedFS): ranged GETs of
 ``part_size_bytes``, ``parts_in_flight`` of them at once, each into a reused part buffer of the
 source store's read pool, handed to the destination in order. Proven at a proxy in front of the
@@ -14,14 +14,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import runpy
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
+import torch
 
 from opd_store import CheckpointStore, IntegrityError
 from opd_store.cli import main as cli_main
+from opd_store.opd.legacy import migrate_legacy
 from opd_store.storage.parts import MIN_PART_SIZE_BYTES
+from opd_store.testing.opd import PROVENANCE, StubAdapterModel, TinyConfig, make_training, trainer_state
 from opd_store.testing.proxies import HoldProxy, S3FaultProxy, through_proxy
 from opd_store.testing.stores import open_store
 from opd_store.transfer import copy_checkpoint
@@ -177,5 +182,36 @@ def test_closing_a_reader_early_cancels_its_ranges(committed):
         assert storage.read_pool().stats() == {"in_use": 0, "in_flight": 0, "free": IN_FLIGHT,
                                                "allocated": IN_FLIGHT, "peak_in_use": IN_FLIGHT}
         assert len(proxy.held) == IN_FLIGHT  # the fourth range never started
+    finally:
+        proxy.stop()
+
+
+def test_migrate_from_a_bucket_streams_the_adapter_in_ranges(server, tmp_path):
+    """``migrate_legacy`` from a seed layout in a bucket: the adapter's weights (two ranges) stream
+    through parallel ranged GETs, the pickled files are read whole, the copy is bit exact."""
+    seed_layout = runpy.run_path(str(Path(__file__).parents[1] / "opd" / "seed_layout.py"))
+    model = StubAdapterModel()
+    model.weights = {"lora_A.weight": torch.arange(int(1.3 * PART) // 4, dtype=torch.float32)}
+    _layer, optimizer, scheduler = make_training()
+    seed_layout["write_seed_checkpoint"](
+        checkpoints_dir=tmp_path / "seed", model=model, processor=None, optimizer=optimizer,
+        scheduler=scheduler, trainer_state=trainer_state(2), config=TinyConfig(),
+        provenance_fingerprints=dict(PROVENANCE), teacher_state={"update_count": 2})
+    backend = server.new_backend()
+    bucket, _, prefix = backend.url[len("s3://"):].partition("/")
+    files = {p.relative_to(tmp_path / "seed").as_posix(): p.read_bytes() for p in (tmp_path / "seed").rglob("*")
+             if p.is_file()}
+    for rel, data in files.items():
+        server.boto3_client().put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=data)
+    proxy = S3FaultProxy(backend.storage_options["endpoint_url"])
+    try:
+        assert migrate_legacy(_source(backend, proxy), tmp_path / "migrated") == [str(tmp_path / "migrated" / "step-000002")]
+        migrated = CheckpointStore(tmp_path / "migrated")
+        for name in migrated.names(2):
+            assert migrated.read(2, name) == files[f"step-000002/{name}"], name
+        weights = "adapter/adapter_model.safetensors"
+        size = len(files[f"step-000002/{weights}"])
+        gets = [r for r in proxy.requests if r.op == "GetObject" and r.path.endswith("/" + weights)]
+        assert size > PART and _ranges(gets) == [f"bytes=0-{PART - 1}", f"bytes={PART}-{size - 1}"]
     finally:
         proxy.stop()
