@@ -22,6 +22,10 @@ Every method moves the same state (:func:`bench.methods.make_training_state`) to
                    ranges, size and CRC32C checked) + ``torch.load`` (:class:`bench.methods.Store`).
 ``dcp-threads``    ``torch.distributed.checkpoint`` with ``FsspecWriter(thread_count=K)`` (K files
                    on K connections); load ``FsspecReader`` (one file at a time).
+``opd_store-cp``   the ``opd_store`` save; "load" is ``opd-store cp`` of the step to local disk
+                   (``copy_checkpoint``: ``K`` ranged GETs of ``P`` in flight, deep verify), then a
+                   mapped load of the copy. ``opd_store-cp-1stream``: the same copy reading each
+                   payload as one GET stream (what copies did before).
 =================  ==============================================================================
 
 ``K`` (parts in flight) and ``P`` (part size) are the same for every method: :data:`PARTS_IN_FLIGHT`,
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import io
 
-from bench.methods import Dcp, Method, Store, flat_tensors, loaded_as_state
+from bench.methods import PAYLOAD, Dcp, Method, Store, flat_tensors, loaded_as_state
 
 MIB = 2**20
 PART_BYTES = 16 * MIB
@@ -228,6 +232,41 @@ class StoreParallel(Store):
             self.options, part_size_bytes=PART_BYTES, parts_in_flight=PARTS_IN_FLIGHT))
 
 
+class StoreCopy(StoreParallel):
+    """``opd-store cp`` of the saved step from S3 to local disk (``copy_checkpoint``, deep verify);
+    its "load" is the copy, then a mapped load of the local copy."""
+
+    name = "opd_store-cp"
+    one_stream = False
+
+    def load(self, template, tag):
+        import tempfile
+
+        from opd_store import CheckpointStore
+        from opd_store.torch_io import torch_load
+        from opd_store.transfer import copy_checkpoint
+
+        storage = self.store.storage
+        if self.one_stream:  # what a copy did before ranged reads: one GET stream per payload
+            storage.open_read_stream = lambda rel, size_bytes: storage.open_read(rel)
+        self.local = tempfile.mkdtemp(prefix="opd-bench-cp-")
+        local = CheckpointStore(self.local)
+        copy_checkpoint(self.store, tag, local)
+        with local.open(tag, PAYLOAD) as handle:
+            return torch_load(handle, mmap=True)
+
+    def cleanup(self, tag):
+        import shutil
+
+        super().cleanup(tag)
+        shutil.rmtree(self.local, ignore_errors=True)
+
+
+class StoreCopyOneStream(StoreCopy):
+    name = "opd_store-cp-1stream"
+    one_stream = True
+
+
 class DcpThreads(Dcp):
     name = "dcp-threads"
 
@@ -240,6 +279,6 @@ class DcpThreads(Dcp):
 
 
 BY_NAME = {cls.name: cls for cls in (S3fsOneStream, S3fsParallel, Obstore, Boto3TransferManager, StoreParallel,
-                                     DcpThreads)}
+                                     DcpThreads, StoreCopy, StoreCopyOneStream)}
 RAW_PARALLEL = ("s3fs-parallel", "obstore", "boto3-tm")
 METHODS = tuple(BY_NAME)

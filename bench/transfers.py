@@ -17,7 +17,8 @@ then the ratios side by side: opd_store against the best raw parallel client (ta
 DCP's fsspec path against opd_store (target >= 2x), opd_store's peak RSS during the save over the state
 (target <= parts in flight x part size + 64 MiB); and the largest state each of opd_store and DCP
 commits within 30 s and 120 s, extrapolated linearly from the medians at the two sizes
-(``t = a + b x size``). Writes ``bench/results/transfers-<date>.md`` and ``-runs.jsonl``.
+(``t = a + b x size``); and ``opd-store cp`` S3 -> local reading ranges in flight against one GET
+stream per payload (the ``opd_store-cp`` rows' load column). Writes ``bench/results/transfers-<date>.md`` and ``-runs.jsonl``.
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ def report(args, rows: list[dict]) -> list[str]:
                 lines.append(rss_line([r for r in good if r["model"] == model and r["size_mib"] == size
                                        and r["method"] == "opd_store"]))
                 lines.append("")
+            if "opd_store-cp" in med and "opd_store-cp-1stream" in med:
+                lines += [f"- cp S3 -> local (+ mapped load of the copy): one GET stream / ranges in flight = "
+                          f"**{med['opd_store-cp-1stream']['load'] / med['opd_store-cp']['load']:.2f}x**", ""]
         lines += largest_lines(fits)
     return lines
 
