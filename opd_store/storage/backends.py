@@ -200,6 +200,20 @@ class _BucketStorage(FsspecStorage):
         self.fs.pipe_file(self.path(rel), data, mode="create")
         self.refresh()
 
+    def _range_stream(self, rel: str, size_bytes: int, range_opener) -> BinaryIO:
+        """:meth:`open_read_stream` over the backend's ``range_opener(fs, bucket, key)``: ranges in
+        flight into the read pool's buffers (:mod:`opd_store.storage.range_stream`); an empty
+        object is one plain stream (its size checked by the caller)."""
+        if not size_bytes:
+            return self.open_read(rel)
+        from .range_stream import RangeStream, range_fetcher
+
+        bucket, _, key = self.path(rel).partition("/")
+        url = self.url(rel)
+        return RangeStream(self.fs.loop, range_fetcher(range_opener(self.fs, bucket, key), url, size_bytes), url,  # type: ignore[return-value]
+                           size_bytes, self.read_pool(), self.transfers.parts_in_flight,
+                           translate=lambda exc: self.unreachable_error(rel, "read", exc))
+
     # Payload writers are parallel part writers (opd_store.storage.part_writer): publishing runs in
     # the background, discarding removes what was uploaded.
     def start_finish(self, handle, rel: str):
@@ -305,15 +319,9 @@ class S3Storage(_BucketStorage):
                             self._expected_size(rel, size_bytes))
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
-        if not size_bytes:  # nothing to range over: one stream, whose size the caller checks
-            return self.open_read(rel)
-        from .range_stream import RangeStream, s3_range_fetcher
+        from .s3_reads import range_opener
 
-        bucket, key = self._bucket_and_key(rel)
-        url = self.url(rel)
-        return RangeStream(self.fs.loop, s3_range_fetcher(self.fs, bucket, key, url, size_bytes), url,  # type: ignore[return-value]
-                           size_bytes, self.read_pool(), self.transfers.parts_in_flight,
-                           translate=lambda exc: self.unreachable_error(rel, "read", exc))
+        return self._range_stream(rel, size_bytes, range_opener)
 
     def list_uploads(self) -> list[tuple[str, str, float]]:
         # ListMultipartUploads with the store's prefix (s3fs's list_multipart_uploads lists the
@@ -374,6 +382,11 @@ class GCSStorage(NoMultipartUploads, _BucketStorage):
 
         bucket, _, key = self.path(rel).partition("/")
         return GCSPartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
+
+    def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
+        from .gcs_reads import range_opener
+
+        return self._range_stream(rel, size_bytes, range_opener)
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         from .gcs_reads import read_checked

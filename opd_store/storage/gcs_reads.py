@@ -64,6 +64,14 @@ def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings
         OSError: the backend's failure after gcsfs's retries (a missing object:
             ``FileNotFoundError``; a refusal: ``OSError("Forbidden: ...")``).
     """
+    return read_all_checked(fs, f"{bucket}/{key}", url, settings, size_bytes, range_opener(fs, bucket, key))
+
+
+def range_opener(fs, bucket: str, key: str):
+    """``open_range(start, end)`` of the GCS object ``bucket/key`` (one ranged ``alt=media``
+    download on gcsfs's session, with gcsfs's retries; 416 raises ``OtherSize(-1)``): the
+    :mod:`opd_store.storage.ranged_reads` interface, shared with the copies' reader
+    (:mod:`opd_store.storage.range_stream`)."""
     from gcsfs.retry import retry_request, validate_response
 
     path = f"{bucket}/{key}"
@@ -86,7 +94,8 @@ def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings
                 response.release()
         return _GCSRangeBody(response)
 
-    return read_all_checked(fs, path, url, settings, size_bytes, open_range)
+    return open_range
 
 
-__all__ = ["read_checked"]
+
+__all__ = ["range_opener", "read_checked"]

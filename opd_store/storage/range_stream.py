@@ -15,9 +15,10 @@ a copy of many payloads reuses the same buffers; a range is fetched again into t
 reader has just finished with.
 
 The reader is generic over one asynchronous function, :data:`FetchRange`: ``await fetch(start,
-view)`` fills ``view`` with the object's bytes ``[start, start + len(view))`` or raises. S3's is
-:func:`s3_range_fetcher` (s3fs's event loop and client, the ranged GET of
-:mod:`opd_store.storage.s3_reads`); another backend plugs in its own fetcher and event loop.
+view)`` fills ``view`` with the object's bytes ``[start, start + len(view))`` or raises.
+:func:`range_fetcher` makes one from a backend's ``open_range`` (the interface of
+:mod:`opd_store.storage.ranged_reads`: S3's in :mod:`opd_store.storage.s3_reads`, GCS's in
+:mod:`opd_store.storage.gcs_reads`), run on that client's event loop.
 
 The reader checks no checksum: the copy computes the CRC32C over the bytes it is handed and
 compares size and CRC32C with the manifest before anything is committed
@@ -92,7 +93,7 @@ class RangeStream(io.RawIOBase):
 
     Args:
         loop (asyncio.AbstractEventLoop): the event loop ``fetch`` runs on, running in another
-            thread (s3fs's ``fs.loop``).
+            thread (s3fs's or gcsfs's ``fs.loop``).
         fetch (FetchRange): fills one range.
         url (str): the object's URL (for messages).
         size_bytes (int): bytes to read (the manifest's size of the payload), >= 0.
@@ -227,20 +228,21 @@ class RangeStream(io.RawIOBase):
             super().close()
 
 
-def s3_range_fetcher(fs: Any, bucket: str, key: str, url: str, size_bytes: int) -> FetchRange:
-    """The :data:`FetchRange` of the S3 object ``bucket/key`` of ``size_bytes``: one ranged
-    ``GetObject`` per range through s3fs's client (its credentials, endpoint, timeouts and
-    retries), a body cut mid-way read again (:mod:`opd_store.storage.s3_reads`).
+def range_fetcher(open_range: Callable[[int, int], Awaitable[Any]], url: str, size_bytes: int) -> FetchRange:
+    """The :data:`FetchRange` of an object of ``size_bytes`` over a backend's ``open_range(start,
+    end)`` (:mod:`opd_store.storage.ranged_reads`: S3's ``GetObject``, GCS's ``alt=media``
+    download, with their clients' retries): each range read by the shared range loop, a body cut
+    mid-way read again.
 
     The fetcher raises :class:`~opd_store.errors.IntegrityError` naming ``url`` and the range when
     the range comes back short or ``Content-Range`` says the object is not ``size_bytes`` long.
     """
-    from .s3_reads import _OtherSize, _read_range
+    from .ranged_reads import OtherSize, _read_range
 
     async def fetch(start: int, view: memoryview) -> None:
         try:
-            await _read_range(fs, bucket, key, url, view, start, size_bytes)
-        except _OtherSize as other:
+            await _read_range(open_range, url, view, start, size_bytes)
+        except OtherSize as other:
             found = f"has {other.size_bytes} bytes" if other.size_bytes >= 0 else "ends before it"
             raise IntegrityError(f"{url}: a ranged read of bytes {start}-{start + view.nbytes - 1} found that the "
                                  f"object {found}, expected {size_bytes}") from None
@@ -248,4 +250,4 @@ def s3_range_fetcher(fs: Any, bucket: str, key: str, url: str, size_bytes: int) 
     return fetch
 
 
-__all__ = ["FetchRange", "RangeStream", "s3_range_fetcher"]
+__all__ = ["FetchRange", "RangeStream", "range_fetcher"]

@@ -42,6 +42,15 @@ def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings
         OSError: the backend's failure after its retries (a missing object: ``FileNotFoundError``).
     """
 
+    return read_all_checked(fs, f"{bucket}/{key}", url, settings, size_bytes, range_opener(fs, bucket, key))
+
+
+def range_opener(fs, bucket: str, key: str):
+    """``open_range(start, end)`` of the S3 object ``bucket/key`` (one ranged ``GetObject`` on
+    s3fs's client; a range past the object's end raises ``OtherSize(-1)``): the
+    :mod:`opd_store.storage.ranged_reads` interface, shared with the copies' reader
+    (:mod:`opd_store.storage.range_stream`)."""
+
     async def open_range(start: int, end: int) -> _S3RangeBody:
         try:
             answer = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
@@ -51,7 +60,6 @@ def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings
             raise
         return _S3RangeBody(answer)
 
-    return read_all_checked(fs, f"{bucket}/{key}", url, settings, size_bytes, open_range)
+    return open_range
 
-
-__all__ = ["read_checked"]
+__all__ = ["range_opener", "read_checked"]
