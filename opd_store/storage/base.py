@@ -13,7 +13,7 @@ writes, overwrite mode      :meth:`~Storage.open_write` (a streaming writer; pub
 writes, create-only mode    :meth:`~Storage.create_exclusive` (the commit point of every checkpoint)
 deletes                     :meth:`~Storage.delete`, :meth:`~Storage.delete_tree`
 multipart uploads           :meth:`~Storage.list_uploads`, :meth:`~Storage.abort_upload` (a backend
-                            without them says so with :class:`NoMultipartUploads`)
+                            without them says so with :class:`~opd_store.storage.fsspec_storage.NoMultipartUploads`)
 ==========================  =========================================================================
 
 The other verbs have defaults built on these. Every verb that can decide a checkpoint's state
@@ -396,26 +396,9 @@ class Storage(abc.ABC):
         self.delete(name)
 
 
-class NoMultipartUploads:
-    """Mixin of a backend without multipart uploads to list or abort (local, memory, GCS: gcsfs
-    completes or cancels its resumable uploads itself, and GCS lists none)."""
-
-    def list_uploads(self) -> list[tuple[str, str, float]]:
-        """None: this backend has no unfinished multipart uploads."""
-        return []
-
-    def abort_upload(self, rel: str, upload_id: str) -> None:
-        """Refused: there are no multipart uploads on this backend.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
-
-
 def join(*parts: str) -> str:
     """Join relative key parts with ``/`` (never ``os.path.join``: keys are not local paths)."""
     return posixpath.join(*[p for p in parts if p])
 
 
-__all__ = ["NoMultipartUploads", "Storage", "join"]
+__all__ = ["Storage", "join"]

@@ -1,4 +1,5 @@
-"""The storage verbs over one fsspec filesystem (every backend of :mod:`opd_store.storage.backends`).
+"""The storage verbs over one fsspec filesystem (every backend of :mod:`opd_store.storage.backends` and
+:mod:`opd_store.storage.buckets`), and the mixin of backends without multipart uploads.
 
 Every verb that can decide a checkpoint's state (list, size, read) sees the backend as it is now:
 s3fs and gcsfs cache listings and object sizes per instance (field notes: a stale cached size made
@@ -79,7 +80,7 @@ class FsspecStorage(Storage):
     """The listing, reading, writing and deleting verbs of :class:`Storage` over ``self.fs``.
 
     A concrete backend adds the create-only write (:meth:`Storage.create_exclusive`) and says
-    whether it has multipart uploads (:class:`~opd_store.storage.base.NoMultipartUploads`).
+    whether it has multipart uploads (:class:`NoMultipartUploads`).
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -216,6 +217,23 @@ class FsspecStorage(Storage):
 
 
 
+class NoMultipartUploads:
+    """Mixin of a backend without multipart uploads to list or abort (local, memory, GCS: gcsfs
+    completes or cancels its resumable uploads itself, and GCS lists none)."""
+
+    def list_uploads(self) -> list[tuple[str, str, float]]:
+        """None: this backend has no unfinished multipart uploads."""
+        return []
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Refused: there are no multipart uploads on this backend.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
+
+
 def _translate_verbs(cls: type, *, inherited: bool = False) -> None:
     for name, operation in _VERB_OPERATIONS.items():
         method = cls.__dict__.get(name) or (getattr(cls, name, None) if inherited else None)
@@ -226,4 +244,4 @@ def _translate_verbs(cls: type, *, inherited: bool = False) -> None:
 _translate_verbs(FsspecStorage, inherited=True)  # with the defaults of Storage (finish_write, ...)
 
 
-__all__ = ["FsspecStorage", "modified_secs"]
+__all__ = ["FsspecStorage", "NoMultipartUploads", "modified_secs"]

@@ -1,7 +1,8 @@
 """The choice of backend for a store URL: :func:`open_storage`.
 
 A URL whose scheme has a create-only write (local paths and ``file://``, ``memory://``, ``s3://``
-and ``s3a://``, ``gs://`` and ``gcs://``) gets its backend from :mod:`opd_store.storage.backends`;
+and ``s3a://``, ``gs://`` and ``gcs://``) gets its backend from :mod:`opd_store.storage.backends` or
+:mod:`opd_store.storage.buckets`;
 any other fsspec protocol only with ``allow_check_then_put=True`` (a commit that two writers can
 both win); a scheme no fsspec filesystem implements is refused naming the URL and what is
 supported (before, ``ftp://host/x`` reached a DNS lookup and reported only ``[Errno -2] Name or
@@ -19,7 +20,8 @@ from typing import Any
 import fsspec
 
 from ..errors import UnsupportedBackendError
-from .backends import CheckThenPutStorage, GCSStorage, LocalStorage, MemoryStorage, S3Storage
+from .backends import CheckThenPutStorage, LocalStorage, MemoryStorage
+from .buckets import GCSStorage, S3Storage
 from .base import Storage
 from .client_options import split_options, with_timeouts
 from .parts import TransferSettings
