@@ -177,10 +177,10 @@ class S3Proxy:
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(payload)
-                    record.response_bytes = len(payload)
                 record.status = status
+                if self.command != "HEAD":
+                    record.response_bytes = len(payload)  # before the bytes leave (see _handle)
+                    self.wfile.write(payload)
 
             def _handle(self) -> None:
                 body = self._body()
@@ -223,13 +223,14 @@ class S3Proxy:
                 record.status = status
                 if self.command == "HEAD":
                     return
+                # Final before the bytes leave: a test reads the record once its client has them.
                 if record.fault == "truncate":
-                    self.wfile.write(data[: len(data) // 2])
                     record.response_bytes = len(data) // 2
+                    self.wfile.write(data[: len(data) // 2])
                     self._drop()
                     return
-                self.wfile.write(data)
                 record.response_bytes = len(data)
+                self.wfile.write(data)
 
             def _forward(self, body: bytes):
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
