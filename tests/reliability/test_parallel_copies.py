@@ -1,5 +1,6 @@
-"""A copy (``opd-store cp``, ``copy_checkpoint``, and ``migrate`` from a bucket) reads its S3 source over several connections in
-bounded memory, on both S3 servers of the suite (moto and SeaweedFS): ranged GETs of
+"""A copy (``opd-store cp``, ``copy_checkpoint``, and ``migrate`` from a bucket) reads its source bucket over several
+connections in bounded memory, on both S3 servers of the suite (moto and SeaweedFS) and on GCS
+(fake-gcs-server; the CLI and migrate tests stay on S3: their set-up speaks S3): ranged GETs of
 ``part_size_bytes``, ``parts_in_flight`` of them at once, each into a reused part buffer of the
 source store's read pool, handed to the destination in order. Proven at a proxy in front of the
 server: which ranges were asked for, how many were held in flight at once, what the read pool
@@ -27,8 +28,9 @@ from opd_store.cli import main as cli_main
 from opd_store.opd.legacy import migrate_legacy
 from opd_store.storage.parts import MIN_PART_SIZE_BYTES
 from opd_store.testing.opd import PROVENANCE, StubAdapterModel, TinyConfig, make_training, trainer_state
-from opd_store.testing.proxies import HoldProxy, S3FaultProxy, through_proxy
+from opd_store.testing.proxies import S3FaultProxy, through_proxy
 from opd_store.testing.stores import open_store
+from opd_store.testing.transfer_dialects import dialect_of
 from opd_store.transfer import copy_checkpoint
 
 from core.helpers import save
@@ -40,9 +42,15 @@ SMALL = b"small payload " * 10
 RANGES = [f"bytes={s}-{min(len(LARGE), s + PART) - 1}" for s in range(0, len(LARGE), PART)]
 
 
-@pytest.fixture(params=["moto_s3", "seaweed_s3"])
+@pytest.fixture(params=["moto_s3", "seaweed_s3", "fake_gcs"])
 def server(request):
-    """One of the suite's S3 servers (moto's mock, SeaweedFS's production server)."""
+    """One of the suite's bucket servers (moto's mock, SeaweedFS's production server, fake-gcs-server)."""
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=["moto_s3", "seaweed_s3"])
+def s3_server(request):
+    """One of the suite's S3 servers."""
     return request.getfixturevalue(request.param)
 
 
@@ -60,8 +68,9 @@ def _source(backend, proxy) -> CheckpointStore:
     return open_store(through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=IN_FLIGHT))
 
 
-def _model_gets(proxy) -> list:
-    return [r for r in proxy.requests if r.op == "GetObject" and r.path.endswith("/model.bin")]
+def _model_gets(proxy, backend) -> list:
+    dialect = dialect_of(backend)
+    return [r for r in proxy.requests if r.op == dialect.get_op and dialect.names(r, "model.bin")]
 
 
 def _ranges(requests) -> list[str]:
@@ -69,9 +78,12 @@ def _ranges(requests) -> list[str]:
     return sorted((r.headers["range"] for r in requests), key=lambda h: int(h[len("bytes="):].partition("-")[0]))
 
 
-def _holding_model_gets(backend) -> HoldProxy:
-    return HoldProxy(backend.storage_options["endpoint_url"],
-                     lambda method, path: method == "GET" and path.endswith("/model.bin"))
+def _holding_model_gets(backend):
+    """A hold proxy in front of ``backend``'s server holding every read of ``model.bin``'s bytes."""
+    dialect = dialect_of(backend)
+    return dialect.hold_proxy(backend.storage_options["endpoint_url"],
+                              lambda method, path: method == "GET" and "model.bin" in path
+                              and (dialect.name == "s3" or "alt=media" in path))
 
 
 def _fetches_running(loop) -> int:
@@ -97,25 +109,27 @@ def test_cp_to_local_keeps_ranges_in_flight_in_bounded_buffers(committed, tmp_pa
         held = proxy.wait_held(IN_FLIGHT)
         pool = src.storage.read_pool()
         assert pool.stats()["in_use"] == IN_FLIGHT and pool.stats()["allocated"] == IN_FLIGHT
-        assert _ranges(_model_gets(proxy)) == RANGES[:IN_FLIGHT]
+        assert _ranges(_model_gets(proxy, committed)) == RANGES[:IN_FLIGHT]
         assert len(held) == IN_FLIGHT and thread.is_alive() and dst.steps() == []
         proxy.release()
         thread.join(120)
         assert outcome == [dst.step_url(2)]
         assert dst.read(2, "model.bin") == LARGE and dst.read(2, "small.bin") == SMALL
-        gets = _model_gets(proxy)
+        gets = _model_gets(proxy, committed)
         assert _ranges(gets) == RANGES
         assert sum(r.response_bytes for r in gets) == len(LARGE)
-        assert proxy.count("HeadObject") == 0  # planned from the manifest's sizes
+        assert proxy.count(dialect_of(committed).stat_op) == 0  # planned from the manifest's sizes
         assert pool.stats() == {"in_use": 0, "in_flight": 0, "free": IN_FLIGHT, "allocated": IN_FLIGHT,
                                 "peak_in_use": IN_FLIGHT}
     finally:
         proxy.stop()
 
 
-def test_cli_cp_s3_to_s3_is_bit_exact(committed):
+def test_cli_cp_s3_to_s3_is_bit_exact(s3_server):
     """``opd-store cp`` from one bucket prefix to another: the source read in ranges, the copy
     committed with the source's entries and bit exact."""
+    committed = s3_server.new_backend()
+    save(open_store(committed), 2, {"model.bin": LARGE, "small.bin": SMALL})
     proxy = S3FaultProxy(committed.storage_options["endpoint_url"])
     try:
         options = through_proxy(committed, proxy).storage_options
@@ -131,7 +145,7 @@ def test_cli_cp_s3_to_s3_is_bit_exact(committed):
         assert dst.read(2, "model.bin") == LARGE and dst.read(2, "small.bin") == SMALL
         assert [(e.name, e.size_bytes, e.crc32c) for e in dst.manifest(2).payloads] == \
             [(e.name, e.size_bytes, e.crc32c) for e in src.manifest(2).payloads]
-        source_gets = [r for r in _model_gets(proxy) if "/runs/demo/" in r.path]
+        source_gets = [r for r in _model_gets(proxy, committed) if "/runs/demo/" in r.path]
         assert _ranges(source_gets) == RANGES
     finally:
         proxy.stop()
@@ -142,10 +156,11 @@ def test_a_short_or_altered_range_fails_the_copy_and_commits_nothing(committed, 
     """The second range answers half its bytes (well formed) or its bytes altered: the copy raises
     :class:`IntegrityError` naming the step, the payload and (short) the range; the destination
     holds no step and no object."""
-    proxy = S3FaultProxy(committed.storage_options["endpoint_url"])
+    dialect = dialect_of(committed)
+    proxy = dialect.fault_proxy(committed.storage_options["endpoint_url"])
     try:
-        rule = proxy.add(ops=("GetObject",), times=1, fault=kind,
-                         match=lambda r: r.path.endswith("/model.bin") and r.headers.get("range") == RANGES[1])
+        rule = proxy.add(ops=(dialect.get_op,), times=1, fault=kind,
+                         match=lambda r: dialect.names(r, "model.bin") and r.headers.get("range") == RANGES[1])
         dst = CheckpointStore(tmp_path / "copy")
         with pytest.raises(IntegrityError) as caught:
             copy_checkpoint(_source(committed, proxy), 2, dst)
@@ -186,7 +201,7 @@ def test_closing_a_reader_early_cancels_its_ranges(committed):
         proxy.stop()
 
 
-def test_migrate_from_a_bucket_streams_the_adapter_in_ranges(server, tmp_path):
+def test_migrate_from_a_bucket_streams_the_adapter_in_ranges(s3_server, tmp_path):
     """``migrate_legacy`` from a seed layout in a bucket: the adapter's weights (two ranges) stream
     through parallel ranged GETs, the pickled files are read whole, the copy is bit exact."""
     seed_layout = runpy.run_path(str(Path(__file__).parents[1] / "opd" / "seed_layout.py"))
@@ -197,12 +212,12 @@ def test_migrate_from_a_bucket_streams_the_adapter_in_ranges(server, tmp_path):
         checkpoints_dir=tmp_path / "seed", model=model, processor=None, optimizer=optimizer,
         scheduler=scheduler, trainer_state=trainer_state(2), config=TinyConfig(),
         provenance_fingerprints=dict(PROVENANCE), teacher_state={"update_count": 2})
-    backend = server.new_backend()
+    backend = s3_server.new_backend()
     bucket, _, prefix = backend.url[len("s3://"):].partition("/")
     files = {p.relative_to(tmp_path / "seed").as_posix(): p.read_bytes() for p in (tmp_path / "seed").rglob("*")
              if p.is_file()}
     for rel, data in files.items():
-        server.boto3_client().put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=data)
+        s3_server.boto3_client().put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=data)
     proxy = S3FaultProxy(backend.storage_options["endpoint_url"])
     try:
         assert migrate_legacy(_source(backend, proxy), tmp_path / "migrated") == [str(tmp_path / "migrated" / "step-000002")]
