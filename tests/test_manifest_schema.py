@@ -14,7 +14,7 @@ def test_committed_schema_matches_models():
     )
 
 
-# The canonical JSON schema of each manifest format version, by SHA-256 (issue 10). A change to the
+# The canonical JSON schema of each manifest format version, by SHA-256. A change to the
 # pydantic models changes the schema: it must come with a new MANIFEST_FORMAT_VERSION and a new
 # entry here (the entries of earlier versions stay, so readers of old manifests are not forgotten),
 # plus the regenerated docs/manifest-schema.json.

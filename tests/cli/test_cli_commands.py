@@ -1,5 +1,5 @@
 """``opd-store`` ls/latest/show/verify/pin/unpin/gc/cp in-process (``main(argv) -> int``) on local
-disk and S3 (moto server): output, JSON and exit codes (issue 6)."""
+disk and S3 (moto server): output, JSON and the documented exit codes."""
 
 from __future__ import annotations
 

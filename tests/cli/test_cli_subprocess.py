@@ -1,5 +1,5 @@
 """``python -m opd_store`` as a real process against S3 (moto server): output, exit codes, and the
-progress bar that appears only on a terminal (issue 6)."""
+progress bar that appears only on a terminal."""
 
 from __future__ import annotations
 

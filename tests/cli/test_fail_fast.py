@@ -237,8 +237,9 @@ def s3_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_s3_endpoint_that_accepts_and_never_answers(tmp_path, good_store, silent_listener):
-    """The issue's ``latest`` with the default bound (15 s); every other command with a bound of
-    2 s, set with --connect-timeout-secs or the storage option connect_timeout_secs."""
+    """An endpoint that accepts connections and never answers (a wrong proxy, a stuck gateway):
+    ``latest`` with no option gets the default bound (15 s) instead of hanging; every other command
+    a bound of 2 s, set with --connect-timeout-secs or the storage option connect_timeout_secs."""
     endpoint = f"http://127.0.0.1:{silent_listener.port}"
     url = "s3://bkt/x"
     names = ["show", "cp-from", *WRITES]

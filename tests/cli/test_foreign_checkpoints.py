@@ -1,4 +1,4 @@
-"""Issue 5, scenario 31: a complete checkpoint copied in by another tool, without our manifest, is
+"""A complete checkpoint copied in by another tool, without our manifest, is
 never deleted by garbage collection; an explicit import (``opd-store migrate``) writes a manifest.
 
 The foreign checkpoint is a real seed-layout OPD checkpoint (tests/opd/seed_layout.py) uploaded

@@ -1,4 +1,4 @@
-"""What the commit relies on, proven against the backends themselves first (issue 5, scenario 19):
+"""What the commit relies on, proven against the backends themselves first:
 if a moto or fake-gcs-server version stops enforcing a precondition, these fail loudly instead of
 the race tests passing by luck."""
 

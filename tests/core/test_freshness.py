@@ -21,7 +21,7 @@ def _state(store, *steps: int):
 
 
 def test_same_instance_sees_its_own_commit(backend, raw):
-    """Scenario 1: lists [1, 2], commits 3 with a small manifest, lists [1, 2, 3]."""
+    """Lists [1, 2], commits 3 with a small manifest, lists [1, 2, 3]."""
     store = open_store(backend)
     save(store, 1, {"m.pt": b"1"})
     save(store, 2, {"m.pt": b"2"})
@@ -35,7 +35,7 @@ def test_same_instance_sees_its_own_commit(backend, raw):
 
 
 def test_new_sub_prefix_listed(backend):
-    """Scenario 2: save 1, list, save 2 (a new sub-prefix), list again: both shown."""
+    """Save 1, list, save 2 (a new sub-prefix), list again: both shown."""
     store = open_store(backend)
     save(store, 1, {"a/b/m.pt": b"1"})
     assert store.steps() == [1] and [i.step for i in store.checkpoints()] == [1]
@@ -46,7 +46,7 @@ def test_new_sub_prefix_listed(backend):
 
 
 def test_delete_seen_at_once_by_same_instance(backend):
-    """Scenario 3: commit 1-3, delete 3: steps, is_complete and latest agree (latest 2)."""
+    """Commit 1-3, delete 3: steps, is_complete and latest agree (latest 2)."""
     store = open_store(backend)
     for step in (1, 2, 3):
         save(store, step, {"m.pt": str(step).encode()})
@@ -98,7 +98,7 @@ def test_other_process_sees_commit_and_delete_at_once(backend):
 
 @pytest.mark.parametrize("backend", ["local", "s3", "gcs"], indirect=True)
 def test_no_negative_answer_cached(backend):
-    """Scenario 4: is_complete(7) is False; another process commits 7; the same instance says
+    """is_complete(7) is False; another process commits 7; the same instance says
     True and latest is 7. Then another process deletes it: the instance sees that too."""
     store = open_store(backend)
     save(store, 3, {"m.pt": b"3"})

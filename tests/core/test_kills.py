@@ -1,4 +1,4 @@
-"""SIGKILL of a writer process (issue 5, scenarios 7 and 8): while payload bytes stream, and
+"""SIGKILL of a writer process: while payload bytes stream, and
 between two payloads of one save. After the kill the previous step is latest, loads cleanly and
 is never mixed with the killed save's objects; a new save of the killed step succeeds."""
 

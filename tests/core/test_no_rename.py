@@ -1,4 +1,4 @@
-"""No rename, move, copy or symlink anywhere in a save and commit (issue 5, scenario 5).
+"""No rename, move, copy or symlink anywhere in a save and commit.
 
 Three layers of instrumentation, each independent of the others:
 

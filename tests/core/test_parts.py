@@ -1,4 +1,4 @@
-"""Parts of a multi-rank save: payloads under a shared attempt, one manifest (issue 7).
+"""Parts of a multi-rank save: payloads under a shared attempt, one manifest.
 
 ``store.begin_part`` writes a rank's payloads under the committing rank's attempt and never a
 manifest; the committing rank records the part's entries with ``add_entry`` and commits.

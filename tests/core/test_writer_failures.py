@@ -1,6 +1,6 @@
 """Partial writes: an exception inside a payload writer, a writer dropped without close, and a
 serializer that raises half way. Nothing is committed, nothing new is listed, no object appears
-under a committed name, and committed steps are untouched (issue 5, scenarios 6, 9 and 10)."""
+under a committed name, and committed steps are untouched."""
 
 from __future__ import annotations
 

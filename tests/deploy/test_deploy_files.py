@@ -2,7 +2,7 @@
 models with every field recognised; the S3 lifecycle rule and IAM policy are accepted by the S3 and
 IAM APIs (moto server); the Dockerfiles copy files that exist and run the resuming entrypoint.
 
-Issue 10. The IAM policy's *content* is checked against a real run in ``test_iam_policy.py``.
+The IAM policy's *content* is checked against a real run in ``test_iam_policy.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """deploy/entrypoint.sh, the image's entrypoint, run for real on a local store: it trains with
 ``--resume auto`` from environment variables, exits 143 after a SIGTERM (so a scheduler starts it
 again even when the job stopped cleanly), and the next start resumes from the store.
-
-Issue 10.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ uploads, and one aborted mid-payload. Every recorded request is mapped to the IA
 for it (``s3_access.py``) and evaluated against the policy for the run's bucket and prefix
 (``my-bucket``, ``runs/run-1``, as written in the policy). A new S3 call the policy forgot fails
 here, as does an action the policy grants that no code path uses.
-
-Issue 10.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ RUN_URL = f"s3://{BUCKET}/runs/run-1"
 
 # Actions the policy grants for code paths this run does not reach, each with the reason.
 GRANTED_FOR_OTHER_PATHS = {
-    "s3:listbucketmultipartuploads": "opd-store gc finds multipart uploads left by killed writers (issue 6)",
+    "s3:listbucketmultipartuploads": "opd-store gc finds multipart uploads left by killed writers",
 }
 
 
@@ -192,6 +190,7 @@ def test_one_save_of_the_main_job_is_15_requests(recorded):
             save.append(operation)
         if operation == "GetObject" and entry["url"].endswith("/step-000002/manifest.json"):
             break  # the read-back that ends the commit
-    # begin: 2 HEAD + 2 LIST; 8 payload PUTs; 1 LIST of the attempt (stored sizes, issue 5 scenario
-    # 37); the manifest PUT; the read-back GET.
+    # begin: 2 HEAD + 2 LIST; 8 payload PUTs; 1 LIST of the attempt (stored sizes checked against
+    # the bytes written, so a backend that acknowledged a short write is caught); the manifest PUT;
+    # the read-back GET.
     assert Counter(save) == {"HeadObject": 2, "ListObjectsV2": 3, "PutObject": 9, "GetObject": 1}

@@ -1,4 +1,4 @@
-"""One rank of a multi-rank checkpoint test: a real process in a gloo process group (issue 7).
+"""One rank of a multi-rank checkpoint test: a real process in a gloo process group.
 
 Run as ``python tests/distributed/rank_worker.py SPEC_JSON``; the spec names the rank, the world
 size, the TCP rendezvous on 127.0.0.1, the store (URL and storage options) and the scenario. The

@@ -1,4 +1,5 @@
-"""A checkpoint that lacks one rank's RNG part (issue 5, scenario 26; issue 7)."""
+"""A checkpoint that lacks one rank's RNG part: a load that misses it fails naming the step, the rank
+and the part."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Multi-rank OPD checkpoints with real processes in a gloo process group (issue 7; issue 5, 25-27).
+"""Multi-rank OPD checkpoints with real processes in a gloo process group: every rank gets its own
+RNG state back, one rank's failure or kill commits nothing and fails every rank without a hang, and
+a world-size change is refused on every rank naming both sizes.
 
 Every rank is its own ``python tests/distributed/rank_worker.py`` process rendezvousing over TCP
 on 127.0.0.1; S3 runs against the session's moto server. Each test waits for its processes with a

@@ -17,8 +17,6 @@ fenced block with a language must directly follow an HTML comment saying how it 
 
 An unmarked block, or a marker this harness does not know, fails ``test_every_block_is_marked``,
 so new docs cannot ship untested code. Blocks without a language (diagrams, layouts) are not code.
-
-Issue 10.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``opd-store train --keep-last/--keep-every``: the main job applies the config's retention (issue 6)."""
+"""``opd-store train --keep-last/--keep-every``: the main job applies the config's retention."""
 
 from __future__ import annotations
 

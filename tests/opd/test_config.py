@@ -1,4 +1,4 @@
-"""OPDConfig (issue 3, item 5): schema, markings, fingerprint, YAML."""
+"""OPDConfig: schema, markings, fingerprint, YAML."""
 
 from __future__ import annotations
 

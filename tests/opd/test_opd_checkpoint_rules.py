@@ -205,7 +205,7 @@ def test_world_size_mismatch_is_refused_naming_both_sizes(opd_backend, store, op
 
 @pytest.mark.parametrize("load_world_size", [2, 8])
 def test_saved_with_four_ranks_loaded_with_two_or_eight_is_refused(opd_backend, store, opd, load_world_size):
-    """Issue 5, scenario 27: the documented policy (docs/resume.md: a world-size change is refused
+    """The documented policy (docs/resume.md: a world-size change is refused
     under every resume mode) applies with a message naming both sizes; nothing is restored."""
     from opd_store.opd.rng import capture_rng_state
 

@@ -1,4 +1,4 @@
-"""Every resume mode through ``load_opd_checkpoint``, accepted and refused (issue 3, item 4)."""
+"""Every resume mode through ``load_opd_checkpoint``, accepted and refused."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Resume modes (issue 3, item 4): exact, execution_change, rollout_limit_change."""
+"""Resume modes: exact, execution_change, rollout_limit_change."""
 
 from __future__ import annotations
 

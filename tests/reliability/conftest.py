@@ -1,5 +1,5 @@
-"""Fixtures of the reliability tests (issue 5): S3 behind the fault proxy of
-:mod:`opd_store.testing.proxies`."""
+"""Fixtures of the reliability tests (crashes, transient faults, hostile input): S3 behind the
+fault proxy of :mod:`opd_store.testing.proxies`."""
 
 from __future__ import annotations
 

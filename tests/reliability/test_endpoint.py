@@ -1,4 +1,4 @@
-"""Scenario 33 of issue 5: a custom ``endpoint_url`` with explicit keys and no default AWS
+"""A custom ``endpoint_url`` with explicit keys and no default AWS
 credentials anywhere. Save, list, exists, load, delete and gc all reach that endpoint (counted at a
 proxy in front of moto); nothing falls back to the default credential chain or to AWS.
 """

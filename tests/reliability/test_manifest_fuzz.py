@@ -1,4 +1,4 @@
-"""Hostile manifests (issue 5, beyond the listed cases): every malformed, truncated, oversized or
+"""Hostile manifests: every malformed, truncated, oversized or
 wrong-version manifest gives :class:`ManifestError`, never another exception, and no path in a
 manifest can leave its step's attempt prefix. Fuzzed with hypothesis (deterministic: derandomized)."""
 

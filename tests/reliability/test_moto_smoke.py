@@ -1,6 +1,6 @@
-"""Scenario 20 of issue 5: s3fs talks to moto's server over HTTP. The same check runs when the
-session's server starts (``tests/conftest.py``), so it precedes every S3 test and a failure names
-the step; here its observations are asserted value by value."""
+"""s3fs talks to moto's server over HTTP: list, write, read, multipart, delete. The same check runs
+when the session's server starts (``tests/conftest.py``), so it precedes every S3 test and a
+failure names the step; here its observations are asserted value by value."""
 
 from __future__ import annotations
 

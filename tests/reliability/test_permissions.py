@@ -1,4 +1,4 @@
-"""Scenario 34 of issue 5: credentials that may PutObject but not use multipart uploads.
+"""Credentials that may PutObject but not use multipart uploads.
 
 A proxy in front of moto answers ``403 AccessDenied`` to the multipart operations, as S3 does for a
 policy without ``s3:PutObject`` on multipart parts... (or one denying the upload explicitly). A

@@ -1,4 +1,4 @@
-"""Scenario 35 of issue 5: remote file objects have no ``fileno()``. Saving through them works,
+"""Remote file objects have no ``fileno()``. Saving through them works,
 ``os.fsync`` is never called for them, and durability comes from closing the object: the payload
 exists on the backend only once its writer is closed."""
 

@@ -1,4 +1,4 @@
-"""Secrets (issue 5, beyond the listed cases): no credential (access key, secret key, session
+"""Secrets: no credential (access key, secret key, session
 token) and no signed URL appears in a manifest, a log line or an error message, checked with
 distinctive fake credentials on moto through saves, loads and failures (missing bucket, 403s from
 the proxy, a corrupt manifest).

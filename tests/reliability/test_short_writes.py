@@ -1,4 +1,4 @@
-"""Scenario 37 of issue 5: a backend that reports success for a write but stores 0 bytes or a
+"""A backend that reports success for a write but stores 0 bytes or a
 short object. The commit lists the attempt prefix once before creating the manifest and refuses a
 payload whose stored size differs from the bytes written: the step never counts as complete, the
 previous step stays the latest, and the save reports the failure instead of success."""

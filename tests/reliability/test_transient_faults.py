@@ -1,4 +1,4 @@
-"""Transient S3 faults (issue 5, beyond the listed cases): HTTP 500, 503 SlowDown, connections
+"""Transient S3 faults: HTTP 500, 503 SlowDown, connections
 dropped before the request reaches S3, dropped after it landed (the reply is lost), and bodies cut
 mid-response, injected by a proxy in front of moto (:mod:`opd_store.testing.proxies`).
 

@@ -1,6 +1,8 @@
 """Retention executor, orphans, pins and stale multipart uploads on real stores (local, S3 via moto).
 
-Issue 6 and issue 5 scenarios 30-31.
+Only verified-complete steps count toward keep-last, so corrupt or incomplete newest steps never
+push a good one out; objects the store did not write (a checkpoint copied in by another tool) are
+never deleted by garbage collection.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Retention policies as pure functions (no store, no I/O): issue 6 and issue 5 scenarios 29-30."""
+"""Retention policies as pure functions (no store, no I/O): keep-last, keep-every, pins, the
+never-deleted steps (just committed, resume parent, newest complete), and damaged newest steps that
+never push a good one out."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def test_a_policy_without_rules_deletes_nothing():
 
 
 def test_scenario_30_damaged_newest_steps_never_push_a_good_one_out():
-    # keep-last 2 plus keep-every 10000, the two newest steps damaged (issue 5, scenario 30).
+    # keep-last 2 plus keep-every 10000, the two newest steps damaged (one corrupt, one incomplete).
     records = complete(10000, 15000, 20000, 20100, 20200) + [
         StepRecord(20300, "corrupt", 50), StepRecord(20400, "incomplete", 60)
     ]

@@ -1,4 +1,5 @@
-"""Retention applied by ``save_opd_checkpoint`` after its own commit (issue 6; issue 5 scenario 29).
+"""Retention applied by ``save_opd_checkpoint`` after its own commit, never deleting the step a run
+resumed from (a run that resumes and crashes before its first save still finds that step).
 
 Real saves and loads of the OPD layer (small real torch objects from opd_store.testing.opd), on
 local disk and S3 (moto server). Crashes are injected with tests/faults.py: a ``KeyboardInterrupt``

@@ -1,4 +1,4 @@
-"""Fixtures of the issue-5 scenario tests (the backends come from tests/conftest.py)."""
+"""Fixtures of the scenario tests (the backends come from tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the issue-5 scenario tests: stores on every backend, a tiny real PEFT
+"""Helpers shared by the scenario tests: stores on every backend, a tiny real PEFT
 student with dropout, the OPD call arguments, and a fresh-"machine" subprocess environment."""
 
 from __future__ import annotations

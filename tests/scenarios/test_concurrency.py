@@ -1,4 +1,4 @@
-"""Concurrency (issue 5, scenario 17): two jobs on one prefix save step 5 through
+"""Concurrency: two jobs on one prefix save step 5 through
 ``save_opd_checkpoint`` at the same moment: exactly one commits, the other gets the conflict
 error, and every payload of the committed checkpoint is the winner's, byte for byte."""
 
@@ -49,7 +49,7 @@ def _payload_bytes(store, step: int) -> dict[str, bytes]:
 
 
 def test_two_jobs_save_the_same_step_at_once(backend, monkeypatch, tmp_path):
-    """Scenario 17: both jobs write every payload, meet at a barrier, and create the manifest at
+    """Both jobs write every payload, meet at a barrier, and create the manifest at
     the same moment, each through its own store instance (own clients and caches): one commit
     wins, the other raises ``CommitConflictError``; the manifest names only the winner's attempt;
     every payload's bytes equal what the winner saves alone; the loser's payloads are gone; the

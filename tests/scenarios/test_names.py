@@ -1,4 +1,4 @@
-"""Configuration and names (issue 5, scenario 32): a store at ``s3://bucket/run`` or
+"""Configuration and names: a store at ``s3://bucket/run`` or
 ``gs://bucket/run`` (and their aliases ``s3a://``, ``gcs://``): every URL the API returns keeps the
 protocol the caller wrote, and a fresh process resumes from the returned URL."""
 
@@ -94,7 +94,7 @@ def _error_messages(root: str, options: dict) -> list[str]:
     [("s3", "s3://bucket/run"), ("s3", "s3a://bucket/run"), ("gcs", "gs://bucket/run"), ("gcs", "gcs://bucket/run")],
 )
 def test_every_returned_url_keeps_the_protocol(request, kind, root):
-    """Scenario 32: store URL, step URLs, the URL ``save_opd_checkpoint`` returns, transaction
+    """Store URL, step URLs, the URL ``save_opd_checkpoint`` returns, transaction
     URLs, listing and verify reports, ``latest_complete_checkpoint`` and the URLs inside error
     messages all start with the root as written (``s3a://`` and ``gcs://`` included, which
     fsspec alone would respell ``s3://``/``gs://``)."""
@@ -112,7 +112,7 @@ def test_every_returned_url_keeps_the_protocol(request, kind, root):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("kind", "root"), [("s3", "s3://bucket/run"), ("gcs", "gs://bucket/run")])
 def test_fresh_process_resumes_from_returned_url(request, tmp_path, kind, root):
-    """Scenario 32: a fresh process (new empty cwd, HOME and TMPDIR; no state but the bucket)
+    """A fresh process (new empty cwd, HOME and TMPDIR; no state but the bucket)
     given the store URL finds the latest checkpoint under the same protocol and restores exactly
     the saved adapter and counters."""
     options = _bucket_options(kind, request)

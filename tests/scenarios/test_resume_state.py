@@ -1,4 +1,4 @@
-"""Resume state (issue 5, scenarios 21-24 and 28): random streams, data order, LR schedules,
+"""Resume state: random streams, data order, LR schedules,
 counters and optimizer placement come back exactly after an OPD checkpoint round trip, on every
 backend (local, memory, S3 on moto's server, GCS on fake-gcs-server)."""
 
@@ -73,7 +73,7 @@ def _same_records(a: list[dict], b: list[dict]) -> None:
 
 
 def test_epoch_boundary_resume_draws_the_same_numbers(store):
-    """Scenario 21: save at an epoch boundary; the resumed run draws the same Python, numpy and
+    """Save at an epoch boundary; the resumed run draws the same Python, numpy and
     torch random numbers (Gaussian caches included), the same dropout masks and the same losses
     as the uninterrupted run."""
     seed_all(7)
@@ -150,7 +150,7 @@ def _data_run(model, optimizer, position, loader, *, stop_at=None, on_save=None)
 
 
 def test_shuffled_loader_resumed_mid_epoch_sees_the_same_batches(store):
-    """Scenario 22: a shuffled DataLoader over three epochs, saved mid-epoch 2 with
+    """A shuffled DataLoader over three epochs, saved mid-epoch 2 with
     ``LoaderPosition.state_dict()`` in ``trainer_state``: the resumed run sees the same batches
     (indices, the dataset's random augmentation, losses)."""
     _loader_resume(store, num_workers=0)
@@ -158,9 +158,9 @@ def test_shuffled_loader_resumed_mid_epoch_sees_the_same_batches(store):
 
 @pytest.mark.parametrize("backend", ["memory"], indirect=True)
 def test_shuffled_loader_with_workers_resumed_mid_epoch(store):
-    """Scenario 22 with two worker processes (their seeds come from the loader's generator): the
-    resumed run sees the same batches and the same worker-side random augmentation. One backend:
-    the store's part is the same as in the test above."""
+    """A shuffled DataLoader resumed mid-epoch with two worker processes (their seeds come from the
+    loader's generator): the resumed run sees the same batches and the same worker-side random
+    augmentation. One backend: the store's part is the same as in the test above."""
     _loader_resume(store, num_workers=2)
 
 
@@ -206,8 +206,9 @@ def _loader_resume(store, num_workers: int) -> None:
 
 
 def test_naive_loader_resume_sees_other_batches():
-    """Scenario 22 (control): restoring only the global RNGs and skipping batches, without the
-    loader generator's epoch-start state, gives another order, so the saved position matters."""
+    """Control for the mid-epoch loader resume: restoring only the global RNGs and skipping
+    batches, without the loader generator's epoch-start state, gives another order, so the saved
+    position matters."""
     generator = torch.Generator().manual_seed(11)
     position = LoaderPosition(generator)
     loader = _loader(generator)
@@ -218,7 +219,7 @@ def test_naive_loader_resume_sees_other_batches():
 
 
 def test_loader_position_refuses_a_loader_without_its_generator():
-    """Scenario 22: a loader that shuffles from the global torch RNG cannot be resumed
+    """A loader that shuffles from the global torch RNG cannot be resumed
     mid-epoch, so the helper refuses it instead of replaying another order."""
     position = LoaderPosition(torch.Generator().manual_seed(0))
     loader = DataLoader(NoisyRange(8), batch_size=2, shuffle=True)
@@ -277,7 +278,7 @@ def _steps(model, optimizer, scheduler, count: int, generator: torch.Generator) 
 
 @pytest.mark.parametrize("kind", sorted(SCHEDULERS))
 def test_schedule_rebuilt_after_load_gives_the_same_lr(store, kind):
-    """Scenario 23: a cosine-shaped schedule saved at step k; the optimizer and scheduler are
+    """A cosine-shaped schedule saved at step k; the optimizer and scheduler are
     rebuilt from scratch and loaded: the LR of every param group at k+1 (and after) equals the
     uninterrupted run's exactly, for chainable (recursive) and closed-form schedulers."""
     build = SCHEDULERS[kind]
@@ -304,7 +305,7 @@ def test_schedule_rebuilt_after_load_gives_the_same_lr(store, kind):
 
 
 def test_cosine_lr_matches_the_closed_form_after_resume(store):
-    """Scenario 23: after resuming a CosineAnnealingLR at k, the LR at k+1 is the closed form
+    """After resuming a CosineAnnealingLR at k, the LR at k+1 is the closed form
     eta_min + (base - eta_min) * (1 + cos(pi * (k+1) / T_max)) / 2 (to float rounding)."""
     model = student()
     optimizer = torch.optim.SGD(trainable(model), lr=0.1)
@@ -337,7 +338,7 @@ COUNTERS = {
 
 
 def test_counters_round_trip_as_plain_ints(store):
-    """Scenario 24: counters kept as plain ints (global step, teacher updates, tokens seen, ints
+    """Counters kept as plain ints (global step, teacher updates, tokens seen, ints
     beyond float64 and int64 precision) round-trip exactly with type int; bools stay bools; numpy
     integer counters come back as the equal Python int; nothing is dropped."""
     model = student()
@@ -377,7 +378,7 @@ class _Hook:
     ],
 )
 def test_unsavable_state_value_is_refused_with_its_key(store, backend, where, state_key, value, named):
-    """Scenario 24: a state value that cannot be saved is refused at save time with its key path
+    """A state value that cannot be saved is refused at save time with its key path
     named, never dropped; nothing at all is written to the store."""
     model = student()
     optimizer, scheduler = _make_optim(model)
@@ -433,7 +434,7 @@ class _LayerModel:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_optimizer_state_lands_on_the_params_device_and_dtype(store, device, fused):
-    """Scenario 28: AdamW state saved from float64 CPU parameters loads onto float32 parameters
+    """AdamW state saved from float64 CPU parameters loads onto float32 parameters
     on ``device`` (CPU always; CUDA too where available): every moment tensor takes the
     parameter's device and dtype, the values are the saved ones cast, and the next step runs
     and equals loading the same state dict in memory (no store)."""
@@ -499,7 +500,7 @@ torch.serialization.register_package(1, _cuda_tagger, _never)
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_optimizer_state_saved_on_gpu_loads_on_this_host(store, device):
-    """Scenario 28: a checkpoint whose tensors were saved on ``cuda:0`` (the payload records that
+    """A checkpoint whose tensors were saved on ``cuda:0`` (the payload records that
     location) loads on a host without CUDA: payloads are mapped to the CPU first, and the
     optimizer state then lands on the parameters' device; the next step runs."""
     layer, optimizer = _trained_float64(False)

@@ -1,4 +1,4 @@
-"""Integrity and safe loading (issue 5, scenario 36): training state holding config-like objects,
+"""Integrity and safe loading: training state holding config-like objects,
 numpy scalars and counters is converted to plain types or refused at save time with its key
 named; whatever was saved loads under ``torch.load(weights_only=True)``, with no allow-list."""
 
@@ -116,7 +116,7 @@ def _refused(save_call, named: str, hint: str) -> None:
 
 
 def test_config_like_state_is_refused_naming_its_key(store, backend):
-    """Scenario 36: dataclasses, pydantic models, OmegaConf-like mappings and sequences, dict
+    """Dataclasses, pydantic models, OmegaConf-like mappings and sequences, dict
     subclasses, enums, paths, namedtuples, generators and numpy datetimes in trainer or teacher
     state (as values or as keys, at any depth) are refused at save time; the error names the key
     path and how to convert the value; nothing is written to the store."""
@@ -155,7 +155,7 @@ class _ConfigWith:
 
 
 def test_config_dict_with_objects_is_refused_or_converted(store, backend):
-    """Scenario 36: ``config.as_dict()`` goes to ``config.yaml``; a path, an enum or a dataclass
+    """``config.as_dict()`` goes to ``config.yaml``; a path, an enum or a dataclass
     there is refused with its key named (``yaml.safe_dump`` would raise an untyped error naming no
     key), a numpy scalar is converted, and nothing is written when refused."""
     model = student()
@@ -191,7 +191,7 @@ def _wide_state() -> dict:
 
 
 def test_saved_state_loads_weights_only_without_allow_list(store):
-    """Scenario 36: numpy scalars become the equal Python value, numpy arrays tensors, counters
+    """Numpy scalars become the equal Python value, numpy arrays tensors, counters
     stay ints; every ``.pt`` payload of the checkpoint loads with plain
     ``torch.load(weights_only=True)`` (no opd_store allow-list) and names no unsafe global."""
     model = student()

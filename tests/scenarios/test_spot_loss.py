@@ -1,4 +1,4 @@
-"""Kills and partial writes (issue 5, scenario 11): spot loss while a checkpoint was only partly
+"""Kills and partial writes: spot loss while a checkpoint was only partly
 uploaded. The main job (``opd-store train``) dies by SIGKILL after some payloads of a save are in
 the store; a new machine with an empty disk (a new process, new empty cwd, HOME and TMPDIR)
 resumes from the newest step whose commit completed and redoes the lost updates bit for bit.
@@ -28,7 +28,7 @@ def _records(path: Path) -> list[dict]:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["local", "s3", "seaweed", "gcs"], indirect=True)
 def test_spot_loss_mid_upload_resumes_from_last_completed_commit(backend, tmp_path):
-    """Scenario 11: the job saves step 2, then dies after 3 payloads of step 4 were uploaded
+    """The job saves step 2, then dies after 3 payloads of step 4 were uploaded
     (adapter objects in the store, RNG, training state and manifest not). A new machine sees
     step 4 uncommitted, resumes from step 2 (the newest completed commit, named with the store's
     protocol), redoes updates 3-4 with losses and learning rates equal bit for bit to the lost

@@ -1,6 +1,7 @@
-"""Asynchronous OPD saves (issue 8, item 1; issue 5, scenario 15): the snapshot is taken at the call,
-failures reach the caller, a kill mid-upload leaves the previous step, and interpreter exit either
-commits or abandons within the deadline. Real PEFT students, real stores (local, moto S3)."""
+"""Asynchronous OPD saves: the snapshot is taken at the call, a failure in the background reaches the
+caller (at ``result()``, the next save or close; never only logged), a kill mid-upload leaves the
+previous step, and interpreter exit either commits or abandons within the deadline. Real PEFT
+students, real stores (local, moto S3)."""
 
 from __future__ import annotations
 

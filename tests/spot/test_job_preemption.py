@@ -1,4 +1,4 @@
-"""The main job on a preemption notice (issue 8, item 2): SIGTERM mid-training, or the AWS/GCE notice
+"""The main job on a preemption notice: SIGTERM mid-training, or the AWS/GCE notice
 of a fake metadata server, makes ``opd-store train`` finish the update in progress, commit a
 checkpoint, print what it saved and exit 0; resuming afterwards ends bit-identical to an
 uninterrupted run (compared as in tests/job/test_train_cli.py: final adapter, optimizer state and

@@ -1,4 +1,4 @@
-"""PreemptionWatcher (issue 8, item 2): signals and the AWS/GCE notices of a fake metadata server on
+"""PreemptionWatcher: signals and the AWS/GCE notices of a fake metadata server on
 loopback become ``should_checkpoint_now()``; every wait is on a real condition with a deadline."""
 
 from __future__ import annotations

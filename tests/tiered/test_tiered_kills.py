@@ -1,4 +1,4 @@
-"""SIGKILL of a process saving through a tiered store (issue 8, item 3).
+"""SIGKILL of a process saving through a tiered store (local commit first, then the upload).
 
 * killed after the local commit of step 2 and before its upload finished (the bucket manifest's
   PUT is held by a proxy, so the moment is certain and read from the stores): a new machine with

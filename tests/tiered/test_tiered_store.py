@@ -1,4 +1,4 @@
-"""The tiered store (issue 8, item 3): local commit first, background upload with the same
+"""The tiered store: local commit first, background upload with the same
 protocol, which tier answers what, failures raised, retention per tier, and the OPD layer on top.
 
 The bucket is a real S3 server (moto over HTTP) or ``memory://``; the local tier a temp dir.

@@ -1,4 +1,4 @@
-"""Test-only fault injection for spawned ranks of ``opd-store train --nproc N`` (issue 7).
+"""Test-only fault injection for spawned ranks of ``opd-store train --nproc N``.
 
 Spawned ranks are fresh interpreters, so a test cannot patch them; this module is put on
 ``PYTHONPATH`` by tests/distributed/test_train_nproc.py only. With
