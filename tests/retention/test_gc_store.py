@@ -38,7 +38,7 @@ def payload_rel(store: CheckpointStore, step: int, name: str = "model.bin") -> s
     return f"step-{step:06d}/{store.manifest(step).entry(name).path}"
 
 
-def test_scenario_30_keep_last_2_keep_every_10000_with_the_two_newest_damaged(backend):
+def test_keep_last_2_keep_every_10000_with_the_two_newest_damaged(backend):
     store = open_store(backend)
     for step in (10000, 15000, 20000, 20100, 20200, 20300, 20400):
         commit(store, step)
@@ -52,7 +52,7 @@ def test_scenario_30_keep_last_2_keep_every_10000_with_the_two_newest_damaged(ba
     assert store.read(20200, "model.bin") == (20200).to_bytes(4, "big") * 8
 
 
-def test_scenario_30_same_size_corruption_needs_deep_to_be_seen(backend):
+def test_same_size_corruption_needs_deep_to_be_seen(backend):
     store = open_store(backend)
     for step in (10000, 20100, 20200, 20300, 20400):
         commit(store, step)

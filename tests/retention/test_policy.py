@@ -48,7 +48,7 @@ def test_a_policy_without_rules_deletes_nothing():
     assert plan.delete == () and set(plan.keep) == {1, 2, 3} and plan.freed_bytes == 0
 
 
-def test_scenario_30_damaged_newest_steps_never_push_a_good_one_out():
+def test_damaged_newest_steps_never_push_a_good_one_out():
     # keep-last 2 plus keep-every 10000, the two newest steps damaged (one corrupt, one incomplete).
     records = complete(10000, 15000, 20000, 20100, 20200) + [
         StepRecord(20300, "corrupt", 50), StepRecord(20400, "incomplete", 60)
@@ -108,7 +108,7 @@ def test_damaged_steps_of_the_run_do_not_release_its_parent():
     assert protected_parents(records) == set()
 
 
-def test_scenario_29_current_run_parent_is_protected_before_its_first_save():
+def test_current_run_parent_is_protected_before_its_first_save():
     # Run 2 resumed from 500 and has committed nothing yet: its parent is protected even
     # though nothing in the store records the resume.
     records = complete(500, 600, 700, run_id="run-1")

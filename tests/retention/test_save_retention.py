@@ -87,7 +87,7 @@ def test_resume_parent_is_kept_until_the_run_commits_its_second_checkpoint(backe
     assert store.steps() == [530, 700]
 
 
-def test_scenario_29_resume_then_crash_before_the_next_save(backend):
+def test_resume_then_crash_before_the_next_save(backend):
     # Run 1 keeps only step 500; run 2 resumes from 500 and dies before its first save.
     store = open_store(backend)
     policy = RetentionPolicy(keep_last=1)
