@@ -55,11 +55,47 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return len(os.sched_getaffinity(0)) + 1
 
 
+def _require_groups(config, items) -> None:
+    """Refuse to run when ``--dist loadgroup`` would not keep an ``xdist_group`` on one worker.
+
+    pytest-xdist groups a test by appending ``@<group>`` to its node id (its worker-side
+    ``pytest_collection_modifyitems``, which runs before this conftest's); pytest 9.2 computes node
+    ids from another attribute, so the suffix is lost, every group is spread over the workers and
+    each worker builds the group's module fixture again (the IAM recording three times: +40 s).
+    :func:`pytest_configure` refuses such a pytest on the controller, with a readable message; this
+    check (in each worker) catches any other way the grouping is lost.
+
+    Raises:
+        pytest.UsageError: a grouped test whose node id carries no group.
+    """
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+            raise pytest.UsageError(f"pytest-xdist's loadgroup did not group {item.nodeid} (pytest "
+                                    f"{pytest.__version__}; pyproject.toml pins the versions that work)")
+
+
+def pytest_configure(config) -> None:
+    """Refuse pytest >= 9.2 with ``--dist loadgroup`` (see :func:`_require_groups`).
+
+    Raises:
+        pytest.UsageError: naming the installed pytest and the fix.
+    """
+    from packaging.version import Version
+
+    if getattr(config.option, "dist", "no") == "loadgroup" and Version(pytest.__version__) >= Version("9.2"):
+        raise pytest.UsageError(f"pytest {pytest.__version__} breaks pytest-xdist's loadgroup (every xdist_group "
+                                "would be built on every worker): install the test extra's pytest<9.2 "
+                                "(bash scripts/setup.sh)")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Run the longest tests first: xdist hands out work one test at a time as workers free up, so
     a 40-second test collected last keeps one core busy while the other idles at the end of the
     run (longest-processing-time-first scheduling). The order is the recorded durations, heaviest
     first, then collection order; it is the same in every worker, as xdist requires."""
+    _require_groups(config, items)
     secs = recorded_secs()
     items.sort(key=lambda item: -secs.get(item.nodeid, 0.0))
 

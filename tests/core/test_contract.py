@@ -336,6 +336,7 @@ def test_uncommitted_payloads_never_count(backend, raw, caplog):
     # A save of step 2 that wrote everything but never committed (killed before the manifest).
     txn = store.begin(2)
     txn.write_bytes("model.pt", make_bytes("two", 1000))
+    txn.settle()  # stored (a bucket store publishes in the background after write_bytes returns)
     # Leftover staging of step 7 (the highest name), written by some crashed writer.
     raw.put("step-000007/attempt-20260101T000000Z-00000000abcd/model.pt", make_bytes("seven", 1000))
     assert set(k.split("/")[0] for k in raw.keys()) == {"step-000001", "step-000002", "step-000007"}

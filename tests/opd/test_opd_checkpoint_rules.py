@@ -161,6 +161,7 @@ def test_incomplete_checkpoint_raises_value_error_naming_it(opd_backend, store, 
 def test_uncommitted_step_raises_value_error(opd_backend, store, opd):
     txn = store.begin(5)
     txn.write_bytes("training_state.pt", b"partial")  # a save killed before its commit
+    txn.settle()  # stored (a bucket store publishes in the background after write_bytes returns)
     with pytest.raises(IncompleteCheckpointError, match="incomplete"):
         load_opd_checkpoint((store, 5), **opd.load_kwargs())
     with pytest.raises(IncompleteCheckpointError):
