@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from .errors import SaveAbandonedError
+from .errors import IncompleteCheckpointError, SaveAbandonedError
 from .layout import check_payload_name, step_dirname
 from .manifest import PayloadEntry
 from .payload_writer import PayloadWriter
@@ -140,6 +140,35 @@ class Attempt:
     def _require_open(self) -> None:
         if self._state != "open":
             raise ValueError(f"transaction for {self.url} ({self.attempt_id}) is {self._state}")
+
+    def _settle_or_abort(self) -> None:
+        """Wait for the payloads still publishing; abort the attempt if one failed.
+
+        Raises:
+            StoragePermissionError, PayloadUploadError: a payload's upload failed (the attempt's
+                payloads are deleted).
+        """
+        try:
+            self.settle()  # payloads still uploading in the background
+        except BaseException:
+            self.abort()
+            raise
+
+    def _refuse_unclosed(self, subject: str, outcome: str) -> None:
+        """Abort the attempt if a payload writer is still open or failed: a payload that was never
+        closed cleanly must not be committed or sealed (its bytes may be partial).
+
+        Args:
+            subject (str): whose payloads, as the message says it (``"payloads"``, ``"rank 1 payloads"``).
+            outcome (str): what the refusal means for the save (the end of the error's message).
+
+        Raises:
+            IncompleteCheckpointError: naming the payloads (the attempt's payloads are deleted).
+        """
+        if self._open or self._failed:
+            names = sorted(self._open) + sorted(self._failed)
+            self.abort()
+            raise IncompleteCheckpointError(f"{self.url}: {subject} {names} were never closed cleanly; {outcome}")
 
     # abort --------------------------------------------------------------------------------
     def abort(self) -> None:

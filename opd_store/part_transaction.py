@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-from .errors import IncompleteCheckpointError
 from .manifest import PayloadEntry
 from .attempt import Attempt
 
@@ -40,17 +39,8 @@ class PartTransaction(Attempt):
             OSError: the durability sync failed (the part's payloads are deleted).
         """
         self._require_open()
-        try:
-            self.settle()  # payloads still uploading in the background
-        except BaseException:
-            self.abort()
-            raise
-        if self._open or self._failed:
-            names = sorted(self._open) + sorted(self._failed)
-            self.abort()
-            raise IncompleteCheckpointError(
-                f"{self.url}: rank {self.rank} payloads {names} were never closed cleanly; its part is discarded"
-            )
+        self._settle_or_abort()
+        self._refuse_unclosed(f"rank {self.rank} payloads", "its part is discarded")
         try:
             self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
         except BaseException:

@@ -125,23 +125,14 @@ class Transaction(Attempt):
         """
         self._require_open()
         self._check_cancelled()
-        try:
-            self.settle()  # payloads still uploading in the background
-        except BaseException:
-            self.abort()
-            raise
+        self._settle_or_abort()
         for check in self._before_commit:
             try:
                 check()
             except BaseException:
                 self.abort()
                 raise
-        if self._open or self._failed:
-            names = sorted(self._open) + sorted(self._failed)
-            self.abort()
-            raise IncompleteCheckpointError(
-                f"{self.url}: payloads {names} were never closed cleanly; nothing was committed"
-            )
+        self._refuse_unclosed("payloads", "nothing was committed")
         self._state = "committing"
         try:
             self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
