@@ -146,10 +146,11 @@ class S3Storage(BucketStorage):
         return bucket, key
 
     def open_write(self, rel: str) -> BinaryIO:
-        from .s3_transfers import S3PartWriter
+        from .part_writer import PartWriter
+        from .s3_transfers import S3Multipart
 
         bucket, key = self._bucket_and_key(rel)
-        return S3PartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
+        return PartWriter(S3Multipart(self.fs, bucket, key, self.url(rel)), self.part_pool())  # type: ignore[return-value]
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         from .s3_reads import read_checked
@@ -218,10 +219,11 @@ class GCSStorage(NoMultipartUploads, BucketStorage):
         return remote_probes.gcs_clock_secs(self)
 
     def open_write(self, rel: str) -> BinaryIO:
-        from .gcs_transfers import GCSPartWriter
+        from .gcs_transfers import GCSComposite
+        from .part_writer import PartWriter
 
         bucket, _, key = self.path(rel).partition("/")
-        return GCSPartWriter(self.fs, bucket, key, self.url(rel), self.part_pool())  # type: ignore[return-value]
+        return PartWriter(GCSComposite(self.fs, bucket, key, self.url(rel)), self.part_pool())  # type: ignore[return-value]
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
         from .gcs_reads import range_opener

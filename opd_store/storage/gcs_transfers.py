@@ -1,9 +1,10 @@
 """Parallel GCS uploads over gcsfs's asynchronous API: parallel composite uploads.
 
 gcsfs's file writer sends a payload over one connection (a resumable upload, one chunk after the
-other). :func:`GCSPartWriter` (``Storage.open_write``) uploads it the way gcloud and gsutil's
-"parallel composite uploads" do (GCS docs, "Parallel composite uploads"): each full part buffer goes
-up as a *temporary object* beside the payload while the caller keeps writing, up to
+other). ``Storage.open_write`` (a :class:`~opd_store.storage.part_writer.PartWriter` over
+:class:`GCSComposite`) uploads it the way gcloud and gsutil's "parallel composite uploads" do
+(GCS docs, "Parallel composite uploads"): each full part buffer goes up as a *temporary object*
+beside the payload while the caller keeps writing, up to
 ``parts_in_flight`` at once (the shared :class:`~opd_store.storage.part_writer.PartWriter`), and
 the payload is then assembled from them by ``compose``, on gcsfs's own event loop and aiohttp
 session (its credentials, endpoint, timeouts and retries: 5xx, 408 and 429 back off up to 6 times).
@@ -43,8 +44,8 @@ import secrets
 from typing import Any
 from urllib.parse import quote
 
-from .part_writer import PartWriter, named_error
-from .parts import MemoryReader, PartPool
+from .part_writer import named_error
+from .parts import MemoryReader
 
 logger = logging.getLogger("opd_store.storage")
 
@@ -216,17 +217,4 @@ class GCSComposite:
             pass
 
 
-def GCSPartWriter(fs, bucket: str, key: str, url: str, pool: PartPool) -> PartWriter:  # noqa: N802 - a file's constructor
-    """A write-only binary file for the GCS object ``bucket/key``, uploaded as a parallel composite
-    upload (:class:`~opd_store.storage.part_writer.PartWriter` over :class:`GCSComposite`).
-
-    Args:
-        fs: the store's ``gcsfs.GCSFileSystem``.
-        bucket (str), key (str): the object.
-        url (str): the object's URL (for messages).
-        pool (PartPool): the store's part buffers (their size is the part size).
-    """
-    return PartWriter(GCSComposite(fs, bucket, key, url), pool)
-
-
-__all__ = ["GCSComposite", "GCSPartWriter", "MAX_COMPOSE_SOURCES", "PART_MARKER", "compose_groups"]
+__all__ = ["GCSComposite", "MAX_COMPOSE_SOURCES", "PART_MARKER", "compose_groups"]

@@ -2,8 +2,8 @@
 :class:`~opd_store.storage.part_writer.PartWriter`.
 
 s3fs's file writer uploads a multipart upload one part at a time (its source: "TODO: concurrent
-here"). :func:`S3PartWriter` (``Storage.open_write``) uploads a payload as an S3 multipart upload
-whose parts go up while the caller keeps writing, up to ``parts_in_flight`` at once, on s3fs's own
+here"). ``Storage.open_write`` (a :class:`~opd_store.storage.part_writer.PartWriter` over
+:class:`S3Multipart`) uploads a payload as an S3 multipart upload whose parts go up while the caller keeps writing, up to ``parts_in_flight`` at once, on s3fs's own
 event loop and client (its credentials, endpoint, timeouts and botocore's retries, which back off on
 ``503 SlowDown``); the reads are :mod:`opd_store.storage.s3_reads`. A payload of at most one part is
 one ``PutObject``. Each request's body is a seekable reader over its part buffer
@@ -20,8 +20,8 @@ import concurrent.futures
 from typing import Any
 
 from .backend_errors import Meaning, classify
-from .part_writer import PartWriter, named_error
-from .parts import MemoryReader, PartPool
+from .part_writer import named_error
+from .parts import MemoryReader
 
 
 class S3Multipart:
@@ -94,17 +94,4 @@ class S3Multipart:
                 raise
 
 
-def S3PartWriter(fs, bucket: str, key: str, url: str, pool: PartPool) -> PartWriter:  # noqa: N802 - a file's constructor
-    """A write-only binary file for the S3 object ``bucket/key``, uploaded in parallel multipart parts
-    (:class:`~opd_store.storage.part_writer.PartWriter` over :class:`S3Multipart`).
-
-    Args:
-        fs: the store's ``s3fs.S3FileSystem``.
-        bucket (str), key (str): the object.
-        url (str): the object's URL (for messages).
-        pool (PartPool): the store's part buffers (their size is the part size).
-    """
-    return PartWriter(S3Multipart(fs, bucket, key, url), pool)
-
-
-__all__ = ["S3Multipart", "S3PartWriter"]
+__all__ = ["S3Multipart"]
