@@ -5,7 +5,8 @@ s3fs's file writer uploads a multipart upload one part at a time (its source: "T
 here"). ``Storage.open_write`` (a :class:`~opd_store.storage.part_writer.PartWriter` over
 :class:`S3Multipart`) uploads a payload as an S3 multipart upload whose parts go up while the
 caller keeps writing, up to ``parts_in_flight`` at once, on s3fs's own event loop and client (its
-credentials, endpoint, timeouts and botocore's retries, which back off on ``503 SlowDown``); the reads are :mod:`opd_store.storage.s3_reads`. A payload of at most one part is
+credentials, endpoint, timeouts and botocore's retries, which back off on ``503 SlowDown``);
+the reads are :mod:`opd_store.storage.s3_reads`. A payload of at most one part is
 one ``PutObject``. Each request's body is a seekable reader over its part buffer
 (:class:`~opd_store.storage.parts.MemoryReader`), sent in chunks: a ``bytes`` body is copied whole
 into asyncio's transport buffer while the socket drains, a second copy of every part in flight
