@@ -17,7 +17,8 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from .machines import end_process
-from .proxies import HoldProxy, Request, S3FaultProxy, S3Proxy
+from .hold_proxy import HoldProxy
+from .proxies import Request, S3FaultProxy, S3Proxy
 from .stores import Backend, free_port
 
 
@@ -80,7 +81,7 @@ class GCSFaultProxy(_GCSDialect, S3FaultProxy):
 
 
 class GCSHoldProxy(_GCSDialect, HoldProxy):
-    """:class:`~opd_store.testing.proxies.HoldProxy` (hold picked requests) in front of fake-gcs-server."""
+    """:class:`~opd_store.testing.hold_proxy.HoldProxy` (hold picked requests) in front of fake-gcs-server."""
 
 
 class FakeGCS:

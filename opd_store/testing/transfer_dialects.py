@@ -21,7 +21,8 @@ from typing import Callable
 from urllib.parse import parse_qs
 
 from .gcs import GCSFaultProxy, GCSHoldProxy, GCSProxy, gcs_object
-from .proxies import HoldProxy, Request, S3FaultProxy, S3Proxy
+from .hold_proxy import HoldProxy
+from .proxies import Request, S3FaultProxy, S3Proxy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from opd_store.testing.proxies import HoldProxy
+from opd_store.testing.hold_proxy import HoldProxy
 from opd_store.testing.stores import Backend
 
 
