@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import os
+import subprocess
 from pathlib import Path
+from typing import Any, Callable
 
 from .common import CliError, add_store_options, open_store, store_options
 
@@ -33,7 +34,9 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(handler=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, popen: Callable[..., Any] = subprocess.Popen, out=None) -> int:
+    """Run ``opd-store demo``; ``popen`` and ``out`` go to :func:`~opd_store.job.demo.run_demo`
+    (tests start the training processes from a preloaded fork server)."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     workdir = Path(args.workdir or Path.cwd() / "opd-demo" / stamp).resolve()
     options = store_options(args)
@@ -53,11 +56,13 @@ def run(args: argparse.Namespace) -> int:
             server = MotoS3()
         except ImportError as exc:
             raise CliError(f"--s3-emulator needs moto[server] and boto3 ({exc}); pip install 'opd_store[job]'") from exc
-        storage_env = server.environment()
-        os.environ.update(storage_env)
+        storage_env = server.environment()  # the training processes' credentials
         server.create_bucket("opd-demo")
         store_url = f"s3://opd-demo/{stamp}"
-        options = {"endpoint_url": server.endpoint_url}
+        # This process's own stores: the same credentials as options (its environment is left alone).
+        options = {"endpoint_url": server.endpoint_url, "key": storage_env["AWS_ACCESS_KEY_ID"],
+                   "secret": storage_env["AWS_SECRET_ACCESS_KEY"],
+                   "client_kwargs": {"region_name": storage_env["AWS_DEFAULT_REGION"]}}
         store_args = ["--s3-endpoint-url", server.endpoint_url]
     elif args.store:
         store_url = args.store
@@ -78,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             every=args.checkpoint_every,
             seed=args.seed,
             kill_seed=args.kill_seed,
+            popen=popen,
+            out=out,
         )
     finally:
         if server is not None:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -70,15 +70,16 @@ def _kill_while_streaming(process: subprocess.Popen, store: CheckpointStore, ste
 
 
 def _run_until(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, kill_after_updates: int | None,
-               kill_on_save: bool, timeout_secs: float,
+               kill_on_save: bool, timeout_secs: float, popen: Callable[..., Any] = subprocess.Popen,
                spot: CheckpointStore | None = None) -> tuple[bool, str, list[dict[str, Any]], int | None]:
     """Run one start; SIGKILL it at the chosen point. Returns (killed, kill point, events, resumed step).
 
     ``kill_after_updates`` kills after that many attempted updates following the first completed
     save (so the next start has a checkpoint to resume from); ``kill_on_save`` kills while a save
-    is streaming its payloads into ``spot`` (objects written, manifest not yet created).
+    is streaming its payloads into ``spot`` (objects written, manifest not yet created). ``popen``
+    starts the process (see :func:`run_demo`).
     """
-    process = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events: list[dict[str, Any]] = []
     resumed_step = None
     killed = False
@@ -129,8 +130,19 @@ def _log_entries(paths: list[Path]) -> dict[int, list[dict[str, Any]]]:
 
 def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, str], storage_options: dict[str, Any],
              workdir: Path, updates: int = 8, every: int = 2, seed: int = 0, kill_seed: int | None = None,
-             timeout_secs: float = 600.0, out=sys.stdout) -> int:
-    """Run the whole story; return 0 when the resumed run matches the reference bit for bit."""
+             timeout_secs: float = 600.0, popen: Callable[..., Any] = subprocess.Popen, out=None) -> int:
+    """Run the whole story; return 0 when the resumed run matches the reference bit for bit.
+
+    ``popen`` starts each training process (:class:`subprocess.Popen`, or for tests a preloaded fork
+    server's ``popen``: the same command line, environment and directory, without a new
+    interpreter's imports); ``out`` (default ``sys.stdout``) gets the report.
+
+    Raises:
+        ValueError: ``updates < 2 * every``.
+        TimeoutError: a start ran longer than ``timeout_secs``.
+        RuntimeError: a start that was not killed exited non-zero (its stderr is in the message).
+    """
+    out = sys.stdout if out is None else out
     if updates < 2 * every:
         raise ValueError(f"the demo needs --updates >= 2 x --checkpoint-every (got {updates} and {every})")
     rng = random.Random(kill_seed)
@@ -143,7 +155,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     env, cwd = fresh_machine(workdir, storage_env)
     started = time.perf_counter()
     _run_until(_train_cmd(reference_url, updates, every, seed, store_args, ref_log, ref_state), env, cwd, ref_log,
-               kill_after_updates=None, kill_on_save=False, timeout_secs=timeout_secs)
+               kill_after_updates=None, kill_on_save=False, timeout_secs=timeout_secs, popen=popen)
     print(f"reference run: {updates} updates in {time.perf_counter() - started:.1f} s", file=out)
 
     spot = CheckpointStore(spot_url, storage_options=storage_options)
@@ -164,7 +176,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
         killed, point, events, resumed = _run_until(
             _train_cmd(spot_url, updates, every, seed, store_args, log, final_state),
             env, cwd, log, kill_after_updates=kill_after, kill_on_save=kill_on_save, timeout_secs=timeout_secs,
-            spot=spot,
+            popen=popen, spot=spot,
         )
         saves = [e for e in events if e.get("event") == "saved"]
         start = Start(label, killed, point, resumed, saves)

@@ -36,6 +36,8 @@ import math
 import os
 from typing import Any, Callable
 
+from .s3_session import share_data
+
 DEFAULT_CONNECT_TIMEOUT_SECS = 15.0
 """Default bound of the reachability check and connect timeout of every request (seconds)."""
 DEFAULT_READ_TIMEOUT_SECS = 60.0
@@ -126,6 +128,7 @@ def with_timeouts(protocol: str, options: dict[str, Any], timeouts: ClientTimeou
 
         def configure(fs: Any) -> None:
             fs.retries = passes  # s3fs reads its retry count from this attribute (not a constructor option)
+            share_data(fs)  # botocore's parsed data: once per process, not once per store
 
         return options, ClientTimeouts(float(config["connect_timeout"]), float(config["read_timeout"])), configure
     if protocol in ("gs", "gcs") and "requests_timeout" not in options:

@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 from ..errors import StoreUnreachableError
 from .reachability import missing_bucket
+from .s3_session import share_data
 
 if TYPE_CHECKING:
     from .base import Storage
@@ -79,7 +80,7 @@ def s3_probe_read(storage: "Storage", timeout_secs: float, stage: dict[str, str]
     options["config_kwargs"] = dict(options.get("config_kwargs") or {}, connect_timeout=timeout_secs,
                                     read_timeout=timeout_secs, retries={"mode": "legacy", "total_max_attempts": 2})
     options["skip_instance_cache"] = True
-    probe = s3fs.S3FileSystem(**options)
+    probe = share_data(s3fs.S3FileSystem(**options))
     probe.retries = 1  # s3fs's retry loop around botocore's: a single pass
     bucket, prefix = bucket_and_prefix(storage)
     try:

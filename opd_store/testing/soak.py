@@ -126,11 +126,15 @@ class Soak:
         self.reference_secs = 0.0
         self._compared: set[tuple[str, int, str]] = set()  # (prefix, step, attempt id) found identical
         self._reference_payloads: dict[tuple[int, str], Any] = {}  # (step, name) -> comparable form
+        self._stores: dict[str, Any] = {}  # prefix -> CheckpointStore
 
     def store(self, prefix: str):
+        """The store of ``prefix``, one per prefix (its listings are fresh on every call)."""
         from ..store import CheckpointStore
 
-        return CheckpointStore(f"{self.store_url}/{prefix}", storage_options=self.storage_options)
+        if prefix not in self._stores:
+            self._stores[prefix] = CheckpointStore(f"{self.store_url}/{prefix}", storage_options=self.storage_options)
+        return self._stores[prefix]
 
     # -- one start ------------------------------------------------------------------------------
     def _start(self, prefix: str, plan: StartPlan | None, *, reference: bool = False) -> Start:

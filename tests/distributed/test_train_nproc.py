@@ -31,8 +31,9 @@ pytestmark = pytest.mark.timeout(3 * DEADLINE_SECS)
 
 def _cmd(store: Path, tag: str, tmp_path: Path, *, fork: bool = False) -> list[str]:
     """The job's command line. ``fork``: ranks forked from the (preloaded) launcher instead of the
-    default fresh interpreters; the killed run and its resume keep the default (the injection
-    module loads only in a fresh interpreter), the runs around them fork to save the imports."""
+    default fresh interpreters; the killed run keeps the default (the injection module loads only
+    in a fresh interpreter, and the default start method is tested there), the other runs fork to
+    save the imports."""
     return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
             "--checkpoint-every", "2", "--nproc", "2", "--log", str(tmp_path / f"{tag}.log"),
             "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt"),
@@ -75,7 +76,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     assert killed.returncode != 0, output[-4000:]
     assert store.steps() == [2] and store.latest_step() == 2  # step 4 never committed
 
-    resumed = forkserver.run(_cmd(tmp_path / "run", "run2", tmp_path), env=_env(), capture_output=True, text=True,
+    resumed = forkserver.run(_cmd(tmp_path / "run", "run2", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
                              timeout=DEADLINE_SECS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     events = _records(tmp_path / "run2.events")

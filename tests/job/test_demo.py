@@ -1,25 +1,29 @@
-"""The kill-and-resume story end to end on moto S3: subprocesses, SIGKILL (once inside a save),
-fresh working directories, HOME and temp dirs for every start, bit-exact comparison."""
+"""The kill-and-resume story end to end on moto S3 (``opd-store demo --s3-emulator``): the
+emulator the command starts, training processes SIGKILLed (once inside a save), fresh working
+directories, HOME and temp dirs for every start, bit-exact comparison.
+
+The command's handler runs in this process with the real argument parser; its training processes
+are forked from the worker's preloaded fork server (the same command lines and environments, not
+a new interpreter's imports each)."""
 
 from __future__ import annotations
 
-import sys
+import io
 
 import pytest
 
-from opd_store.testing import forkserver
+from opd_store.cli import build_parser
 
 
 @pytest.mark.timeout(1200)
-def test_demo_on_s3_emulator_matches_reference_bit_for_bit(tmp_path):
+def test_demo_on_s3_emulator_matches_reference_bit_for_bit(tmp_path, fork_server):
     workdir = tmp_path / "demo"
-    result = forkserver.run(
-        [sys.executable, "-m", "opd_store", "demo", "--s3-emulator", "--updates", "4", "--checkpoint-every", "2",
-         "--kill-seed", "7", "--workdir", str(workdir)],
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
-    )
-    out = result.stdout
-    assert result.returncode == 0, out + result.stderr[-3000:]
+    args = build_parser().parse_args(["demo", "--s3-emulator", "--updates", "4", "--checkpoint-every", "2",
+                                      "--kill-seed", "7", "--workdir", str(workdir)])
+    report = io.StringIO()
+    code = args.handler(args, popen=fork_server.popen, out=report)
+    out = report.getvalue()
+    assert code == 0, out
     assert "store: s3://opd-demo/" in out
     assert "B of payloads written), step left uncommitted" in out
     assert "match: adapter weights, optimizer state and per-update loss log are bit-identical" in out
