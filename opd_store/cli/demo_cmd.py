@@ -36,7 +36,20 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace, *, popen: Callable[..., Any] = subprocess.Popen, out=None) -> int:
     """Run ``opd-store demo``; ``popen`` and ``out`` go to :func:`~opd_store.job.demo.run_demo`
-    (tests start the training processes from a preloaded fork server)."""
+    (tests start the training processes from a preloaded fork server).
+
+    Raises:
+        CliError: ``--checkpoint-every`` below 1 or ``--updates`` below twice it, ``--s3-emulator``
+            with ``--s3-endpoint-url``, or ``--s3-emulator`` without moto installed; before
+            anything is started or created.
+    """
+    # Refused before anything starts or is created (an emulator, the store's directory, the work
+    # directory): a refused command leaves nothing behind.
+    if args.checkpoint_every < 1 or args.updates < 2 * args.checkpoint_every:
+        raise CliError(f"the demo needs --checkpoint-every >= 1 and --updates >= 2 x --checkpoint-every "
+                       f"(got {args.updates} and {args.checkpoint_every})")
+    if args.s3_emulator and args.s3_endpoint_url:
+        raise CliError("--s3-emulator starts its own S3 endpoint; drop --s3-endpoint-url")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     workdir = Path(args.workdir or Path.cwd() / "opd-demo" / stamp).resolve()
     options = store_options(args)
@@ -59,11 +72,12 @@ def run(args: argparse.Namespace, *, popen: Callable[..., Any] = subprocess.Pope
         storage_env = server.environment()  # the training processes' credentials
         server.create_bucket("opd-demo")
         store_url = f"s3://opd-demo/{stamp}"
-        # This process's own stores: the same credentials as options (its environment is left alone).
-        options = {"endpoint_url": server.endpoint_url, "key": storage_env["AWS_ACCESS_KEY_ID"],
-                   "secret": storage_env["AWS_SECRET_ACCESS_KEY"],
-                   "client_kwargs": {"region_name": storage_env["AWS_DEFAULT_REGION"]}}
-        store_args = ["--s3-endpoint-url", server.endpoint_url]
+        # This process's own stores: the same credentials as options (its environment is left alone);
+        # the command's other store options (--storage-option, --connect-timeout-secs) still apply.
+        options.update(endpoint_url=server.endpoint_url, key=storage_env["AWS_ACCESS_KEY_ID"],
+                       secret=storage_env["AWS_SECRET_ACCESS_KEY"],
+                       client_kwargs={"region_name": storage_env["AWS_DEFAULT_REGION"]})
+        store_args += ["--s3-endpoint-url", server.endpoint_url]
     elif args.store:
         store_url = args.store
     else:

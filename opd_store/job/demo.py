@@ -138,13 +138,14 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     interpreter's imports); ``out`` (default ``sys.stdout``) gets the report.
 
     Raises:
-        ValueError: ``updates < 2 * every``.
+        ValueError: ``every < 1`` or ``updates < 2 * every``.
         TimeoutError: a start ran longer than ``timeout_secs``.
         RuntimeError: a start that was not killed exited non-zero (its stderr is in the message).
     """
     out = sys.stdout if out is None else out
-    if updates < 2 * every:
-        raise ValueError(f"the demo needs --updates >= 2 x --checkpoint-every (got {updates} and {every})")
+    if every < 1 or updates < 2 * every:
+        raise ValueError(f"the demo needs --checkpoint-every >= 1 and --updates >= 2 x --checkpoint-every "
+                         f"(got {updates} and {every})")
     rng = random.Random(kill_seed)
     workdir.mkdir(parents=True, exist_ok=True)
     reference_url = store_url.rstrip("/") + "/reference"

@@ -12,7 +12,7 @@ import io
 
 import pytest
 
-from opd_store.cli import build_parser
+from opd_store.cli import build_parser, main
 
 
 @pytest.mark.timeout(1200)
@@ -34,3 +34,18 @@ def test_demo_on_s3_emulator_matches_reference_bit_for_bit(tmp_path, fork_server
     rows = [line for line in out.splitlines() if line.startswith("| start ") and not line.startswith("| start |")]
     assert len(rows) == 3
     assert "| start 2 | 2 |" in out or "| start 2 | 4 |" in out, out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--updates", "1"], "the demo needs --checkpoint-every >= 1 and --updates >= 2 x --checkpoint-every (got 1 and 2)"),
+    (["--updates", "4", "--checkpoint-every", "0"],
+     "the demo needs --checkpoint-every >= 1 and --updates >= 2 x --checkpoint-every (got 4 and 0)"),
+    (["--s3-emulator", "--s3-endpoint-url", "http://127.0.0.1:9"],
+     "--s3-emulator starts its own S3 endpoint; drop --s3-endpoint-url"),
+])
+def test_bad_demo_arguments_are_refused_in_one_line_leaving_nothing(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", *argv]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err.splitlines()) == ("", [f"opd-store demo: error: {message}"])
+    assert list(tmp_path.iterdir()) == []  # no work directory, no store directory
