@@ -91,8 +91,7 @@ class Storage(abc.ABC):
         self._fs_lock = threading.Lock()
         self.timeouts = timeouts or ClientTimeouts()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
-        self._part_pool: PartPool | None = None
-        self._read_pool: PartPool | None = None
+        self.use_transfers(self.transfers)
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
@@ -114,22 +113,19 @@ class Storage(abc.ABC):
         self._fs = value
 
     def use_transfers(self, settings: TransferSettings) -> None:
-        """Move payloads with ``settings`` from now on (before the first transfer)."""
+        """Move payloads with ``settings`` from now on (before the first transfer), with new pools
+        of ``parts_in_flight`` buffers of ``part_size_bytes`` (allocated on first use): one for
+        uploads, one for :meth:`open_read_stream` readers (a reader never waits for an upload)."""
         self.transfers = settings
-        self._part_pool = None
-        self._read_pool = None
+        self._part_pool = PartPool(settings.part_size_bytes, settings.parts_in_flight)
+        self._read_pool = PartPool(settings.part_size_bytes, settings.parts_in_flight)
 
     def part_pool(self) -> PartPool:
-        """This store's reused part buffers: ``parts_in_flight`` of ``part_size_bytes``."""
-        if self._part_pool is None:
-            self._part_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
+        """This store's reused upload part buffers (:meth:`use_transfers`)."""
         return self._part_pool
 
     def read_pool(self) -> PartPool:
-        """Reused buffers of :meth:`open_read_stream` readers (at most ``parts_in_flight`` each),
-        apart from the upload buffers of :meth:`part_pool`: a reader never waits for an upload."""
-        if self._read_pool is None:
-            self._read_pool = PartPool(self.transfers.part_size_bytes, self.transfers.parts_in_flight)
+        """This store's reused buffers of copy readers (:meth:`use_transfers`)."""
         return self._read_pool
 
     # -- names -------------------------------------------------------------------------------
@@ -306,9 +302,9 @@ class Storage(abc.ABC):
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
         """A forward-only reader of the ``size_bytes`` expected of ``rel`` (a manifest's size) in
-        bounded memory, for copies. The default is :meth:`open_read`; S3 keeps ``parts_in_flight``
-        ranges in flight (:class:`~opd_store.storage.range_stream.RangeStream`). No checksum is
-        checked: the caller compares what it reads with the manifest.
+        bounded memory, for copies. The default is :meth:`open_read`; S3 and GCS keep
+        ``parts_in_flight`` ranges in flight (:class:`~opd_store.storage.range_stream.RangeStream`).
+        No checksum is checked: the caller compares what it reads with the manifest.
 
         Raises:
             FileNotFoundError: no such object (here, or at the reader's first read).
