@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsafeCheckpointError
+from ..torch_io import weights_only_load
 
 _ALLOW_LIST_LOCK = threading.Lock()
 
@@ -119,7 +120,7 @@ def _weights_only_load(data: bytes | bytearray | memoryview | BinaryIO) -> Any:
         present = set(torch.serialization.get_safe_globals())
         missing = [entry for entry in ALLOWED_GLOBALS if entry not in present]
         with torch.serialization.safe_globals(missing):
-            return torch.load(_as_file(data), map_location="cpu", weights_only=True)
+            return weights_only_load(_as_file(data), map_location="cpu")
 
 
 def load_payload(

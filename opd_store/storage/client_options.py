@@ -14,6 +14,17 @@ them out before the rest reaches the filesystem:
                                   5 by default), which wraps botocore's.
 =======================  =======  ===========================================================
 
+S3 clients also get ``config_kwargs.s3.payload_signing_enabled = False`` unless the caller set it:
+requests carry ``UNSIGNED-PAYLOAD`` instead of the SHA-256 of their body. Over HTTPS that is what
+botocore already does for uploads (its S3 signer skips body signing for streaming input that has a
+checksum header: TLS and the checksum protect the body); over plain ``http://`` (a MinIO or
+SeaweedFS endpoint) it would hash every payload byte, and with awscrt installed (opd_store's
+CRC32C) its CRT signer reads the body through a Python callback 4 KiB at a time: about half the
+client's CPU in a save (docs/performance.md). The body stays covered: botocore still sends the
+``x-amz-checksum-crc32`` header of each upload, which the server checks and which is itself signed,
+and the manifest's CRC32C is checked on every load. What plain HTTP cannot give either way is
+authenticity, since no response body is signed.
+
 Client libraries' defaults are not what a job on spot capacity needs. botocore waits 60 s to
 connect and to read; its retry handler (``legacy`` mode: 5 attempts) runs inside s3fs's retry
 loop (5 passes), and s3fs wraps a download in that loop twice, so one GET to an endpoint that
@@ -122,6 +133,7 @@ def with_timeouts(protocol: str, options: dict[str, Any], timeouts: ClientTimeou
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", timeouts.connect_timeout_secs)
         config.setdefault("read_timeout", timeouts.read_timeout_secs)
+        config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         if not any(os.environ.get(name) for name in ("AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS")):
             config.setdefault("retries", dict(S3_RETRY_POLICY))  # else botocore's environment settings apply
         options["config_kwargs"] = config

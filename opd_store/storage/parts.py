@@ -142,15 +142,29 @@ class PartPool:
 class MemoryReader(io.RawIOBase):
     """A seekable binary reader over one buffer (``bytearray``, ``mmap``...), without copying it.
 
-    ``readinto`` copies straight into the caller's buffer (``torch.load`` reads tensor storages
-    that way), ``read`` returns ``bytes``.
+    ``readinto`` copies straight into the caller's buffer, ``read`` returns ``bytes``.
+
+    Args:
+        buffer: the bytes to serve (any object with the buffer protocol).
+        lend_buffer (bool): the buffer is a ``bytearray`` made for this reader alone (a download)
+            and never reused: :meth:`lendable_buffer` hands it out, so that
+            :func:`opd_store.torch_io.weights_only_load` makes the loaded tensors views of it
+            instead of copies. Never set it for a buffer that is reused (a pool's part buffer):
+            tensors viewing it would change when it is refilled.
     """
 
-    def __init__(self, buffer) -> None:
+    def __init__(self, buffer, *, lend_buffer: bool = False) -> None:
         super().__init__()
         self._buffer = buffer
         self._view = memoryview(buffer).cast("B")
         self._pos = 0
+        self._lend = lend_buffer and isinstance(buffer, bytearray)
+
+    def lendable_buffer(self) -> bytearray | None:
+        """The whole buffer, for tensors to view, when the reader was made with ``lend_buffer`` and
+        is open; else ``None``. Whoever keeps a view keeps the memory alive (the buffer is freed
+        when the last view is), and the reader's own reads are unaffected."""
+        return self._buffer if self._lend and not self.closed else None
 
     def readable(self) -> bool:
         return True

@@ -164,7 +164,7 @@ def read_checked(fs, path: str, url: str, settings: TransferSettings, size_bytes
             fs.invalidate_cache(path)
             actual = int(fs.info(path).get("size") or 0)
         return MemoryReader(b""), actual, ""
-    return MemoryReader(buffer), size_bytes, crc
+    return MemoryReader(buffer, lend_buffer=True), size_bytes, crc
 
 
 __all__ = ["OtherSize", "RANGE_ATTEMPTS", "RangeBody", "read_checked", "read_ranges"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import pickle
 import threading
 import zipfile
 
@@ -156,3 +158,90 @@ def test_torch_load_mmap_of_a_remote_payload_loads_from_memory():
     assert torch.equal(loaded["weight"], state["weight"])
     assert not any(line.rstrip().endswith("state.pt") for line in open("/proc/self/maps"))
     fsspec.filesystem("memory").store.clear()
+
+
+def _address_range(buffer: bytearray) -> tuple[int, int]:
+    start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+    return start, start + len(buffer)
+
+
+@pytest.mark.parametrize("name", ["s3", "gcs"])
+def test_a_downloaded_payload_loads_in_place_as_views_of_its_one_buffer(name, request):
+    from opd_store.torch_io import torch_load
+
+    backend = request.getfixturevalue(f"{name}_backend")
+    store = CheckpointStore(backend.url, storage_options=backend.storage_options)
+    state = _save_state(store, 4)
+    with store.open(4, "state.pt") as handle:
+        buffer = handle.lendable_buffer()
+        assert isinstance(buffer, bytearray) and len(buffer) == store.manifest(4).entry("state.pt").size_bytes
+        first, end = _address_range(buffer)
+        loaded = torch_load(handle)  # mmap=False: a remote payload is loaded in place either way
+    assert handle.lendable_buffer() is None  # closed: lends nothing more
+    for key, tensor in state.items():
+        assert torch.equal(loaded[key], tensor)
+        offset = loaded[key].data_ptr() - first
+        # No copy: the tensor's memory is the downloaded buffer, at its record's bytes.
+        assert 0 <= offset and first + offset + tensor.nbytes <= end
+        assert bytes(buffer[offset:offset + tensor.nbytes]) == tensor.numpy().tobytes()
+    # Ordinary writable memory: writing a loaded tensor changes neither the store nor a new load.
+    loaded["weight"][:4] = -1.0
+    assert buffer[loaded["weight"].data_ptr() - first:][:4] == torch.tensor([-1.0]).numpy().tobytes()
+    with store.open(4, "state.pt") as handle:
+        again = torch_load(handle)
+    assert torch.equal(again["weight"], state["weight"])
+    del buffer, handle
+    assert torch.equal(loaded["bias"], state["bias"])  # the tensors keep the memory alive
+
+
+def test_in_place_load_only_from_a_reader_that_lends_its_buffer():
+    from opd_store.storage.parts import MemoryReader
+    from opd_store.torch_io import weights_only_load
+
+    state = _state()
+    data = io.BytesIO()
+    torch_save(state, data)
+    pooled = bytearray(data.getvalue())  # a reused buffer (an upload part): never lent
+    loaded = weights_only_load(MemoryReader(pooled))
+    first, end = _address_range(pooled)
+    assert torch.equal(loaded["weight"], state["weight"])
+    assert not first <= loaded["weight"].data_ptr() < end
+    # Read from the middle: not at an archive's start, so torch.load decides (and refuses).
+    reader = MemoryReader(bytearray(data.getvalue()), lend_buffer=True)
+    reader.seek(1)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        weights_only_load(reader)
+
+
+@dataclasses.dataclass
+class _NotAllowed:
+    value: int
+
+
+def test_in_place_load_refuses_an_unsafe_payload_in_torch_words():
+    from opd_store.storage.parts import MemoryReader
+    from opd_store.torch_io import weights_only_load
+
+    data = io.BytesIO()
+    torch.save({"weight": torch.ones(3), "odd": _NotAllowed(1)}, data)
+    with pytest.raises(pickle.UnpicklingError) as refused:
+        weights_only_load(MemoryReader(bytearray(data.getvalue()), lend_buffer=True))
+    with pytest.raises(pickle.UnpicklingError) as by_torch:
+        torch.load(io.BytesIO(data.getvalue()), weights_only=True)
+    assert str(refused.value) == str(by_torch.value)
+    assert "Weights only load failed" in str(refused.value) and "_NotAllowed" in str(refused.value)
+
+
+def test_the_opd_layers_safe_load_loads_a_downloaded_payload_in_place():
+    from opd_store.opd.safe_load import load_payload
+    from opd_store.storage.parts import MemoryReader
+
+    state = {"model": _state(), "rng": torch.get_rng_state(), "step": 9}
+    data = io.BytesIO()
+    torch.save(state, data)
+    buffer = bytearray(data.getvalue())
+    loaded = load_payload(MemoryReader(buffer, lend_buffer=True), source="s3://bucket/run/step-000009/state.pt")
+    first, end = _address_range(buffer)
+    assert loaded["step"] == 9 and torch.equal(loaded["rng"], state["rng"])
+    assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
+    assert first <= loaded["model"]["weight"].data_ptr() < end and first <= loaded["rng"].data_ptr() < end

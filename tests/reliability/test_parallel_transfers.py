@@ -373,3 +373,37 @@ def test_payloads_around_the_part_size_round_trip_bit_exact_in_the_fewest_reques
 
 def _leftovers_of(backend) -> list[str]:
     return [key for key in stored_keys(backend) if PART_MARKER in key]
+
+
+@pytest.mark.parametrize("server_name", ["moto_s3", "seaweed_s3"])
+def test_s3_bodies_go_unsigned_with_a_signed_checksum_header_unless_the_caller_signs(server_name, request):
+    """Over plain HTTP botocore would SHA-256 every body (the client's CPU in a save): opd_store's S3
+    clients send ``UNSIGNED-PAYLOAD`` as botocore does over HTTPS, and each body still carries a
+    checksum header the server checks; a caller who wants body signing gets it."""
+    import hashlib
+
+    server = request.getfixturevalue(server_name)
+    backend = server.new_backend()
+    proxy = dialect_of(backend).fault_proxy(server.endpoint_url)
+    try:
+        store = open_store(through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=3))
+        save(store, 1, {"model.bin": LARGE, "small.bin": SMALL})
+        bodies = [r for r in proxy.requests if r.op in ("UploadPart", "PutObject")]
+        assert sorted(r.request_bytes for r in bodies if r.op == "UploadPart") == [PART // 2, PART, PART, PART]
+        assert len([r for r in bodies if r.op == "PutObject"]) == 2  # small.bin, then the manifest
+        for sent in bodies:
+            assert sent.headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+            checksums = [name for name in sent.headers if name.startswith("x-amz-checksum-")]
+            assert checksums and all(name in sent.headers["authorization"] for name in checksums)
+        assert store.read(1, "model.bin") == LARGE and store.read(1, "small.bin") == SMALL
+
+        proxy.requests.clear()
+        signing = open_store(through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=3,
+                                           config_kwargs={"s3": {"payload_signing_enabled": True}}))
+        save(signing, 2, {"model.bin": LARGE})
+        parts = sorted((r for r in proxy.requests if r.op == "UploadPart"), key=dialect_of(backend).part_number)
+        expected = [hashlib.sha256(LARGE[i:i + PART]).hexdigest() for i in range(0, len(LARGE), PART)]
+        assert [r.headers["x-amz-content-sha256"] for r in parts] == expected
+        assert signing.read(2, "model.bin") == LARGE
+    finally:
+        proxy.stop()
