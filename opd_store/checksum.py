@@ -40,6 +40,11 @@ class Crc32c:
         self.size_bytes += view.nbytes
         return view.nbytes
 
+    @property
+    def value(self) -> int:
+        """The checksum so far, as an unsigned 32-bit integer."""
+        return self._value
+
     def hexdigest(self) -> str:
         """The checksum as 8 lowercase hex digits (the manifest's spelling)."""
         return f"{self._value:08x}"
@@ -52,4 +57,14 @@ def crc32c_hex(data) -> str:
     return hasher.hexdigest()
 
 
-__all__ = ["ALGORITHM", "Crc32c", "crc32c_hex"]
+def crc32c_base64(data) -> str:
+    """CRC32C of one buffer as S3 spells it (``ChecksumCRC32C``, the ``x-amz-checksum-crc32c``
+    header): base64 of its 4 big-endian bytes."""
+    import base64
+
+    hasher = Crc32c()
+    hasher.update(data)
+    return base64.b64encode(hasher.value.to_bytes(4, "big")).decode("ascii")
+
+
+__all__ = ["ALGORITHM", "Crc32c", "crc32c_base64", "crc32c_hex"]

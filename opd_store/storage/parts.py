@@ -192,6 +192,17 @@ class MemoryReader(io.RawIOBase):
     def readall(self) -> bytes:
         return self.read()
 
+    def read_view(self, size: int) -> memoryview:
+        """The next ``size`` bytes (fewer at the end, empty past it) as a view of the buffer, without
+        a copy; the position moves past them. The view is valid while the buffer is (a pool's part
+        buffer: until the request that reads it has settled)."""
+        if self.closed:
+            raise ValueError("read from a closed MemoryReader")
+        end = min(self._view.nbytes, self._pos + max(0, size))
+        view = self._view[self._pos:end]
+        self._pos = max(self._pos, end)
+        return view
+
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._view.nbytes}[whence]
         if base + offset < 0:

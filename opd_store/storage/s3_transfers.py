@@ -7,11 +7,18 @@ here"). ``Storage.open_write`` (a :class:`~opd_store.storage.part_writer.PartWri
 caller keeps writing, up to ``parts_in_flight`` at once, on s3fs's own event loop and client (its
 credentials, endpoint, timeouts and botocore's retries, which back off on ``503 SlowDown``);
 the reads are :mod:`opd_store.storage.s3_reads`. A payload of at most one part is
-one ``PutObject``. Each request's body is a seekable reader over its part buffer
-(:class:`~opd_store.storage.parts.MemoryReader`), sent in chunks: a ``bytes`` body is copied whole
-into asyncio's transport buffer while the socket drains, a second copy of every part in flight
-(docs/performance.md). If any request fails after the client's retries, the whole multipart upload
-is aborted once the parts in flight have settled (no upload is left open on the server).
+one ``PutObject``. If any request fails after the client's retries, the whole multipart upload is
+aborted once the parts in flight have settled (no upload is left open on the server).
+
+Each body carries its CRC32C (``ChecksumCRC32C``; the upload is created with
+``ChecksumAlgorithm=CRC32C`` and completed with every part's checksum, as S3's "Checking object
+integrity" documentation asks of multipart uploads with checksums): the server refuses a part whose
+bytes differ from the part buffer's (``BadDigest``), and botocore, given the checksum, does not read
+the body to compute one of its own. The body is a :class:`PartBody` over the part buffer, sent as
+views of that buffer in :data:`SEND_CHUNK_BYTES` slices: a ``bytes`` body would be copied whole into
+asyncio's transport buffer while the socket drains (a second copy of every part in flight), and
+aiohttp's generic file payload copies each 256 KiB through a thread-pool ``read`` (in a 256 MiB
+save: 1,024 thread hops and a copy of every byte; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -20,9 +27,59 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
+from aiohttp import payload as aiohttp_payload
+
+from ..checksum import crc32c_base64
 from .backend_errors import Meaning, classify
 from .part_writer import named_error
 from .parts import MemoryReader
+
+SEND_CHUNK_BYTES = 256 << 10
+"""Bytes handed to the connection at a time (aiohttp's own chunk size); the transport copies at
+most the unsent rest of one chunk, then waits for the socket to drain."""
+
+
+class PartBody(MemoryReader):
+    """The body of one upload request: a reader over a part buffer that aiohttp sends as views of
+    the buffer (:class:`_PartPayload`), with no copy and no thread hop. botocore rewinds it
+    (``seek``) before a retry, as it does any file body."""
+
+
+class _PartPayload(aiohttp_payload.Payload):
+    """aiohttp's payload for a :class:`PartBody` (registered for that class alone, so no other body
+    of the process changes): the bytes from the body's position when the request was built, as
+    slices of its buffer; a request sent again (a redirect) starts there again."""
+
+    def __init__(self, value, *args: Any, **kwargs: Any) -> None:
+        super().__init__(value, *args, **kwargs)
+        self._start = value.tell()
+        self._size = value.seek(0, 2) - self._start
+        value.seek(self._start)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        self._value.seek(self._start)
+        return self._value.read(self._size).decode(encoding, errors)
+
+    async def write(self, writer: Any) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        body = self._value
+        body.seek(self._start)
+        remaining = self._size if content_length is None else min(self._size, content_length)
+        while remaining > 0:
+            chunk = body.read_view(min(SEND_CHUNK_BYTES, remaining))
+            if not chunk.nbytes:
+                return
+            await writer.write(chunk)
+            remaining -= chunk.nbytes
+
+
+aiohttp_payload.PAYLOAD_REGISTRY.register(_PartPayload, PartBody, order=aiohttp_payload.Order.try_first)
 
 
 class S3Multipart:
@@ -51,13 +108,14 @@ class S3Multipart:
 
     async def _create(self) -> str:
         try:
-            answer = await self._fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
+            answer = await self._fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                             ChecksumAlgorithm="CRC32C")
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, "CreateMultipartUpload", exc)  # noqa: B904 - the cause is set
         return answer["UploadId"]
 
     async def _send(self, request: str, operation: str, body: bytearray, **kwargs: Any) -> dict:
-        reader = MemoryReader(body)
+        reader = PartBody(body)
         try:
             return await self._fs._call_s3(operation, Bucket=self._bucket, Key=self._key, Body=reader, **kwargs)
         except Exception as exc:  # noqa: BLE001 - named below
@@ -66,12 +124,14 @@ class S3Multipart:
             reader.close()
 
     async def put(self, body: bytearray) -> None:
-        await self._send("PutObject", "put_object", body)
+        await self._send("PutObject", "put_object", body, ChecksumCRC32C=crc32c_base64(body))
 
     async def upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
         upload_id = await asyncio.wrap_future(self._upload_id)
-        answer = await self._send(f"UploadPart {number}", "upload_part", body, UploadId=upload_id, PartNumber=number)
-        return {"PartNumber": number, "ETag": answer["ETag"]}
+        checksum = crc32c_base64(body)
+        answer = await self._send(f"UploadPart {number}", "upload_part", body, UploadId=upload_id, PartNumber=number,
+                                  ChecksumCRC32C=checksum)
+        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
 
     async def complete(self, parts: list[Any]) -> None:
         upload_id = await asyncio.wrap_future(self._upload_id)
@@ -95,4 +155,4 @@ class S3Multipart:
                 raise
 
 
-__all__ = ["S3Multipart"]
+__all__ = ["PartBody", "S3Multipart", "SEND_CHUNK_BYTES"]

@@ -21,6 +21,8 @@ the server unchanged unless it was told otherwise:
                       its body is the first half of the server's (``Content-Length`` says so)
   ``corrupt``         the request is forwarded; the reply carries the server's body with its
                       first byte flipped
+  ``corrupt_request`` the request is forwarded with the first byte of its body flipped (a
+                      bit flip on the way in); the server's reply comes back unchanged
   ``stall``           the request is read and never answered (a stuck gateway): the
                       connection stays open until the client gives up, the rules are
                       cleared or the proxy stops (then it is closed without a response)
@@ -93,7 +95,8 @@ class Rule:
     Attributes:
         ops: S3 operation names to match (any when empty).
         match: extra predicate on the :class:`Request` (``path``, ``query``, ``headers`` filled in).
-        fault: ``status``, ``drop``, ``drop_after``, ``truncate``, ``stall``, ``short`` or ``corrupt``.
+        fault: ``status``, ``drop``, ``drop_after``, ``truncate``, ``stall``, ``short``, ``corrupt`` or
+            ``corrupt_request``.
         status: HTTP status for ``status`` faults.
         code: S3 error code for ``status`` faults (``SlowDown``, ``InternalError``, ``AccessDenied``).
         times: fault this many matching requests, then forward (``None``: every one).
@@ -216,6 +219,8 @@ class S3Proxy:
                 if record.fault in ("drop", "stall"):
                     self._drop()
                     return
+                if record.fault == "corrupt_request" and body:
+                    body = bytes([body[0] ^ 0xFF]) + body[1:]
                 status, reason, headers, data = self._forward(body)
                 if record.fault == "drop_after":
                     self._drop()

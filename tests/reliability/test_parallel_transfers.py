@@ -15,6 +15,7 @@ import threading
 import pytest
 
 from opd_store import IntegrityError, PayloadUploadError, StoreUnreachableError
+from opd_store.checksum import crc32c_base64
 from opd_store.storage.parts import MIN_PART_SIZE_BYTES
 from opd_store.storage.gcs_transfers import PART_MARKER
 from opd_store.testing.proxies import through_proxy
@@ -395,6 +396,13 @@ def test_s3_bodies_go_unsigned_with_a_signed_checksum_header_unless_the_caller_s
             assert sent.headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
             checksums = [name for name in sent.headers if name.startswith("x-amz-checksum-")]
             assert checksums and all(name in sent.headers["authorization"] for name in checksums)
+        # Payload bodies carry opd_store's own CRC32C of the bytes sent (the manifest's gets botocore's).
+        parts = sorted((r for r in bodies if r.op == "UploadPart"), key=dialect_of(backend).part_number)
+        assert [r.headers["x-amz-checksum-crc32c"] for r in parts] == [
+            crc32c_base64(LARGE[i:i + PART]) for i in range(0, len(LARGE), PART)]
+        assert [r.headers.get("x-amz-checksum-crc32c") for r in bodies if r.op == "PutObject"][0] == crc32c_base64(SMALL)
+        create = [r for r in proxy.requests if r.op == "CreateMultipartUpload"]
+        assert [r.headers["x-amz-checksum-algorithm"] for r in create] == ["CRC32C"]
         assert store.read(1, "model.bin") == LARGE and store.read(1, "small.bin") == SMALL
 
         proxy.requests.clear()
@@ -407,3 +415,35 @@ def test_s3_bodies_go_unsigned_with_a_signed_checksum_header_unless_the_caller_s
         assert signing.read(2, "model.bin") == LARGE
     finally:
         proxy.stop()
+
+
+@pytest.mark.parametrize("server", ["seaweed_s3"], indirect=True)  # moto checks no checksum (docs/protocol.md)
+def test_a_part_altered_on_the_way_is_refused_by_its_crc32c_then_sent_again(faulty, server):
+    """Each part carries the CRC32C of its buffer: the server refuses a part whose bytes were altered
+    on the way in (``BadDigest``), the client sends it again, and the payload lands bit-exact."""
+    backend, proxy = faulty
+    store = open_store(backend)
+    rule = _second_part_rule(proxy, backend, fault="corrupt_request")
+    save(store, 2, {"model.bin": LARGE})
+    assert rule.hits == 1
+    second = [r for r in proxy.requests if r.op == "UploadPart" and dialect_of(backend).part_number(r) == 2]
+    assert [(r.fault, r.status) for r in second] == [("corrupt_request", 400), (None, 200)]
+    assert store.read(2, "model.bin") == LARGE and _leftovers(server, backend) == []
+
+
+@pytest.mark.parametrize("server", ["seaweed_s3"], indirect=True)
+def test_a_part_altered_every_time_aborts_the_upload_and_commits_nothing(faulty, server):
+    """Altered on every attempt (the client's 3): the upload is aborted, the save raises naming the
+    request and the server's refusal, and the step is not committed."""
+    backend, proxy = faulty
+    store = open_store(backend)
+    save(store, 1, {"prev.bin": SMALL})
+    rule = _second_part_rule(proxy, backend, fault="corrupt_request", times=None)
+    with pytest.raises(PayloadUploadError, match="/model.bin: UploadPart 2 failed") as caught:
+        save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+    assert "did not match what we received" in str(caught.value)  # the server's BadDigest, as s3fs words it
+    assert f"{backend.url}/step-000002/attempt-" in str(caught.value)
+    assert rule.hits == 3
+    assert proxy.count("AbortMultipartUpload") == 1 and proxy.count("CompleteMultipartUpload") == 0
+    assert _leftovers(server, backend) == [] and stored_keys(backend, "step-000002/") == []
+    assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL

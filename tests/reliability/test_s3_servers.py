@@ -92,3 +92,39 @@ def test_aborting_an_aborted_upload(server, server_name):
     else:
         answer = client.abort_multipart_upload(Bucket=bucket, Key="k", UploadId=upload)
         assert answer["ResponseMetadata"]["HTTPStatusCode"] == 204
+
+
+@SERVERS
+def test_part_checksums(server, server_name):
+    from opd_store.checksum import crc32c_base64
+
+    backend = server.new_backend()
+    client, bucket = server.boto3_client(), _bucket(backend)
+    part = b"p" * (5 << 20)
+    # A part whose ChecksumCRC32C is not its bytes': AWS and SeaweedFS refuse it (BadDigest); moto
+    # stores it (it checks no checksum), so the altered-part tests run on SeaweedFS.
+    upload = client.create_multipart_upload(Bucket=bucket, Key="bad", ChecksumAlgorithm="CRC32C")["UploadId"]
+    if server_name == "moto_s3":
+        client.upload_part(Bucket=bucket, Key="bad", UploadId=upload, PartNumber=1, Body=part,
+                           ChecksumCRC32C=crc32c_base64(b"other"))
+    else:
+        with pytest.raises(botocore.exceptions.ClientError) as refused:
+            client.upload_part(Bucket=bucket, Key="bad", UploadId=upload, PartNumber=1, Body=part,
+                               ChecksumCRC32C=crc32c_base64(b"other"))
+        assert refused.value.response["Error"]["Code"] == "BadDigest"
+    client.abort_multipart_upload(Bucket=bucket, Key="bad", UploadId=upload)
+    # A CRC32C upload completed without its parts' checksums: SeaweedFS refuses it (InvalidRequest);
+    # moto completes it. opd_store always sends them (and the object is then whole on both).
+    for with_checksums in (False, True):
+        upload = client.create_multipart_upload(Bucket=bucket, Key="k", ChecksumAlgorithm="CRC32C")["UploadId"]
+        etag = client.upload_part(Bucket=bucket, Key="k", UploadId=upload, PartNumber=1, Body=part,
+                                  ChecksumCRC32C=crc32c_base64(part))["ETag"]
+        entry = {"PartNumber": 1, "ETag": etag, **({"ChecksumCRC32C": crc32c_base64(part)} if with_checksums else {})}
+        if server_name == "seaweed_s3" and not with_checksums:
+            with pytest.raises(botocore.exceptions.ClientError) as refused:
+                client.complete_multipart_upload(Bucket=bucket, Key="k", UploadId=upload, MultipartUpload={"Parts": [entry]})
+            assert refused.value.response["Error"]["Code"] == "InvalidRequest"
+            client.abort_multipart_upload(Bucket=bucket, Key="k", UploadId=upload)
+            continue
+        client.complete_multipart_upload(Bucket=bucket, Key="k", UploadId=upload, MultipartUpload={"Parts": [entry]})
+        assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == part
