@@ -81,9 +81,6 @@ def torch_save(obj: Any, writer: BinaryIO) -> None:
         torch.save(obj, writer)
 
 
-__all__ = ["no_zip_crc32", "torch_load", "torch_save", "weights_only_load", "zip_crc32_switchable"]
-
-
 def torch_load(reader: BinaryIO, *, mmap: bool = False, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)`` of a payload reader that the store has verified.
 
@@ -200,3 +197,6 @@ def _local_file_path(reader: BinaryIO) -> str | None:
         return proc_path
     name = getattr(reader, "name", None)
     return name if isinstance(name, str) and os.path.isfile(name) else None
+
+
+__all__ = ["no_zip_crc32", "torch_load", "torch_save", "weights_only_load", "zip_crc32_switchable"]

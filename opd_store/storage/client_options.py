@@ -20,10 +20,11 @@ botocore already does for uploads (its S3 signer skips body signing for streamin
 checksum header: TLS and the checksum protect the body); over plain ``http://`` (a MinIO or
 SeaweedFS endpoint) it would hash every payload byte, and with awscrt installed (opd_store's
 CRC32C) its CRT signer reads the body through a Python callback 4 KiB at a time: about half the
-client's CPU in a save (docs/performance.md). The body stays covered: botocore still sends the
-``x-amz-checksum-crc32`` header of each upload, which the server checks and which is itself signed,
-and the manifest's CRC32C is checked on every load. What plain HTTP cannot give either way is
-authenticity, since no response body is signed.
+client's CPU in a save (docs/performance.md). The body stays covered: every upload carries a
+checksum header, signed like the other headers and checked by the server (a payload part its own
+CRC32C, :mod:`opd_store.storage.s3_transfers`; any other body botocore's CRC32), and the manifest's
+CRC32C is checked on every load. What plain HTTP cannot give either way is authenticity, since no
+response body is signed.
 
 Client libraries' defaults are not what a job on spot capacity needs. botocore waits 60 s to
 connect and to read; its retry handler (``legacy`` mode: 5 attempts) runs inside s3fs's retry
