@@ -215,7 +215,7 @@ def test_a_gcs_part_refused_deletes_every_temporary_object_and_commits_nothing(f
     :class:`PayloadUploadError` naming the payload and the part's request; every temporary part
     object (those uploaded before, beside and after it) is deleted once the parts in flight settled,
     no compose is sent, step 2 has no object at all, step 1 is untouched. (A 5xx on every attempt
-    ends the same way after gcsfs's 6 attempts, about 30 s of its backoff: too slow to test here.)"""
+    ends the same way after gcsfs's retries: the next test.)"""
     backend, proxy = faulty
     store = open_store(backend)
     save(store, 1, {"prev.bin": SMALL})
@@ -229,6 +229,36 @@ def test_a_gcs_part_refused_deletes_every_temporary_object_and_commits_nothing(f
     assert proxy.count("Compose") == 0 and proxy.count("DeleteObject") >= 1
     assert _leftovers(server, backend) == []
     assert stored_keys(backend, "step-000002/") == []
+    assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
+
+
+@pytest.mark.parametrize("server", ["fake_gcs"], indirect=True)
+def test_a_gcs_part_failing_after_gcsfs_retries_deletes_every_temporary_object(faulty, server, monkeypatch):
+    """A part answered 503 on every attempt: gcsfs makes its 6 attempts (its backoff, about 30 s in
+    all, is recorded here instead of slept), then the save raises :class:`PayloadUploadError`
+    naming the part's request; every temporary object is deleted and nothing is committed."""
+    import asyncio
+
+    import gcsfs.retry
+
+    waits: list[float] = []
+
+    async def recorded_sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    # gcsfs.retry uses its asyncio module only to sleep between attempts.
+    monkeypatch.setattr(gcsfs.retry, "asyncio", type("Backoff", (), {"sleep": staticmethod(recorded_sleep)}))
+    backend, proxy = faulty
+    store = open_store(backend)
+    save(store, 1, {"prev.bin": SMALL})
+    rule = _second_part_rule(proxy, backend, times=None, fault="status", status=503, code="backendError")
+    with pytest.raises(PayloadUploadError) as caught:
+        save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+    assert "/model.bin: upload of part 2 (model.bin.part-" in str(caught.value)
+    assert rule.hits == 6 and len(waits) == 5 and 31 <= sum(waits) <= 36  # 1+2+4+8+16 s, plus jitter < 1 s each
+    assert proxy.count("Compose") == 0 and proxy.count("DeleteObject") >= 1
+    assert _leftovers(server, backend) == [] and stored_keys(backend, "step-000002/") == []
     assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
 
 
