@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from typing import Any
 
 from aiohttp import payload as aiohttp_payload
@@ -33,6 +34,8 @@ from ..checksum import crc32c_base64
 from .backend_errors import Meaning, classify
 from .part_writer import named_error
 from .parts import MemoryReader
+
+logger = logging.getLogger("opd_store.storage")
 
 SEND_CHUNK_BYTES = 256 << 10
 """Bytes handed to the connection at a time (aiohttp's own chunk size); the transport copies at
@@ -98,6 +101,7 @@ class S3Multipart:
         self.url = url
         self.loop = fs.loop
         self._upload_id: concurrent.futures.Future | None = None
+        self._created_again = False
 
     def start(self) -> None:
         """``CreateMultipartUpload``, waited for (one short request): a refused upload is raised by
@@ -107,12 +111,31 @@ class S3Multipart:
         self._upload_id.result()
 
     async def _create(self) -> str:
+        """``CreateMultipartUpload``. A create whose reply was lost may have opened an upload that
+        the client's retry does not return (the retry opens another): when the client retried, or
+        the create failed, the uploads of this key other than the one in use are aborted once the
+        payload is settled (:meth:`_abort_others`); the key is unique to the save attempt, so each
+        of them is this writer's."""
         try:
             answer = await self._fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key,
                                              ChecksumAlgorithm="CRC32C")
         except Exception as exc:  # noqa: BLE001 - named below
+            await self._abort_others(None)
             raise named_error(self.url, "CreateMultipartUpload", exc)  # noqa: B904 - the cause is set
+        self._created_again = bool((answer.get("ResponseMetadata") or {}).get("RetryAttempts"))
         return answer["UploadId"]
+
+    async def _abort_others(self, upload_id: str | None) -> None:
+        """Abort every open upload of this key but ``upload_id`` (best effort: what is left is a
+        stale upload that ``opd-store gc`` removes)."""
+        try:
+            listing = await self._fs._call_s3("list_multipart_uploads", Bucket=self._bucket, Prefix=self._key)
+            for upload in listing.get("Uploads") or []:
+                if upload.get("Key") == self._key and upload.get("UploadId") != upload_id:
+                    await self._fs._call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                            UploadId=upload["UploadId"])
+        except Exception:  # noqa: BLE001 - the payload's own outcome is what the caller gets
+            logger.warning("could not abort the duplicate uploads of %s", self.url, exc_info=True)
 
     async def _send(self, request: str, operation: str, body: bytearray, **kwargs: Any) -> dict:
         reader = PartBody(body)
@@ -140,6 +163,8 @@ class S3Multipart:
                                     UploadId=upload_id, MultipartUpload={"Parts": parts})
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, "CompleteMultipartUpload", exc)  # noqa: B904 - the cause is set
+        if self._created_again:
+            await self._abort_others(upload_id)
 
     async def abort(self) -> None:
         """``AbortMultipartUpload`` (AWS: once no part is in flight, or a part still uploading could
@@ -153,6 +178,8 @@ class S3Multipart:
         except Exception as exc:  # noqa: BLE001 - an upload already gone is aborted
             if classify(exc) is not Meaning.NOT_FOUND:
                 raise
+        if self._created_again:
+            await self._abort_others(upload_id)
 
 
 __all__ = ["PartBody", "S3Multipart", "SEND_CHUNK_BYTES"]

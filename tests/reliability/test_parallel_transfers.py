@@ -178,6 +178,29 @@ def test_a_part_failing_once_is_retried_and_commits(faulty, server, kind):
     assert _leftovers(server, backend) == []
 
 
+@pytest.mark.parametrize("server", ["moto_s3", "seaweed_s3"], indirect=True)
+@pytest.mark.parametrize("times", [1, None])
+def test_an_upload_created_twice_after_a_lost_reply_leaves_no_upload_open(faulty, server, times):
+    """``CreateMultipartUpload`` lands but its reply is lost, and the client creates the upload
+    again: the upload the writer never saw is aborted once the payload is settled, whether the
+    save commits (lost once) or fails (lost every time: it is aborted too); no upload stays open."""
+    backend, proxy = faulty
+    store = open_store(backend)
+    rule = proxy.add(ops=("CreateMultipartUpload",), fault="drop_after", times=times,
+                     match=lambda r: dialect_of(backend).names(r, "model.bin"))
+    if times == 1:
+        save(store, 2, {"model.bin": LARGE})
+        assert store.read(2, "model.bin") == LARGE
+        assert rule.hits == 1 and proxy.count("CreateMultipartUpload") == 2
+        assert proxy.count("AbortMultipartUpload") == 1 and proxy.count("CompleteMultipartUpload") == 1
+    else:
+        with pytest.raises(OSError, match="model.bin"):
+            save(store, 2, {"model.bin": LARGE})
+        assert store.steps() == [] and rule.hits == proxy.count("CreateMultipartUpload") >= 3
+        assert proxy.count("AbortMultipartUpload") == rule.hits
+    assert _leftovers(server, backend) == []
+
+
 @pytest.mark.parametrize("server", ["moto_s3", "seaweed_s3"], indirect=True)  # botocore's retries are settable
 @pytest.mark.parametrize("kind", ["500", "cut"])
 def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faulty, server, kind):
