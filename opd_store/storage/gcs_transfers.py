@@ -133,7 +133,7 @@ class GCSComposite:
         self.temporary.append(key)
         return key
 
-    async def _media_upload(self, request: str, key: str, body: bytearray) -> dict[str, Any]:
+    async def _media_upload(self, request: str, key: str, body: bytearray | memoryview) -> dict[str, Any]:
         """One single-request upload (``uploadType=media``) of ``body`` as ``key``; its JSON answer."""
         reader = _RewindableBody(body)
         try:
@@ -146,10 +146,10 @@ class GCSComposite:
         finally:
             reader.release()
 
-    async def put(self, body: bytearray) -> None:
+    async def put(self, body: bytearray | memoryview) -> None:
         await self._media_upload("upload", self._key, body)
 
-    async def upload_part(self, number: int, body: bytearray) -> str:
+    async def upload_part(self, number: int, body: bytearray | memoryview) -> str:
         key = self._temporary_key(f"{number:05d}")
         await self._media_upload(f"upload of part {number} ({key.rpartition('/')[2]})", key, body)
         return key

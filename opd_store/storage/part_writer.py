@@ -55,10 +55,10 @@ class Multipart(Protocol):
             Exception: the request failed (named by :func:`named_error`).
         """
 
-    async def put(self, body: bytearray) -> None:
+    async def put(self, body: bytearray | memoryview) -> None:
         """The whole object (at most one part) in one request."""
 
-    async def upload_part(self, number: int, body: bytearray) -> Any:
+    async def upload_part(self, number: int, body: bytearray | memoryview) -> Any:
         """Part ``number`` (from 1) holding ``body``; what :meth:`complete` needs of it."""
 
     async def complete(self, parts: list[Any]) -> None:
@@ -161,9 +161,11 @@ class PartWriter:
         self._pool.flying()
         self._send_part(buffer)
 
-    def _send_part(self, buffer: bytearray) -> None:
+    def _send_part(self, buffer: bytearray, body: memoryview | None = None) -> None:
+        """Upload ``body`` (``buffer`` itself by default, or a view of its first bytes) as the next
+        part; ``buffer`` goes back to the pool when the request has settled."""
         number = len(self._parts) + 1
-        future = self._run(self._multipart.upload_part(number, buffer))
+        future = self._run(self._multipart.upload_part(number, buffer if body is None else body))
         future.add_done_callback(lambda done: self._part_done(done, buffer))
         self._parts.append(future)
 
@@ -193,12 +195,14 @@ class PartWriter:
         self._state = "finishing"
         tail = self._take_tail()
         if not self._started:  # at most one part: one request
-            future = self._run(self._put(tail if tail is not None else bytearray()))
-            if tail is not None:
-                future.add_done_callback(lambda _done: self._pool.release(tail, was_flying=True))
+            if tail is None:
+                return Completion(self._run(self._put(bytearray())))
+            buffer, body = tail
+            future = self._run(self._put(body))
+            future.add_done_callback(lambda _done: self._pool.release(buffer, was_flying=True))
             return Completion(future)
         if tail is not None:
-            self._send_part(tail)
+            self._send_part(*tail)
         return Completion(self._run(self._complete()))
 
     def close(self) -> None:
@@ -218,13 +222,16 @@ class PartWriter:
             except Exception:  # noqa: BLE001 - cleanup of an already failing save
                 logger.warning("could not abort the parts of %s", self.url, exc_info=True)
 
-    def _take_tail(self) -> bytearray | None:
-        """The buffer being filled, cut in place to the bytes it holds and counted in flight (its
-        request gives it back to the pool); ``None`` when nothing is buffered.
+    def _take_tail(self) -> tuple[bytearray, memoryview] | None:
+        """The buffer being filled, counted in flight (its request gives it back to the pool), and a
+        view of the bytes it holds; ``None`` when nothing is buffered.
 
         The last part (or the only object) goes up from the pool's own buffer, so every byte a
         save holds for upload is one of the pool's ``parts_in_flight`` buffers: payloads whose
-        publishes run in the background cannot pile up copies of their tails.
+        publishes run in the background cannot pile up copies of their tails. The buffer is never
+        resized: a request that failed may leave views of it alive in a traceback until the
+        garbage collector runs, and a ``bytearray`` with live views cannot be resized
+        (``BufferError``), which would fail the next save that reuses it.
         """
         buffer, fill = self._buffer, self._fill
         self._buffer, self._fill = None, 0
@@ -232,16 +239,15 @@ class PartWriter:
             if buffer is not None:
                 self._pool.release(buffer, was_flying=False)
             return None
-        del buffer[fill:]
         self._pool.flying()
-        return buffer
+        return buffer, memoryview(buffer)[:fill]
 
     def _drop_buffer(self) -> None:
         if self._buffer is not None:
             self._pool.release(self._buffer, was_flying=False)
             self._buffer, self._fill = None, 0
 
-    async def _put(self, body: bytearray) -> None:
+    async def _put(self, body: bytearray | memoryview) -> None:
         await self._multipart.put(body)
         self._state = "done"
 

@@ -126,7 +126,6 @@ class PartPool:
             self._in_use -= 1
             if was_flying:
                 self._in_flight -= 1
-            # A buffer cut to a last part's size is not reused (the next part needs a whole one).
             if len(buffer) == self.part_size_bytes and len(self._free) + self._in_use < self.count:
                 self._free.append(buffer)
             self._cond.notify_all()

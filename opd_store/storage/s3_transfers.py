@@ -137,7 +137,7 @@ class S3Multipart:
         except Exception:  # noqa: BLE001 - the payload's own outcome is what the caller gets
             logger.warning("could not abort the duplicate uploads of %s", self.url, exc_info=True)
 
-    async def _send(self, request: str, operation: str, body: bytearray, **kwargs: Any) -> dict:
+    async def _send(self, request: str, operation: str, body: bytearray | memoryview, **kwargs: Any) -> dict:
         reader = PartBody(body)
         try:
             return await self._fs._call_s3(operation, Bucket=self._bucket, Key=self._key, Body=reader, **kwargs)
@@ -146,10 +146,10 @@ class S3Multipart:
         finally:
             reader.close()
 
-    async def put(self, body: bytearray) -> None:
+    async def put(self, body: bytearray | memoryview) -> None:
         await self._send("PutObject", "put_object", body, ChecksumCRC32C=crc32c_base64(body))
 
-    async def upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
+    async def upload_part(self, number: int, body: bytearray | memoryview) -> dict[str, Any]:
         upload_id = await asyncio.wrap_future(self._upload_id)
         checksum = crc32c_base64(body)
         answer = await self._send(f"UploadPart {number}", "upload_part", body, UploadId=upload_id, PartNumber=number,

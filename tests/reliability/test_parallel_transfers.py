@@ -106,8 +106,9 @@ def test_parts_go_up_at_once_and_the_pool_bounds_the_buffers(server):
         parts = _parts(proxy, backend, "model.bin")
         assert sorted(r.request_bytes for r in parts) == [PART // 2, PART, PART, PART]
         assert proxy.count(dialect.assemble_op) == 1 and _leftovers(server, backend) == []
-        # Three buffers were ever made; the last part went up from one of them, cut to its size.
-        assert pool.stats() == {"in_use": 0, "in_flight": 0, "free": 2, "allocated": 3, "peak_in_use": 3}
+        # Three buffers were ever made; the last part went up from one of them (a view of its bytes,
+        # the buffer never resized), and all three are kept for the next save.
+        assert pool.stats() == {"in_use": 0, "in_flight": 0, "free": 3, "allocated": 3, "peak_in_use": 3}
         assert store.read(1, "model.bin") == LARGE
     finally:
         proxy.stop()
@@ -500,3 +501,21 @@ def test_a_part_altered_every_time_aborts_the_upload_and_commits_nothing(faulty,
     assert proxy.count("AbortMultipartUpload") == 1 and proxy.count("CompleteMultipartUpload") == 0
     assert _leftovers(server, backend) == [] and stored_keys(backend, "step-000002/") == []
     assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
+
+
+def test_a_part_buffer_whose_views_outlive_a_request_is_reused_as_it_is(s3_backend):
+    """A failed request can leave views of its part buffer alive (in a traceback) until the garbage
+    collector runs, and a ``bytearray`` with live views cannot be resized: the writer never resizes
+    a buffer (a last part goes up as a view of its bytes), so the next save reuses it."""
+    import dataclasses
+
+    store = open_store(dataclasses.replace(s3_backend, storage_options=dict(
+        s3_backend.storage_options, part_size_bytes=PART, parts_in_flight=2)))
+    pool = store.storage.part_pool()
+    buffers = [pool.acquire() for _ in range(2)]
+    lingering = [memoryview(buffer)[:10] for buffer in buffers]  # what a failed request's traceback keeps
+    for buffer in buffers:
+        pool.release(buffer, was_flying=False)
+    save(store, 1, {"small.bin": SMALL, "model.bin": LARGE})  # tails of both payloads from those buffers
+    assert store.read(1, "small.bin") == SMALL and store.read(1, "model.bin") == LARGE
+    assert pool.stats()["allocated"] == 2 and all(view.nbytes == 10 for view in lingering)
