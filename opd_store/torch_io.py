@@ -148,7 +148,9 @@ def weights_only_load(reader: BinaryIO, *, map_location: Any = "cpu") -> Any:
 
     lend = getattr(reader, "lendable_buffer", None)
     buffer = lend() if lend is not None and _in_place_supported() else None
-    if not buffer or reader.tell() != 0:
+    # Only a zip archive (torch's format since 1.6) has storages at record offsets; torch.load
+    # itself reads the older formats (a legacy tar/pickle stream, a plain pickle).
+    if not buffer or reader.tell() != 0 or buffer[:4] != _ZIP_LOCAL_HEADER:
         return torch.load(reader, map_location=map_location, weights_only=True)
     from torch import _weights_only_unpickler
     from torch.serialization import _load, _open_zipfile_reader
@@ -162,6 +164,8 @@ def weights_only_load(reader: BinaryIO, *, map_location: Any = "cpu") -> Any:
         return torch.load(reader, map_location=map_location, weights_only=True)
 
 
+_ZIP_LOCAL_HEADER = b"PK\x03\x04"
+"""The first bytes of a zip archive (its first local file header), as ``torch.save`` writes it."""
 _IN_PLACE: list[bool] = []
 
 

@@ -245,3 +245,20 @@ def test_the_opd_layers_safe_load_loads_a_downloaded_payload_in_place():
     assert loaded["step"] == 9 and torch.equal(loaded["rng"], state["rng"])
     assert torch.equal(loaded["model"]["weight"], state["model"]["weight"])
     assert first <= loaded["model"]["weight"].data_ptr() < end and first <= loaded["rng"].data_ptr() < end
+
+
+def test_a_downloaded_payload_in_an_older_format_loads_as_torch_load_reads_it():
+    from opd_store.errors import UnsafeCheckpointError
+    from opd_store.opd.safe_load import load_payload
+    from opd_store.storage.parts import MemoryReader
+    from opd_store.torch_io import weights_only_load
+
+    legacy = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, legacy, _use_new_zipfile_serialization=False)  # no zip archive
+    loaded = weights_only_load(MemoryReader(bytearray(legacy.getvalue()), lend_buffer=True))
+    assert torch.equal(loaded["w"], torch.arange(4.0))
+    plain = pickle.dumps({"w": [1, 2]})  # a seed-era pickle: refused by the OPD loader, as from bytes
+    with pytest.raises(UnsafeCheckpointError, match="weights-only loading cannot restore"):
+        load_payload(MemoryReader(bytearray(plain), lend_buffer=True), source="s3://b/run/step-000001/x.pt")
+    with pytest.raises(UnsafeCheckpointError, match="weights-only loading cannot restore"):
+        load_payload(plain, source="s3://b/run/step-000001/x.pt")
