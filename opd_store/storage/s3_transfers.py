@@ -14,7 +14,9 @@ Each body carries its CRC32C (``ChecksumCRC32C``; the upload is created with
 ``ChecksumAlgorithm=CRC32C`` and completed with every part's checksum, as S3's "Checking object
 integrity" documentation asks of multipart uploads with checksums): the server refuses a part whose
 bytes differ from the part buffer's (``BadDigest``), and botocore, given the checksum, does not read
-the body to compute one of its own. The body is a :class:`PartBody` over the part buffer, sent as
+the body to compute one of its own (a client configured with
+``request_checksum_calculation=when_required`` sends none, as botocore would not). The body is a
+:class:`PartBody` over the part buffer, sent as
 views of that buffer in :data:`SEND_CHUNK_BYTES` slices: a ``bytes`` body would be copied whole into
 asyncio's transport buffer while the socket drains (a second copy of every part in flight), and
 aiohttp's generic file payload copies each 256 KiB through a thread-pool ``read`` (in a 256 MiB
@@ -102,6 +104,7 @@ class S3Multipart:
         self.loop = fs.loop
         self._upload_id: concurrent.futures.Future | None = None
         self._created_again = False
+        self._checksums: bool | None = None
 
     def start(self) -> None:
         """``CreateMultipartUpload``, waited for (one short request): a refused upload is raised by
@@ -116,14 +119,29 @@ class S3Multipart:
         the create failed, the uploads of this key other than the one in use are aborted once the
         payload is settled (:meth:`_abort_others`); the key is unique to the save attempt, so each
         of them is this writer's."""
+        algorithm = {"ChecksumAlgorithm": "CRC32C"} if await self._send_checksums() else {}
         try:
             answer = await self._fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                             ChecksumAlgorithm="CRC32C")
+                                             **algorithm)
         except Exception as exc:  # noqa: BLE001 - named below
             await self._abort_others(None)
             raise named_error(self.url, "CreateMultipartUpload", exc)  # noqa: B904 - the cause is set
         self._created_again = bool((answer.get("ResponseMetadata") or {}).get("RetryAttempts"))
         return answer["UploadId"]
+
+    async def _send_checksums(self) -> bool:
+        """Whether bodies carry their CRC32C: unless the client is configured to send checksums only
+        where an operation requires them (botocore's ``request_checksum_calculation=when_required``,
+        also ``AWS_REQUEST_CHECKSUM_CALCULATION``), the setting S3-compatible servers that refuse
+        checksum headers ask for."""
+        if self._checksums is None:
+            client = await self._fs.set_session()
+            setting = getattr(client.meta.config, "request_checksum_calculation", None)
+            self._checksums = setting != "when_required"
+        return self._checksums
+
+    async def _checksum(self, body: bytearray | memoryview) -> dict[str, str]:
+        return {"ChecksumCRC32C": crc32c_base64(body)} if await self._send_checksums() else {}
 
     async def _abort_others(self, upload_id: str | None) -> None:
         """Abort every open upload of this key but ``upload_id`` (best effort: what is left is a
@@ -147,14 +165,14 @@ class S3Multipart:
             reader.close()
 
     async def put(self, body: bytearray | memoryview) -> None:
-        await self._send("PutObject", "put_object", body, ChecksumCRC32C=crc32c_base64(body))
+        await self._send("PutObject", "put_object", body, **await self._checksum(body))
 
     async def upload_part(self, number: int, body: bytearray | memoryview) -> dict[str, Any]:
         upload_id = await asyncio.wrap_future(self._upload_id)
-        checksum = crc32c_base64(body)
+        checksum = await self._checksum(body)
         answer = await self._send(f"UploadPart {number}", "upload_part", body, UploadId=upload_id, PartNumber=number,
-                                  ChecksumCRC32C=checksum)
-        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": checksum}
+                                  **checksum)
+        return {"PartNumber": number, "ETag": answer["ETag"], **checksum}
 
     async def complete(self, parts: list[Any]) -> None:
         upload_id = await asyncio.wrap_future(self._upload_id)

@@ -519,3 +519,23 @@ def test_a_part_buffer_whose_views_outlive_a_request_is_reused_as_it_is(s3_backe
     save(store, 1, {"small.bin": SMALL, "model.bin": LARGE})  # tails of both payloads from those buffers
     assert store.read(1, "small.bin") == SMALL and store.read(1, "model.bin") == LARGE
     assert pool.stats()["allocated"] == 2 and all(view.nbytes == 10 for view in lingering)
+
+
+@pytest.mark.parametrize("server_name", ["moto_s3", "seaweed_s3"])
+def test_a_client_set_to_send_checksums_only_when_required_sends_none(server_name, request):
+    """``request_checksum_calculation=when_required`` (botocore's setting, also
+    ``AWS_REQUEST_CHECKSUM_CALCULATION``; what S3-compatible servers that refuse checksum headers
+    ask for): opd_store's parts carry no checksum either, and the payload commits bit-exact."""
+    server = request.getfixturevalue(server_name)
+    backend = server.new_backend()
+    proxy = dialect_of(backend).fault_proxy(server.endpoint_url)
+    try:
+        store = open_store(through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=3,
+                                         config_kwargs={"request_checksum_calculation": "when_required"}))
+        save(store, 1, {"model.bin": LARGE, "small.bin": SMALL})
+        sent = [r for r in proxy.requests if r.op in ("CreateMultipartUpload", "UploadPart", "PutObject")]
+        assert len(sent) == 1 + 4 + 2
+        assert not [name for r in sent for name in r.headers if name.startswith("x-amz-checksum-")]
+        assert store.read(1, "model.bin") == LARGE and store.read(1, "small.bin") == SMALL
+    finally:
+        proxy.stop()
