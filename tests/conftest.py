@@ -29,6 +29,13 @@ from store_fixtures import backend_named  # noqa: E402
 
 use_emulator_environment()  # before anything imports gcsfs or botocore
 
+# Bytecode caches on, for this process and every process the suite starts (xdist workers, fork
+# servers, ranks, CLI runs): with PYTHONDONTWRITEBYTECODE=1 in the environment (some images set it)
+# each of them compiles opd_store again and pytest rewrites every test module again in each worker:
+# about 5 CPU-s per worker and 0.5 CPU-s per new interpreter on the 2-core machine (docs/testing.md).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 ALL_BACKENDS = ("local", "memory", "s3", "gcs")
 
 _DURATIONS = Path(__file__).with_name("DURATIONS.md")

@@ -150,7 +150,8 @@ class S3Storage(BucketStorage):
         from .s3_transfers import S3Multipart
 
         bucket, key = self._bucket_and_key(rel)
-        return PartWriter(S3Multipart(self.fs, bucket, key, self.url(rel)), self.part_pool())  # type: ignore[return-value]
+        upload = S3Multipart(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
+        return PartWriter(upload, self.part_pool())  # type: ignore[return-value]
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         from .s3_reads import read_checked
@@ -223,7 +224,8 @@ class GCSStorage(NoMultipartUploads, BucketStorage):
         from .part_writer import PartWriter
 
         bucket, _, key = self.path(rel).partition("/")
-        return PartWriter(GCSComposite(self.fs, bucket, key, self.url(rel)), self.part_pool())  # type: ignore[return-value]
+        upload = GCSComposite(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
+        return PartWriter(upload, self.part_pool())  # type: ignore[return-value]
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
         from .gcs_reads import range_opener

@@ -14,9 +14,9 @@ at most one part    one ``POST .../upload/storage/v1/b/B/o?uploadType=media&name
                     request upload; no temporary object, no compose)
 each part           one ``uploadType=media`` upload of the temporary object
                     ``<payload>.part-<token>-00001``, ``-00002``... in the same attempt prefix. The
-                    body is a seekable reader over the part buffer
-                    (:class:`~opd_store.storage.parts.MemoryReader`), sent in chunks without a copy
-                    of the part (gcsfs rewinds it for a retry).
+                    body is a :class:`~opd_store.storage.upload_bodies.PartBody` over the part
+                    buffer, sent as views of it (no copy; gcsfs rewinds it for a retry), each
+                    taken by the connection within the store's ``read_timeout_secs``.
 finish              ``POST .../o/K/compose`` of the parts, in order. GCS composes at most 32
                     source objects per request (GCS docs, "Compose objects": "between 1 and 32
                     source objects"), so more parts are composed as a tree: groups of 32 into
@@ -45,7 +45,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .part_writer import named_error
-from .parts import MemoryReader
+from .upload_bodies import PartBody
 
 logger = logging.getLogger("opd_store.storage")
 
@@ -83,18 +83,6 @@ def compose_groups(names: list[str], fan_in: int = MAX_COMPOSE_SOURCES) -> list[
         level += 1
 
 
-class _RewindableBody(MemoryReader):
-    """A part's request body that outlives one attempt: aiohttp closes a file body once it was sent,
-    and gcsfs rewinds the same body for a retry (gcsfs's own ``UnclosableBytesIO`` exists for the
-    same reason). :meth:`release` closes it when the request is over."""
-
-    def close(self) -> None:
-        """Kept open for a retry (see the class)."""
-
-    def release(self) -> None:
-        super().close()
-
-
 def upload_url(fs, bucket: str) -> str:
     """The JSON API's upload endpoint for ``bucket`` on ``fs``'s endpoint (``fs.base`` is
     ``<endpoint>/storage/v1/``; uploads go to ``<endpoint>/upload/storage/v1/b/<bucket>/o``)."""
@@ -110,14 +98,17 @@ class GCSComposite:
         fs: the store's ``gcsfs.GCSFileSystem``.
         bucket (str), key (str): the object.
         url (str): the object's URL (for messages).
+        send_timeout_secs (float | None): the longest wait for a connection to take one chunk of a
+            body (the store's ``read_timeout_secs``).
 
     Attributes:
         temporary (list[str]): keys of every temporary object this upload may have created (its
             parts and intermediate composites), in the order they were started.
     """
 
-    def __init__(self, fs, bucket: str, key: str, url: str) -> None:
+    def __init__(self, fs, bucket: str, key: str, url: str, *, send_timeout_secs: float | None = None) -> None:
         self._fs = fs
+        self._send_timeout_secs = send_timeout_secs
         self._bucket = bucket
         self._key = key
         self.url = url
@@ -135,7 +126,7 @@ class GCSComposite:
 
     async def _media_upload(self, request: str, key: str, body: bytearray | memoryview) -> dict[str, Any]:
         """One single-request upload (``uploadType=media``) of ``body`` as ``key``; its JSON answer."""
-        reader = _RewindableBody(body)
+        reader = PartBody(body, send_timeout_secs=self._send_timeout_secs)
         try:
             return await self._fs._call(
                 "POST", upload_url(self._fs, self._bucket),
@@ -144,7 +135,7 @@ class GCSComposite:
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, request, exc)  # noqa: B904 - the cause is set by named_error
         finally:
-            reader.release()
+            reader.close()
 
     async def put(self, body: bytearray | memoryview) -> None:
         await self._media_upload("upload", self._key, body)

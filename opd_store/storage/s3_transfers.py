@@ -16,11 +16,9 @@ integrity" documentation asks of multipart uploads with checksums): the server r
 bytes differ from the part buffer's (``BadDigest``), and botocore, given the checksum, does not read
 the body to compute one of its own (a client configured with
 ``request_checksum_calculation=when_required`` sends none, as botocore would not). The body is a
-:class:`PartBody` over the part buffer, sent as
-views of that buffer in :data:`SEND_CHUNK_BYTES` slices: a ``bytes`` body would be copied whole into
-asyncio's transport buffer while the socket drains (a second copy of every part in flight), and
-aiohttp's generic file payload copies each 256 KiB through a thread-pool ``read`` (in a 256 MiB
-save: 1,024 thread hops and a copy of every byte; docs/performance.md).
+:class:`~opd_store.storage.upload_bodies.PartBody` over the part buffer: sent as views of the
+buffer, each taken by the connection within the store's ``read_timeout_secs`` (an endpoint that
+stops reading a body fails the attempt instead of holding the save).
 """
 
 from __future__ import annotations
@@ -30,62 +28,12 @@ import concurrent.futures
 import logging
 from typing import Any
 
-from aiohttp import payload as aiohttp_payload
-
 from ..checksum import crc32c_base64
 from .backend_errors import Meaning, classify
 from .part_writer import named_error
-from .parts import MemoryReader
+from .upload_bodies import PartBody
 
 logger = logging.getLogger("opd_store.storage")
-
-SEND_CHUNK_BYTES = 256 << 10
-"""Bytes handed to the connection at a time (aiohttp's own chunk size); the transport copies at
-most the unsent rest of one chunk, then waits for the socket to drain."""
-
-
-class PartBody(MemoryReader):
-    """The body of one upload request: a reader over a part buffer that aiohttp sends as views of
-    the buffer (:class:`_PartPayload`), with no copy and no thread hop. botocore rewinds it
-    (``seek``) before a retry, as it does any file body."""
-
-
-class _PartPayload(aiohttp_payload.Payload):
-    """aiohttp's payload for a :class:`PartBody` (registered for that class alone, so no other body
-    of the process changes): the bytes from the body's position when the request was built, as
-    slices of its buffer; a request sent again (a redirect) starts there again."""
-
-    def __init__(self, value, *args: Any, **kwargs: Any) -> None:
-        super().__init__(value, *args, **kwargs)
-        self._start = value.tell()
-        self._size = value.seek(0, 2) - self._start
-        value.seek(self._start)
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        self._value.seek(self._start)
-        return self._value.read(self._size).decode(encoding, errors)
-
-    async def write(self, writer: Any) -> None:
-        await self.write_with_length(writer, None)
-
-    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
-        body = self._value
-        body.seek(self._start)
-        remaining = self._size if content_length is None else min(self._size, content_length)
-        while remaining > 0:
-            chunk = body.read_view(min(SEND_CHUNK_BYTES, remaining))
-            if not chunk.nbytes:
-                return
-            await writer.write(chunk)
-            remaining -= chunk.nbytes
-
-
-aiohttp_payload.PAYLOAD_REGISTRY.register(_PartPayload, PartBody, order=aiohttp_payload.Order.try_first)
-
 
 class S3Multipart:
     """One S3 object's multipart upload (a :class:`~opd_store.storage.part_writer.Multipart`).
@@ -94,10 +42,13 @@ class S3Multipart:
         fs: the store's ``s3fs.S3FileSystem``.
         bucket (str), key (str): the object.
         url (str): the object's URL (for messages).
+        send_timeout_secs (float | None): the longest wait for a connection to take one chunk of a
+            body (the store's ``read_timeout_secs``).
     """
 
-    def __init__(self, fs, bucket: str, key: str, url: str) -> None:
+    def __init__(self, fs, bucket: str, key: str, url: str, *, send_timeout_secs: float | None = None) -> None:
         self._fs = fs
+        self._send_timeout_secs = send_timeout_secs
         self._bucket = bucket
         self._key = key
         self.url = url
@@ -156,7 +107,7 @@ class S3Multipart:
             logger.warning("could not abort the duplicate uploads of %s", self.url, exc_info=True)
 
     async def _send(self, request: str, operation: str, body: bytearray | memoryview, **kwargs: Any) -> dict:
-        reader = PartBody(body)
+        reader = PartBody(body, send_timeout_secs=self._send_timeout_secs)
         try:
             return await self._fs._call_s3(operation, Bucket=self._bucket, Key=self._key, Body=reader, **kwargs)
         except Exception as exc:  # noqa: BLE001 - named below
@@ -200,4 +151,4 @@ class S3Multipart:
             await self._abort_others(upload_id)
 
 
-__all__ = ["PartBody", "S3Multipart", "SEND_CHUNK_BYTES"]
+__all__ = ["S3Multipart"]

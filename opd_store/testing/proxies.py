@@ -26,6 +26,9 @@ the server unchanged unless it was told otherwise:
   ``stall``           the request is read and never answered (a stuck gateway): the
                       connection stays open until the client gives up, the rules are
                       cleared or the proxy stops (then it is closed without a response)
+  ``stall_body``      the request's headers are read and its body never is (a peer whose
+                      receive window stays shut): the client's writes block once the socket
+                      buffers are full; the connection is held as for ``stall``
   ==================  ======================================================================
 
 * :class:`~opd_store.testing.hold_proxy.HoldProxy` holds the requests a predicate picks until ``release()`` (then
@@ -95,8 +98,8 @@ class Rule:
     Attributes:
         ops: S3 operation names to match (any when empty).
         match: extra predicate on the :class:`Request` (``path``, ``query``, ``headers`` filled in).
-        fault: ``status``, ``drop``, ``drop_after``, ``truncate``, ``stall``, ``short``, ``corrupt`` or
-            ``corrupt_request``.
+        fault: ``status``, ``drop``, ``drop_after``, ``truncate``, ``stall``, ``stall_body``,
+            ``short``, ``corrupt`` or ``corrupt_request``.
         status: HTTP status for ``status`` faults.
         code: S3 error code for ``status`` faults (``SlowDown``, ``InternalError``, ``AccessDenied``).
         times: fault this many matching requests, then forward (``None``: every one).
@@ -198,16 +201,20 @@ class S3Proxy:
                     self.wfile.write(payload)
 
             def _handle(self) -> None:
-                body = self._body()
                 split = urlsplit(self.path)
                 record = Request(
                     op=proxy.operation(self.command, split.path, split.query),
                     method=self.command,
                     path=split.path,
                     query=split.query,
-                    request_bytes=len(body),
+                    request_bytes=0,
                     headers={k.lower(): v for k, v in self.headers.items()},
                 )
+                if proxy._decide_unread(record):  # returns once the stall ends
+                    self._drop()
+                    return
+                body = self._body()
+                record.request_bytes = len(body)
                 with proxy.lock:
                     proxy.requests.append(record)
                 fault = proxy._decide(record)
@@ -290,6 +297,12 @@ class S3Proxy:
         connection is then closed without a response) for a fault. Runs on the request's thread."""
         return None
 
+    def _decide_unread(self, record: Request) -> bool:
+        """Before the body is read: ``True`` (returned once the stall ends; the connection is then
+        closed without a response) to never read it (``stall_body``); the record is then recorded
+        here. Runs on the request's thread."""
+        return False
+
     def ops(self) -> list[str]:
         """Operation names of every recorded request, in order."""
         with self.lock:
@@ -323,9 +336,21 @@ class S3FaultProxy(S3Proxy):
         self.released = threading.Event()  # set: the requests stalled so far are let go (dropped)
         super().__init__(upstream)
 
+    def _decide_unread(self, record: Request) -> bool:
+        with self.lock:
+            rule = next((r for r in self.rules if r.fault == "stall_body" and r.take(record)), None)
+            if rule is not None:
+                record.fault = rule.fault
+                self.requests.append(record)
+            released = self.released
+        if rule is None:
+            return False
+        released.wait()
+        return True
+
     def _decide(self, record: Request) -> tuple | None:
         with self.lock:
-            rule = next((r for r in self.rules if r.take(record)), None)
+            rule = next((r for r in self.rules if r.fault != "stall_body" and r.take(record)), None)
             if rule is None and record.method == "PUT" and self.fail_puts > 0:
                 self.fail_puts -= 1
                 self.failed.append(record.path + (f"?{record.query}" if record.query else ""))

@@ -1,5 +1,5 @@
-"""How an S3 upload's body reaches the connection: views of the part buffer, no copy, no thread hop
-(``opd_store.storage.s3_transfers.PartBody``)."""
+"""How an upload's body (S3 and GCS) reaches the connection: views of the part buffer, no copy, no thread hop
+(``opd_store.storage.upload_bodies.PartBody``)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_an_upload_body_goes_to_the_connection_as_views_of_its_part_buffer():
     from aiohttp import payload as aiohttp_payload
 
     from opd_store.storage.parts import MemoryReader
-    from opd_store.storage.s3_transfers import SEND_CHUNK_BYTES, PartBody
+    from opd_store.storage.upload_bodies import SEND_CHUNK_BYTES, PartBody
 
     buffer = bytearray(bytes(range(251)) * (3 * SEND_CHUNK_BYTES // 251 + 1))
     body = PartBody(buffer)
@@ -41,3 +41,40 @@ def test_an_upload_body_goes_to_the_connection_as_views_of_its_part_buffer():
     # Only part bodies: any other reader keeps aiohttp's own file payload.
     assert type(aiohttp_payload.PAYLOAD_REGISTRY.get(MemoryReader(buffer))) is not type(payload)
     assert isinstance(aiohttp_payload.PAYLOAD_REGISTRY.get(MemoryReader(buffer)), aiohttp_payload.IOBasePayload)
+
+
+class _StuckWriter(_RecordingWriter):
+    """A connection that takes the first chunk and then never drains (a peer that stopped reading)."""
+
+    async def write(self, chunk) -> None:
+        import asyncio
+
+        self.chunks.append(chunk)
+        if len(self.chunks) > 1:
+            await asyncio.get_running_loop().create_future()  # never done
+
+
+def test_a_chunk_the_connection_does_not_take_within_the_send_timeout_fails_the_attempt():
+    import asyncio
+
+    import aiohttp
+    import pytest
+    from aiobotocore._endpoint_helpers import _IOBaseWrapper
+    from aiohttp import payload as aiohttp_payload
+
+    from opd_store.storage.upload_bodies import SEND_CHUNK_BYTES, WRITE_TIMEOUT_MESSAGE, PartBody
+
+    buffer = bytearray(3 * SEND_CHUNK_BYTES)
+    payload = aiohttp_payload.PAYLOAD_REGISTRY.get(_IOBaseWrapper(PartBody(buffer, send_timeout_secs=0.05)))
+    writer = _StuckWriter()
+    with pytest.raises(aiohttp.ServerTimeoutError) as caught:
+        asyncio.run(payload.write_with_length(writer, None))
+    # aiobotocore maps a server timeout whose message does not begin with "connect" to botocore's
+    # ReadTimeoutError (retried, then named with the store's read timeout).
+    assert str(caught.value) == f"{WRITE_TIMEOUT_MESSAGE}: the connection did not take 256 KiB within 0.05 s"
+    assert len(writer.chunks) == 2  # the first was taken; the second never was
+    # Without a timeout the same body is sent whole to a connection that drains.
+    unbounded = aiohttp_payload.PAYLOAD_REGISTRY.get(_IOBaseWrapper(PartBody(buffer)))
+    recorded = _RecordingWriter()
+    asyncio.run(unbounded.write_with_length(recorded, None))
+    assert sum(chunk.nbytes for chunk in recorded.chunks) == len(buffer)

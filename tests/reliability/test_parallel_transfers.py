@@ -151,6 +151,24 @@ def test_the_next_payload_streams_while_the_last_parts_of_one_move(server):
 
 
 # -- faults of an upload --------------------------------------------------------------------------
+@pytest.fixture
+def gcsfs_backoff(monkeypatch) -> list[float]:
+    """gcsfs's waits between the attempts of a request (seconds), recorded instead of slept."""
+    import asyncio
+
+    import gcsfs.retry
+
+    waits: list[float] = []
+
+    async def recorded_sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    # gcsfs.retry uses its asyncio module only to sleep between attempts.
+    monkeypatch.setattr(gcsfs.retry, "asyncio", type("Backoff", (), {"sleep": staticmethod(recorded_sleep)}))
+    return waits
+
+
 UPLOAD_FAULTS = {
     "500": dict(fault="status", status=500, code="InternalError"),
     "cut": dict(fault="drop"),
@@ -235,25 +253,14 @@ def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faul
 
 @pytest.mark.parametrize("server", ["fake_gcs"], indirect=True)
 @pytest.mark.parametrize(("status", "code", "attempts"), [(400, "badRequest", 1), (503, "backendError", 6)])
-def test_a_gcs_part_failing_deletes_every_temporary_object_and_commits_nothing(faulty, server, monkeypatch,
+def test_a_gcs_part_failing_deletes_every_temporary_object_and_commits_nothing(faulty, server, gcsfs_backoff,
                                                                                status, code, attempts):
     """A part upload refused with a status gcsfs does not retry (400: one attempt) or answered 503 on
-    every attempt (gcsfs makes 6; its backoff, about 30 s in all, is recorded here instead of
-    slept): the save raises :class:`PayloadUploadError` naming the payload and the part's request;
+    every attempt (gcsfs makes 6; its backoff, about 30 s in all, is recorded instead of slept):
+    the save raises :class:`PayloadUploadError` naming the payload and the part's request;
     every temporary part object (those uploaded before, beside and after it) is deleted once the
     parts in flight settled, no compose is sent, step 2 has no object at all, step 1 is untouched."""
-    import asyncio
-
-    import gcsfs.retry
-
-    waits: list[float] = []
-
-    async def recorded_sleep(seconds: float) -> None:
-        waits.append(seconds)
-        await asyncio.sleep(0)
-
-    # gcsfs.retry uses its asyncio module only to sleep between attempts.
-    monkeypatch.setattr(gcsfs.retry, "asyncio", type("Backoff", (), {"sleep": staticmethod(recorded_sleep)}))
+    waits = gcsfs_backoff
     backend, proxy = faulty
     store = open_store(backend)
     save(store, 1, {"prev.bin": SMALL})
@@ -268,6 +275,35 @@ def test_a_gcs_part_failing_deletes_every_temporary_object_and_commits_nothing(f
     assert len(_parts(proxy, backend, "model.bin")) >= 1  # parts before it landed, then were deleted
     assert proxy.count("Compose") == 0 and proxy.count("DeleteObject") >= 1
     assert _leftovers(server, backend) == []
+    assert stored_keys(backend, "step-000002/") == []
+    assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
+
+
+@pytest.mark.parametrize("server", ["moto_s3", "fake_gcs"], indirect=True)
+def test_an_endpoint_that_stops_reading_a_body_fails_the_save_within_the_read_timeout(faulty, server,
+                                                                                       gcsfs_backoff):
+    """An endpoint that takes a request's headers and never reads its body (a peer whose receive
+    window stays shut): aiohttp's read timeout starts only once a body is sent, so each attempt is
+    bounded by the body's send timeout (``read_timeout_secs``, 0.5 s here) once the socket buffers
+    are full. The save raises :class:`StoreUnreachableError` naming the payload, the endpoint and the
+    timeout after the client's attempts (botocore: 1 in each of s3fs's 2 passes; gcsfs: 6, its
+    backoff recorded), nothing is committed and step 1 is untouched. The payload (24 MiB, one
+    request under a 32 MiB part) is larger than the socket buffers on loopback (4 MiB sent at most)."""
+    backend, proxy = faulty
+    payload = _data(24 << 20)
+    store = open_store(through_proxy(backend, proxy, part_size_bytes=32 << 20, read_timeout_secs=0.5,
+                                     config_kwargs={"retries": {"total_max_attempts": 1}}))
+    save(store, 1, {"prev.bin": SMALL})
+    dialect = dialect_of(backend)
+    rule = proxy.add(fault="stall_body", times=None, match=lambda r: dialect.names(r, "model.bin"))
+    with pytest.raises(StoreUnreachableError) as caught:
+        save(store, 2, {"model.bin": payload})
+    proxy.clear()
+    message = str(caught.value)
+    assert f"{backend.url}/step-000002/attempt-" in message and "/model.bin: " in message
+    assert f"endpoint {proxy.endpoint_url} did not answer within 0.5 s" in message
+    assert rule.hits == (6 if dialect is GCS else 2)
+    assert len(gcsfs_backoff) == (5 if dialect is GCS else 0)
     assert stored_keys(backend, "step-000002/") == []
     assert store.steps() == [1] and store.read(1, "prev.bin") == SMALL
 
