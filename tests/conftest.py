@@ -84,7 +84,8 @@ def _require_groups(config, items) -> None:
 
 
 def pytest_configure(config) -> None:
-    """Refuse pytest >= 9.2 with ``--dist loadgroup`` (see :func:`_require_groups`).
+    """Refuse pytest >= 9.2 with ``--dist loadgroup`` (see :func:`_require_groups`); on the
+    controller of a pytest-xdist run, start the fork server its workers share.
 
     Raises:
         pytest.UsageError: naming the installed pytest and the fix.
@@ -95,6 +96,29 @@ def pytest_configure(config) -> None:
         raise pytest.UsageError(f"pytest {pytest.__version__} breaks pytest-xdist's loadgroup (every xdist_group "
                                 "would be built on every worker): install the test extra's pytest<9.2 "
                                 "(bash scripts/setup.sh)")
+    _share_fork_server(config)
+
+
+def _share_fork_server(config) -> None:
+    """One fork server for every worker of the run, started here on the controller before the
+    workers are (they inherit :data:`~opd_store.testing.forkserver.SHARED_SOCKET_ENV`), and stopped
+    when the run ends (with every child still running). Its preload (torch, transformers, peft, the
+    trainers: about 8 CPU-s) is then paid once, not once per worker; the controller waits only for
+    its socket, and a worker's first request waits for the preload. Without workers (``-n 0``, a
+    worker itself, ``--collect-only``) each process starts its own on first use."""
+    from opd_store.testing.forkserver import SHARED_SOCKET_ENV, ForkServer
+
+    if (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
+            or config.option.collectonly or os.environ.get(SHARED_SOCKET_ENV)):
+        return
+    server = ForkServer(wait_ready=False)
+    os.environ[SHARED_SOCKET_ENV] = server.socket_path
+
+    def stop() -> None:
+        os.environ.pop(SHARED_SOCKET_ENV, None)
+        server.close()
+
+    config.add_cleanup(stop)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -140,7 +164,8 @@ def fake_gcs():
 
 @pytest.fixture(scope="session")
 def fork_server():
-    """This worker's preloaded fork server (:mod:`opd_store.testing.forkserver`)."""
+    """The preloaded fork server of this worker (:mod:`opd_store.testing.forkserver`; under
+    pytest-xdist the one the run's workers share)."""
     from opd_store.testing.forkserver import default_server
 
     return default_server()

@@ -22,8 +22,9 @@ fresh machine of the tests and the demo does), and the hash seed is the server's
 fresh interpreter starts a real subprocess.
 
 :class:`ForkedProcess` (:mod:`.process`) has the :class:`subprocess.Popen` surface the tests use,
-and :func:`run` mirrors :func:`subprocess.run`. :func:`default_server` is one server per calling
-process (a pytest-xdist worker), preloaded with :data:`DEFAULT_PRELOAD` (:mod:`.preload`):
+and :func:`run` mirrors :func:`subprocess.run`. :func:`default_server` is the calling process's server
+(the test session's, shared by its pytest-xdist workers through :data:`SHARED_SOCKET_ENV`, else one
+of its own), preloaded with :data:`DEFAULT_PRELOAD` (:mod:`.preload`):
 opd_store's job, the S3/GCS clients, the testing helpers, and the integrations' trainers when
 installed. :meth:`ForkServer.shim_dir` gives shell scripts an ``opd-store`` command that runs through
 the server. The wire protocol between them is in :mod:`.protocol`.
@@ -34,11 +35,11 @@ ends, and the shim command), :mod:`.server` (the server process), :mod:`.child` 
 becoming its program), :mod:`.preload` (what the server imports, under which environment).
 """
 
-from .client import ForkServer, default_server, popen, run
+from .client import SHARED_SOCKET_ENV, ForkServer, default_server, popen, run
 from .preload import DEFAULT_PRELOAD, OPTIONAL, REQUIRED_PRELOAD, SERVER_ENV, TRAINER_PRELOAD
 from .process import DEVNULL, PIPE, STDOUT, ForkedProcess
 
 __all__ = [
-    "DEFAULT_PRELOAD", "DEVNULL", "OPTIONAL", "PIPE", "REQUIRED_PRELOAD", "SERVER_ENV", "STDOUT",
-    "TRAINER_PRELOAD", "ForkServer", "ForkedProcess", "default_server", "popen", "run",
+    "DEFAULT_PRELOAD", "DEVNULL", "OPTIONAL", "PIPE", "REQUIRED_PRELOAD", "SERVER_ENV", "SHARED_SOCKET_ENV",
+    "STDOUT", "TRAINER_PRELOAD", "ForkServer", "ForkedProcess", "default_server", "popen", "run",
 ]

@@ -2,9 +2,10 @@
 
 :class:`ForkServer` starts one server process (:mod:`.server`) preloaded with the given modules and
 forks a child of it per :meth:`ForkServer.popen` (a :class:`~.process.ForkedProcess`);
-:meth:`ForkServer.run` mirrors :func:`subprocess.run`. :func:`default_server` is one server per
-calling process (a pytest-xdist worker) with :data:`~.preload.DEFAULT_PRELOAD`; :func:`popen` and
-:func:`run` use it.
+:meth:`ForkServer.run` mirrors :func:`subprocess.run`. :func:`default_server` is the calling
+process's server with :data:`~.preload.DEFAULT_PRELOAD`: the one named by :data:`SHARED_SOCKET_ENV`
+(a test session's controller starts one for all its pytest-xdist workers), else one of its own;
+:func:`popen` and :func:`run` use it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from .process import DEVNULL, PIPE, STDOUT, ForkedProcess
 from .protocol import program_of, shim_script
 
 
+SHARED_SOCKET_ENV = "OPD_FORKSERVER_SOCKET"
+"""The environment variable naming a running server's socket, which :func:`default_server` uses
+instead of starting a server of its own (``tests/conftest.py`` sets it in the controller of a
+pytest-xdist session, so that one server, not one per worker, pays the preload)."""
+
+
 class ForkServer:
     """One preloaded server process; :meth:`popen` forks a child of it per program started.
 
@@ -31,6 +38,12 @@ class ForkServer:
             ending in :data:`~.preload.OPTIONAL` only when it is installed).
         env (dict | None): the server's environment (default: this process's, plus
             :data:`~.preload.SERVER_ENV`). Modules read it at import; each child gets its own environment.
+        wait_ready (bool): return once the preload is imported (default); ``False``: once the
+            server's socket is bound, while it still imports (a child requested meanwhile is
+            forked once the preload is done). A failed preload is then seen by the first request.
+        socket_path (str | None): use the server already running there (started by another
+            process, which stops it) instead of starting one; ``preload``, ``env`` and
+            ``wait_ready`` are then ignored.
 
     Raises:
         RuntimeError: the server did not start (its stderr is in the message).
@@ -38,8 +51,14 @@ class ForkServer:
 
     PIPE, DEVNULL, STDOUT = PIPE, DEVNULL, STDOUT
 
-    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, env: dict[str, str] | None = None) -> None:
+    def __init__(self, preload: Sequence[str] = DEFAULT_PRELOAD, env: dict[str, str] | None = None, *,
+                 wait_ready: bool = True, socket_path: str | None = None) -> None:
         self._dir = tempfile.mkdtemp(prefix="opd-forkserver-")
+        self._process: subprocess.Popen | None = None
+        if socket_path is not None:
+            self.socket_path = socket_path
+            self.preload: tuple[str, ...] = ()
+            return
         self.socket_path = os.path.join(self._dir, "socket")
         self.log_path = os.path.join(self._dir, "server.log")  # a file: a full pipe would stall the server
         server_env = dict(os.environ, **SERVER_ENV) if env is None else dict(env)
@@ -48,13 +67,14 @@ class ForkServer:
                 [sys.executable, "-m", "opd_store.testing.forkserver.server", self.socket_path, *preload],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=server_env,
             )
-        line = self._process.stdout.readline()
-        if line.strip() != b"ready":
-            self._process.kill()
-            self._process.wait()
-            with open(self.log_path, "rb") as log:
-                detail = log.read().decode(errors="replace")[-4000:]
-            raise RuntimeError(f"the fork server did not start: {line!r}\n{detail}")
+        for expected in ("listening", "ready") if wait_ready else ("listening",):
+            line = self._process.stdout.readline()
+            if line.strip() != expected.encode():
+                self._process.kill()
+                self._process.wait()
+                with open(self.log_path, "rb") as log:
+                    detail = log.read().decode(errors="replace")[-4000:]
+                raise RuntimeError(f"the fork server did not start: {line!r}\n{detail}")
         self.preload = tuple(preload)
 
     def popen(self, args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
@@ -94,6 +114,9 @@ class ForkServer:
         return result
 
     def alive(self) -> bool:
+        """Whether the server runs (one this object did not start: whether its socket exists)."""
+        if self._process is None:
+            return os.path.exists(self.socket_path)
         return self._process.poll() is None
 
     def shim_dir(self) -> str:
@@ -115,7 +138,10 @@ class ForkServer:
         return directory
 
     def close(self) -> None:
-        """Stop the server; it kills the children still running."""
+        """Stop the server (one this object started); it kills the children still running."""
+        if self._process is None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            return
         if self._process.poll() is None:
             self._process.stdin.close()
             try:
@@ -132,12 +158,17 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def default_server() -> ForkServer:
-    """This process's server with :data:`~.preload.DEFAULT_PRELOAD` (started on first use, stopped at exit;
+    """This process's server with :data:`~.preload.DEFAULT_PRELOAD`: the running one whose socket
+    :data:`SHARED_SOCKET_ENV` names, else one of its own (started on first use, stopped at exit;
     started again if it died)."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None or not _DEFAULT.alive():
-            _DEFAULT = ForkServer()
+            shared = os.environ.get(SHARED_SOCKET_ENV)
+            if shared and os.path.exists(shared):
+                _DEFAULT = ForkServer(socket_path=shared)
+            else:
+                _DEFAULT = ForkServer()
             atexit.register(_DEFAULT.close)
         return _DEFAULT
 

@@ -1,8 +1,10 @@
 """The fork server process: preload, then fork one child per request and report its end.
 
 Started by :class:`~opd_store.testing.forkserver.ForkServer` as ``python -m
-opd_store.testing.forkserver.server SOCKET PRELOAD...``. It imports the preload, starts no thread,
-prints ``ready`` on stdout, and then serves requests (:mod:`.protocol`) on its Unix socket: a fork
+opd_store.testing.forkserver.server SOCKET PRELOAD...``. It binds its Unix socket and prints
+``listening`` on stdout (a client may connect from then on: its request waits in the socket's
+backlog), imports the preload, starts no thread, prints ``ready``, and then serves requests
+(:mod:`.protocol`): a fork
 per request, the child's pid at once, its exit status once it has been reaped. It kills a child
 whose client connection closes, and exits, killing every child, when its stdin closes (its parent
 is gone).
@@ -39,6 +41,11 @@ def serve(socket_path: str, preload: Sequence[str]) -> Callable[[], None]:
         ModuleNotFoundError: a required preload module is not installed.
         SystemExit: the server's stdin closed (status 0).
     """
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(64)
+    sys.stdout.write("listening\n")
+    sys.stdout.flush()
     import_preload(preload)
     if threading.active_count() != 1:
         names = [t.name for t in threading.enumerate()]
@@ -48,9 +55,6 @@ def serve(socket_path: str, preload: Sequence[str]) -> Callable[[], None]:
     # would copy most of the server's memory into every child (1.6 s of CPU per child with torch
     # and transformers loaded, 0.3 s with this; the gc module docs recommend it before fork()).
     gc.freeze()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
-    listener.listen(64)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
