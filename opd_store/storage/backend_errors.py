@@ -41,7 +41,9 @@ memory       ``FileExistsError`` (exists check under the lock)          LOST_RAC
 local        ``FileNotFoundError`` / ``PermissionError``                NOT_FOUND /  open(2)
                                                                         DENIED
 S3           botocore ``NoCredentialsError``, ``PartialCredentials     NO_CREDEN-   botocore's
-             Error``, ``CredentialRetrievalError``                      TIALS        credential chain
+             Error``, ``CredentialRetrievalError``, ``ProfileNotFound`` TIALS        credential chain
+             (a ``profile`` option or ``AWS_PROFILE`` naming no
+             profile of ``~/.aws/config``)
 GCS          google-auth ``DefaultCredentialsError``                    NO_CREDEN-   google-auth
                                                                         TIALS        ``default()``
 any          a connection refused, a name that does not resolve, a      UNREACHABLE  botocore,
@@ -121,6 +123,7 @@ _GCS_STATUSES: dict[int, Meaning] = {
 # failures: matched by name so this module imports none of botocore, aiohttp, requests or google-auth.
 _NO_CREDENTIALS_NAMES = frozenset({
     "NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "DefaultCredentialsError",
+    "ProfileNotFound",
 })
 _UNREACHABLE_NAMES = frozenset({
     "ConnectionError",  # builtin (refused, reset) and requests' own
@@ -306,6 +309,9 @@ def explain(
     """
     meaning = classify(exc)
     if meaning is Meaning.NO_CREDENTIALS:
+        missing_profile = next((error for error in _chain(exc) if "ProfileNotFound" in _names(error)), None)
+        if missing_profile is not None:  # botocore: "The config profile (NAME) could not be found"
+            return f"no credentials: {_first_line(missing_profile)}"
         return f"no credentials found ({credential_sources})" if credential_sources else "no credentials found"
     if meaning is Meaning.DENIED:
         code = s3_error_code(exc) or _gcs_status(exc)

@@ -133,3 +133,27 @@ def test_a_bucket_url_without_a_bucket_is_refused_without_io(url):
     scheme = url.split("://")[0]
     assert str(caught.value) == (f"{url}: the URL names no bucket (expected {scheme}://BUCKET or "
                                  f"{scheme}://BUCKET/PREFIX)")
+
+
+def test_a_profile_that_does_not_exist_is_missing_credentials_named_in_one_line(moto_s3, tmp_path, monkeypatch, capsys):
+    """A ``profile`` storage option (or ``AWS_PROFILE``) naming no profile of the AWS config file:
+    botocore raises ``ProfileNotFound`` when the client is built. Every verb and the CLI say so in
+    one line, as for missing credentials; nothing is written."""
+    from opd_store import StoreUnreachableError
+    from opd_store.cli import main
+
+    config = tmp_path / "aws-config"
+    config.write_text("[profile other]\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    backend = moto_s3.new_backend()
+    store = CheckpointStore(backend.url, storage_options=dict(backend.storage_options, profile="no-such-profile"))
+    cause = "no credentials: The config profile (no-such-profile) could not be found"
+    with pytest.raises(StoreUnreachableError) as caught:
+        store.steps()
+    assert str(caught.value) == f"{backend.url}: cannot list: {cause}"
+    assert classify(caught.value.__cause__ or caught.value.__context__) is Meaning.NO_CREDENTIALS
+    assert main(["ls", backend.url, "--s3-endpoint-url", moto_s3.endpoint_url,
+                 "--storage-option", "profile=no-such-profile"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"opd-store ls: error: {backend.url}: cannot list the store: {cause}"]
+    assert boto3_client(moto_s3).list_objects_v2(Bucket=backend.url.split("/")[2]).get("KeyCount") == 0
