@@ -32,7 +32,8 @@ def add_parsers(subparsers) -> None:
     cp.add_argument("dst", metavar="DST_URL", help="destination store URL")
     add_store_options(cp)
     cp.add_argument("--dst-storage-option", action="append", default=None, metavar="KEY=VALUE",
-                    help="fsspec option for the destination only (repeatable)")
+                    help="fsspec option for the destination only (repeatable; the destination then "
+                    "inherits none of the source's options)")
     cp.add_argument("--dst-s3-endpoint-url", default=None, help="S3 endpoint of the destination only")
     add_json_option(cp)
     cp.set_defaults(handler=run_cp)
