@@ -39,18 +39,12 @@ import time
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from .client_options import ClientTimeouts
-from .parts import PartPool, TransferSettings
+from .parts import PartPool, TransferSettings, transfer_pools
 
 if TYPE_CHECKING:
     from .parts import Completion
 
 logger = logging.getLogger("opd_store.storage")
-
-
-def _pools(settings: TransferSettings) -> tuple[PartPool, PartPool]:
-    """A store's upload buffers and its copy readers' buffers (allocated on first use)."""
-    size, count = settings.part_size_bytes, settings.parts_in_flight
-    return PartPool(size, count), PartPool(size, count)
 
 
 class Storage(abc.ABC):
@@ -97,7 +91,7 @@ class Storage(abc.ABC):
         self._fs_lock = threading.Lock()
         self.timeouts = timeouts or ClientTimeouts()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
-        self._part_pool, self._read_pool = _pools(self.transfers)  # not use_transfers: wrappers forward it
+        self._part_pool, self._read_pool = transfer_pools(self.transfers)  # not use_transfers: wrappers forward it
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
@@ -123,7 +117,7 @@ class Storage(abc.ABC):
         of ``parts_in_flight`` buffers of ``part_size_bytes`` (allocated on first use): one for
         uploads, one for :meth:`open_read_stream` readers (a reader never waits for an upload)."""
         self.transfers = settings
-        self._part_pool, self._read_pool = _pools(settings)
+        self._part_pool, self._read_pool = transfer_pools(settings)
 
     def part_pool(self) -> PartPool:
         """This store's reused upload part buffers (:meth:`use_transfers`)."""

@@ -246,5 +246,12 @@ class Completion:
             self._future.result()
 
 
+def transfer_pools(settings: TransferSettings) -> tuple[PartPool, PartPool]:
+    """A store's upload buffers and its copy readers' buffers (``settings.parts_in_flight`` of
+    ``settings.part_size_bytes`` each, allocated on first use)."""
+    size, count = settings.part_size_bytes, settings.parts_in_flight
+    return PartPool(size, count), PartPool(size, count)
+
+
 __all__ = ["Completion", "DEFAULT_PARTS_IN_FLIGHT", "DEFAULT_PART_SIZE_BYTES", "MAX_PARTS", "MIN_PART_SIZE_BYTES",
-           "MemoryReader", "PartPool", "TransferSettings"]
+           "MemoryReader", "PartPool", "TransferSettings", "transfer_pools"]
