@@ -11,7 +11,9 @@ them out before the rest reaches the filesystem:
 ``read_timeout_secs``     60      How long a request of a save or a load waits for the server's
                                   next bytes before that attempt fails, and how long an upload
                                   waits for the connection to take the next 256 KiB of its body
-                                  (:mod:`opd_store.storage.upload_bodies`).
+                                  (:mod:`opd_store.storage.upload_bodies`). On a slow link it must
+                                  also cover the drain of the socket buffers (several MiB) after
+                                  a body is handed over: 60 s covers about 70 KiB/s.
 ``retries``               2       S3 only: passes of s3fs's own retry loop (``S3FileSystem.retries``,
                                   5 by default), which wraps botocore's.
 =======================  =======  ===========================================================

@@ -41,8 +41,12 @@ whose message does not begin with "connect" to botocore's ``ReadTimeoutError``).
 class PartBody(MemoryReader):
     """The body of one upload request: a reader over a part buffer (``bytearray`` or
     ``memoryview``) that aiohttp sends as views of the buffer (:class:`_PartPayload`), with no copy
-    and no thread hop. Clients rewind it (``seek``) before a retry, as they do any file body; aiohttp
-    never closes it, so one body serves every attempt of its request.
+    and no thread hop. Every request made with it sends the whole buffer, and an attempt leaves it
+    rewound however it ends: botocore rewinds a body before its own retries, but s3fs's retry loop
+    around botocore calls the operation again with the body as the failed attempt left it, and
+    botocore takes a body's length from its position (half read: a ``Content-Length`` of the rest,
+    a part of the wrong size). aiohttp never closes it, so one body serves every attempt of its
+    request.
 
     Args:
         buffer: the bytes to send (not copied; kept unchanged until the request has settled).
@@ -56,22 +60,20 @@ class PartBody(MemoryReader):
 
 
 class _PartPayload(aiohttp_payload.Payload):
-    """aiohttp's payload for a :class:`PartBody`: the bytes from the body's position when the
-    request was built, as slices of its buffer; a request sent again (a redirect) starts there again.
-    """
+    """aiohttp's payload for a :class:`PartBody`: its whole buffer as slices, from the start for
+    every request (and for a request sent again, such as a redirect)."""
 
     def __init__(self, value: PartBody, *args: Any, **kwargs: Any) -> None:
         super().__init__(value, *args, **kwargs)
-        self._start = value.tell()
-        self._size = value.seek(0, 2) - self._start
-        value.seek(self._start)
+        self._size = value.seek(0, 2)
+        value.seek(0)
 
     @property
     def size(self) -> int:
         return self._size
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        self._value.seek(self._start)
+        self._value.seek(0)
         return self._value.read(self._size).decode(encoding, errors)
 
     async def write(self, writer: Any) -> None:
@@ -86,17 +88,20 @@ class _PartPayload(aiohttp_payload.Payload):
         """
         body = self._value
         timeout_secs = body.send_timeout_secs
-        body.seek(self._start)
+        body.seek(0)
         remaining = self._size if content_length is None else min(self._size, content_length)
-        while remaining > 0:
-            chunk = body.read_view(min(SEND_CHUNK_BYTES, remaining))
-            if not chunk.nbytes:
-                return
-            if timeout_secs is None:
-                await writer.write(chunk)
-            else:
-                await _within(writer.write(chunk), timeout_secs)
-            remaining -= chunk.nbytes
+        try:
+            while remaining > 0:
+                chunk = body.read_view(min(SEND_CHUNK_BYTES, remaining))
+                if not chunk.nbytes:
+                    return
+                if timeout_secs is None:
+                    await writer.write(chunk)
+                else:
+                    await _within(writer.write(chunk), timeout_secs)
+                remaining -= chunk.nbytes
+        finally:
+            body.seek(0)  # for the next attempt, whoever makes it (see PartBody)
 
 
 async def _within(write: Any, timeout_secs: float) -> None:

@@ -25,19 +25,22 @@ def test_an_upload_body_goes_to_the_connection_as_views_of_its_part_buffer():
 
     buffer = bytearray(bytes(range(251)) * (3 * SEND_CHUNK_BYTES // 251 + 1))
     body = PartBody(buffer)
-    body.seek(10)  # a body is sent from where botocore left it
+    body.seek(10)  # left half read by a failed attempt (s3fs's retry loop does not rewind it)
     payload = aiohttp_payload.PAYLOAD_REGISTRY.get(_IOBaseWrapper(body))
-    assert payload.size == len(buffer) - 10
+    assert payload.size == len(buffer)
     writer = _RecordingWriter()
     asyncio.run(payload.write_with_length(writer, None))
     # No copy: every chunk is a view of the part buffer itself, at most SEND_CHUNK_BYTES long.
     assert all(isinstance(chunk, memoryview) and chunk.obj is buffer for chunk in writer.chunks)
-    assert [chunk.nbytes for chunk in writer.chunks] == [SEND_CHUNK_BYTES] * 3 + [len(buffer) - 10 - 3 * SEND_CHUNK_BYTES]
-    assert b"".join(writer.chunks) == bytes(buffer[10:])
-    # Sent again (a redirect): from the same start; a Content-Length cuts it.
+    assert [chunk.nbytes for chunk in writer.chunks] == [SEND_CHUNK_BYTES] * 3 + [len(buffer) - 3 * SEND_CHUNK_BYTES]
+    assert b"".join(writer.chunks) == bytes(buffer)
+    assert body.tell() == 0  # rewound for the next attempt: botocore takes a body's length from its position
+    # Sent again (a redirect), after a read moved the position: the whole body again; a
+    # Content-Length cuts it.
+    body.seek(500)
     again = _RecordingWriter()
     asyncio.run(payload.write_with_length(again, 1000))
-    assert b"".join(again.chunks) == bytes(buffer[10:1010])
+    assert b"".join(again.chunks) == bytes(buffer[:1000])
     # Only part bodies: any other reader keeps aiohttp's own file payload.
     assert type(aiohttp_payload.PAYLOAD_REGISTRY.get(MemoryReader(buffer))) is not type(payload)
     assert isinstance(aiohttp_payload.PAYLOAD_REGISTRY.get(MemoryReader(buffer)), aiohttp_payload.IOBasePayload)
@@ -65,7 +68,8 @@ def test_a_chunk_the_connection_does_not_take_within_the_send_timeout_fails_the_
     from opd_store.storage.upload_bodies import SEND_CHUNK_BYTES, WRITE_TIMEOUT_MESSAGE, PartBody
 
     buffer = bytearray(3 * SEND_CHUNK_BYTES)
-    payload = aiohttp_payload.PAYLOAD_REGISTRY.get(_IOBaseWrapper(PartBody(buffer, send_timeout_secs=0.05)))
+    body = PartBody(buffer, send_timeout_secs=0.05)
+    payload = aiohttp_payload.PAYLOAD_REGISTRY.get(_IOBaseWrapper(body))
     writer = _StuckWriter()
     with pytest.raises(aiohttp.ServerTimeoutError) as caught:
         asyncio.run(payload.write_with_length(writer, None))
@@ -73,6 +77,7 @@ def test_a_chunk_the_connection_does_not_take_within_the_send_timeout_fails_the_
     # ReadTimeoutError (retried, then named with the store's read timeout).
     assert str(caught.value) == f"{WRITE_TIMEOUT_MESSAGE}: the connection did not take 256 KiB within 0.05 s"
     assert len(writer.chunks) == 2  # the first was taken; the second never was
+    assert body.tell() == 0  # a failed attempt leaves the body rewound as well
     # Without a timeout the same body is sent whole to a connection that drains.
     unbounded = aiohttp_payload.PAYLOAD_REGISTRY.get(_IOBaseWrapper(PartBody(buffer)))
     recorded = _RecordingWriter()

@@ -280,22 +280,34 @@ def test_a_gcs_part_failing_deletes_every_temporary_object_and_commits_nothing(f
 
 
 @pytest.mark.parametrize("server", ["moto_s3", "fake_gcs"], indirect=True)
-def test_an_endpoint_that_stops_reading_a_body_fails_the_save_within_the_read_timeout(faulty, server,
-                                                                                       gcsfs_backoff):
+@pytest.mark.parametrize("stalls", [1, None], ids=["once", "every-time"])
+def test_an_endpoint_that_stops_reading_a_body_fails_the_attempt_within_the_read_timeout(faulty, server,
+                                                                                        gcsfs_backoff, stalls):
     """An endpoint that takes a request's headers and never reads its body (a peer whose receive
     window stays shut): aiohttp's read timeout starts only once a body is sent, so each attempt is
     bounded by the body's send timeout (``read_timeout_secs``, 0.5 s here) once the socket buffers
-    are full. The save raises :class:`StoreUnreachableError` naming the payload, the endpoint and the
-    timeout after the client's attempts (botocore: 1 in each of s3fs's 2 passes; gcsfs: 6, its
-    backoff recorded), nothing is committed and step 1 is untouched. The payload (24 MiB, one
-    request under a 32 MiB part) is larger than the socket buffers on loopback (4 MiB sent at most)."""
+    are full. The payload (24 MiB, one request under a 32 MiB part) is larger than the socket
+    buffers on loopback (4 MiB sent at most).
+
+    Once: the next attempt sends the whole body again and the step commits bit-exact. On S3 that
+    attempt is s3fs's second pass (botocore makes one attempt here), which reuses the body as the
+    failed attempt left it, half read. Every time: the save raises :class:`StoreUnreachableError`
+    naming the payload, the endpoint and the timeout after the client's attempts (botocore: 1 in
+    each of s3fs's 2 passes; gcsfs: 6, its backoff recorded), nothing is committed and step 1 is
+    untouched."""
     backend, proxy = faulty
     payload = _data(24 << 20)
     store = open_store(through_proxy(backend, proxy, part_size_bytes=32 << 20, read_timeout_secs=0.5,
                                      config_kwargs={"retries": {"total_max_attempts": 1}}))
     save(store, 1, {"prev.bin": SMALL})
     dialect = dialect_of(backend)
-    rule = proxy.add(fault="stall_body", times=None, match=lambda r: dialect.names(r, "model.bin"))
+    rule = proxy.add(fault="stall_body", times=stalls, match=lambda r: dialect.names(r, "model.bin"))
+    if stalls == 1:
+        save(store, 2, {"model.bin": payload})
+        assert rule.hits == 1 and [r.request_bytes for r in proxy.requests
+                                   if r.fault is None and dialect.names(r, "model.bin")] == [len(payload)]
+        assert store.steps() == [1, 2] and store.read(2, "model.bin") == payload
+        return
     with pytest.raises(StoreUnreachableError) as caught:
         save(store, 2, {"model.bin": payload})
     proxy.clear()
