@@ -54,6 +54,7 @@ def recorded_secs(report: Path = _DURATIONS) -> dict[str, float]:
     return secs
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: no error under -p no:xdist
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: one worker per core, plus one. About a fifth of a worker's time is spent waiting
     (on a server, a child process, a timeout the test is about), and a third worker fills those
@@ -107,10 +108,11 @@ def _share_fork_server(config) -> None:
     its socket, and a worker's first request waits for the preload. Without workers (``-n 0``, a
     worker itself, ``--collect-only``) each process starts its own on first use."""
     from opd_store.testing.forkserver import SHARED_SOCKET_ENV, ForkServer
+    from opd_store.testing.forkserver.client import accepts_connections
 
     if (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
-            or config.option.collectonly or os.environ.get(SHARED_SOCKET_ENV)):
-        return
+            or config.option.collectonly or accepts_connections(os.environ.get(SHARED_SOCKET_ENV) or "")):
+        return  # no workers, or a live server already named (a run inside a run): use it
     server = ForkServer(wait_ready=False)
     os.environ[SHARED_SOCKET_ENV] = server.socket_path
 

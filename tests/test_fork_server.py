@@ -29,3 +29,26 @@ def test_a_server_shared_through_its_socket_forks_the_children_of_every_client()
     finally:
         owner.close()
     assert not owner.alive() and not os.path.exists(owner.socket_path)
+
+
+def test_a_shared_server_that_failed_its_preload_or_is_gone_is_named_with_its_log():
+    """A server returned before its preload whose preload then fails (a module that raises) forks
+    nothing: the request says so with the end of the server's log (the import error), not a bare
+    connection error. The socket it leaves, which nobody listens on (what a stale
+    ``OPD_FORKSERVER_SOCKET`` names), takes no connection: :func:`~opd_store.testing.forkserver.
+    default_server` checks that before it attaches, and starts a server of its own instead."""
+    import pytest
+
+    from opd_store.testing.forkserver.client import accepts_connections
+
+    broken = ForkServer(preload=("colorsys", "opd_store_no_such_module"), env={"PATH": "/usr/bin:/bin"},
+                        wait_ready=False)
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            broken.run([sys.executable, "-c", "pass"], timeout=120)
+        message = str(caught.value)
+        assert message.startswith(f"the fork server at {broken.socket_path} forked no child (")
+        assert "No module named 'opd_store_no_such_module'" in message
+        assert os.path.exists(broken.socket_path) and not accepts_connections(broken.socket_path)
+    finally:
+        broken.close()

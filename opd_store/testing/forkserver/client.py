@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ class ForkServer:
         self._process: subprocess.Popen | None = None
         if socket_path is not None:
             self.socket_path = socket_path
+            self.log_path = os.path.join(os.path.dirname(socket_path), "server.log")  # where a server keeps it
             self.preload: tuple[str, ...] = ()
             return
         self.socket_path = os.path.join(self._dir, "socket")
@@ -90,9 +92,22 @@ class ForkServer:
             ValueError: ``args`` is not a Python command line of one of those forms.
         """
         program_of(list(map(os.fspath, args)))  # refuse what a child could not run, here
-        return ForkedProcess(self.socket_path, [os.fspath(a) for a in args], env=env, cwd=cwd, stdin=stdin,
-                             stdout=stdout, stderr=stderr, text=bool(text or universal_newlines or encoding or errors),
-                             encoding=encoding, errors=errors)
+        try:
+            return ForkedProcess(self.socket_path, [os.fspath(a) for a in args], env=env, cwd=cwd, stdin=stdin,
+                                 stdout=stdout, stderr=stderr,
+                                 text=bool(text or universal_newlines or encoding or errors),
+                                 encoding=encoding, errors=errors)
+        except (ConnectionError, FileNotFoundError, RuntimeError) as exc:  # no pid came back: no server
+            raise RuntimeError(self._not_serving(exc)) from exc
+
+    def _not_serving(self, exc: BaseException) -> str:
+        """Why a request got no child, with the end of the server's log (its failed preload)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                detail = log.read().decode(errors="replace")[-4000:]
+        except OSError:
+            detail = "(no log)"
+        return f"the fork server at {self.socket_path} forked no child ({exc!r}); its log {self.log_path}:\n{detail}"
 
     def run(self, args: Sequence[str], *, input: Any = None, capture_output: bool = False,
             timeout: float | None = None, check: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:
@@ -114,9 +129,10 @@ class ForkServer:
         return result
 
     def alive(self) -> bool:
-        """Whether the server runs (one this object did not start: whether its socket exists)."""
+        """Whether the server runs (one this object did not start: whether its socket takes a
+        connection, which the server then closes unanswered)."""
         if self._process is None:
-            return os.path.exists(self.socket_path)
+            return accepts_connections(self.socket_path)
         return self._process.poll() is None
 
     def shim_dir(self) -> str:
@@ -153,19 +169,33 @@ class ForkServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def accepts_connections(socket_path: str) -> bool:
+    """Whether a server listens on the Unix socket ``socket_path`` (a connection made and closed;
+    one made while the server still imports its preload waits in the backlog and counts)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(socket_path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 _DEFAULT: ForkServer | None = None
 _DEFAULT_LOCK = threading.Lock()
 
 
 def default_server() -> ForkServer:
     """This process's server with :data:`~.preload.DEFAULT_PRELOAD`: the running one whose socket
-    :data:`SHARED_SOCKET_ENV` names, else one of its own (started on first use, stopped at exit;
-    started again if it died)."""
+    :data:`SHARED_SOCKET_ENV` names, else (none named, or none listening there: a stale name, a
+    server that died) one of its own (started on first use, stopped at exit; started again if it
+    died)."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None or not _DEFAULT.alive():
             shared = os.environ.get(SHARED_SOCKET_ENV)
-            if shared and os.path.exists(shared):
+            if shared and accepts_connections(shared):
                 _DEFAULT = ForkServer(socket_path=shared)
             else:
                 _DEFAULT = ForkServer()
