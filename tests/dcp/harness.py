@@ -117,7 +117,8 @@ def launch(spec: dict) -> dict:
 
 def run_launch(spec: dict, tmp: Path, timeout_secs: float = 900) -> list[dict]:
     """From a test: write ``spec``, run this launcher in a child of the fork server, return each
-    rank's results.
+    rank's results (rank 0's ``_launch``: the launch summary, and the end of the launcher's and
+    ranks' stderr as ``stderr``).
 
     Raises:
         AssertionError: the launcher failed; its output and every rank's results are in the message.
@@ -139,7 +140,7 @@ def run_launch(spec: dict, tmp: Path, timeout_secs: float = 900) -> list[dict]:
         results.append(json.loads(file.read_text()) if file.exists() else {})
     summary = json.loads((tmp / "launch.json").read_text()) if (tmp / "launch.json").exists() else {}
     assert done.returncode == 0 and summary, f"launcher failed ({done.returncode}):\n{done.stderr[-6000:]}"
-    results[0]["_launch"] = summary
+    results[0]["_launch"] = dict(summary, stderr=done.stderr[-6000:])  # the ranks' own output (they inherit it)
     return results
 
 

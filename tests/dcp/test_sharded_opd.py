@@ -31,7 +31,8 @@ def test_sharded_opd_checkpoints_elastic_resume_and_preemption(tmp_path):
     ranks = run_launch({"world_size": 4, "module": "scenarios_opd",
                         "scenarios": ["lora", "full_parameter", "preemption", "rank_dies"],
                         "backend": backend.to_json()}, tmp_path / "run")
-    assert ranks[0]["_launch"]["exit_codes"] == [0, 0, 0, 9]
+    launch = ranks[0]["_launch"]
+    assert launch["exit_codes"] == [0, 0, 0, 9], launch["stderr"]
     for rank in ranks[:3]:
         assert all("error" not in scenario for scenario in rank.values() if isinstance(scenario, dict)), rank
     lora = [rank["lora"] for rank in ranks]
