@@ -13,6 +13,8 @@ was also measured and refuses writable memoryviews, which is what tensor storage
 
 from __future__ import annotations
 
+import base64
+
 from awscrt import checksums as _checksums
 
 ALGORITHM = "crc32c"
@@ -60,8 +62,6 @@ def crc32c_hex(data) -> str:
 def crc32c_base64(data) -> str:
     """CRC32C of one buffer as S3 spells it (``ChecksumCRC32C``, the ``x-amz-checksum-crc32c``
     header): base64 of its 4 big-endian bytes."""
-    import base64
-
     hasher = Crc32c()
     hasher.update(data)
     return base64.b64encode(hasher.value.to_bytes(4, "big")).decode("ascii")

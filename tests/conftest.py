@@ -107,8 +107,7 @@ def _share_fork_server(config) -> None:
     trainers: about 8 CPU-s) is then paid once, not once per worker; the controller waits only for
     its socket, and a worker's first request waits for the preload. Without workers (``-n 0``, a
     worker itself, ``--collect-only``) each process starts its own on first use."""
-    from opd_store.testing.forkserver import SHARED_SOCKET_ENV, ForkServer
-    from opd_store.testing.forkserver.client import accepts_connections
+    from opd_store.testing.forkserver import SHARED_SOCKET_ENV, ForkServer, accepts_connections
 
     if (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
             or config.option.collectonly or accepts_connections(os.environ.get(SHARED_SOCKET_ENV) or "")):

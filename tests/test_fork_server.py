@@ -39,7 +39,7 @@ def test_a_shared_server_that_failed_its_preload_or_is_gone_is_named_with_its_lo
     default_server` checks that before it attaches, and starts a server of its own instead."""
     import pytest
 
-    from opd_store.testing.forkserver.client import accepts_connections
+    from opd_store.testing.forkserver import accepts_connections
 
     broken = ForkServer(preload=("colorsys", "opd_store_no_such_module"), env={"PATH": "/usr/bin:/bin"},
                         wait_ready=False)

@@ -35,6 +35,7 @@ from .upload_bodies import PartBody
 
 logger = logging.getLogger("opd_store.storage")
 
+
 class S3Multipart:
     """One S3 object's multipart upload (a :class:`~opd_store.storage.part_writer.Multipart`).
 

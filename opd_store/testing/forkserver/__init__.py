@@ -35,11 +35,12 @@ ends, and the shim command), :mod:`.server` (the server process), :mod:`.child` 
 becoming its program), :mod:`.preload` (what the server imports, under which environment).
 """
 
-from .client import SHARED_SOCKET_ENV, ForkServer, default_server, popen, run
+from .client import SHARED_SOCKET_ENV, ForkServer, accepts_connections, default_server, popen, run
 from .preload import DEFAULT_PRELOAD, OPTIONAL, REQUIRED_PRELOAD, SERVER_ENV, TRAINER_PRELOAD
 from .process import DEVNULL, PIPE, STDOUT, ForkedProcess
 
 __all__ = [
     "DEFAULT_PRELOAD", "DEVNULL", "OPTIONAL", "PIPE", "REQUIRED_PRELOAD", "SERVER_ENV", "SHARED_SOCKET_ENV",
-    "STDOUT", "TRAINER_PRELOAD", "ForkServer", "ForkedProcess", "default_server", "popen", "run",
+    "STDOUT", "TRAINER_PRELOAD", "ForkServer", "ForkedProcess", "accepts_connections", "default_server", "popen",
+    "run",
 ]

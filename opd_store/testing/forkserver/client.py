@@ -74,9 +74,7 @@ class ForkServer:
             if line.strip() != expected.encode():
                 self._process.kill()
                 self._process.wait()
-                with open(self.log_path, "rb") as log:
-                    detail = log.read().decode(errors="replace")[-4000:]
-                raise RuntimeError(f"the fork server did not start: {line!r}\n{detail}")
+                raise RuntimeError(f"the fork server did not start: {line!r}\n{self._log_tail()}")
         self.preload = tuple(preload)
 
     def popen(self, args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
@@ -102,12 +100,16 @@ class ForkServer:
 
     def _not_serving(self, exc: BaseException) -> str:
         """Why a request got no child, with the end of the server's log (its failed preload)."""
+        return (f"the fork server at {self.socket_path} forked no child ({exc!r}); its log {self.log_path}:\n"
+                f"{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        """The last 4,000 characters of the server's stderr log."""
         try:
             with open(self.log_path, "rb") as log:
-                detail = log.read().decode(errors="replace")[-4000:]
+                return log.read().decode(errors="replace")[-4000:]
         except OSError:
-            detail = "(no log)"
-        return f"the fork server at {self.socket_path} forked no child ({exc!r}); its log {self.log_path}:\n{detail}"
+            return "(no log)"
 
     def run(self, args: Sequence[str], *, input: Any = None, capture_output: bool = False,
             timeout: float | None = None, check: bool = False, **kwargs: Any) -> subprocess.CompletedProcess:
