@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: the state, timing, RSS readings, the machine. moto's server
-process, request counters and fresh machines come from :mod:`opd_store.testing`."""
+process, request counters and fresh machines come from :mod:`opd_testkit`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from opd_store.testing.stores import use_emulator_environment
+from opd_testkit.stores import use_emulator_environment
 
 use_emulator_environment()
 

@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import drop_file_cache, proc_status_kib, reset_peak_rss  # noqa: E402
-from opd_store.testing.machines import process_cpu_secs  # noqa: E402
 from bench.methods import BY_NAME, loaded_as_state, make_training_state, same_state, state_nbytes  # noqa: E402
+from opd_store.job._machines import process_cpu_secs  # noqa: E402
 
 
 def phase(fn, moto_pid: int | None) -> tuple[dict, object]:

@@ -13,8 +13,8 @@
    async save allocates its staging buffers and is reported apart (``first``); ``steady`` is the
    median of the later ones, which reuse them. Target: blocked <= 10 % of the synchronous save
    (the spot-saves target in ``docs/performance.md``).
-   Backends: a local directory and moto S3 in its own process (``opd_store.testing.s3.MotoProcess``).
-2. job: updates per second of the main job (``opd_store.job.train.train``, in this process)
+   Backends: a local directory and moto S3 in its own process (``opd_testkit.s3.MotoProcess``).
+2. job: updates per second of the main job (``opd_store.job._train.train``, in this process)
    with a checkpoint every ``--job-every`` successful updates, synchronous and ``async_save``,
    against no checkpoints (``checkpoint_every`` past the end), on a local store, after one
    warm-up run. Each run includes the same model build; the job's checkpoints are small (tens of
@@ -35,8 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from opd_testkit.s3 import MotoProcess
+
 from bench._common import MIB, REPO_ROOT
-from opd_store.testing.s3 import MotoProcess
 
 N_LAYERS = 16
 
@@ -94,8 +95,7 @@ def _kwargs(store, model, optimizer, scheduler, step: int) -> dict:
 
 
 def bench_blocked(store_factory, size_mib: int, repeats: int, device: str = "cpu") -> dict:
-    from opd_store.opd.async_save import AsyncCheckpointer
-    from opd_store.opd.checkpoint import save_opd_checkpoint
+    from opd_store.opd import AsyncCheckpointer, save_opd_checkpoint
 
     model, optimizer, scheduler, nbytes = _training(size_mib, device)
     store = store_factory()
@@ -132,7 +132,7 @@ def bench_blocked(store_factory, size_mib: int, repeats: int, device: str = "cpu
 
 def bench_job(updates: int, every: int) -> list[tuple[str, float, float]]:
     from opd_store import CheckpointStore
-    from opd_store.job.train import train
+    from opd_store.job import train
 
     with tempfile.TemporaryDirectory(prefix="opd-bench-job-") as tmp:  # warm-up: first-use costs out of the rows
         with open(Path(tmp) / "log.jsonl", "w") as log:

@@ -1,7 +1,7 @@
 """The CRC32C cost of a save: a section of ``python -m bench`` (:func:`run_crc`).
 
 CRC32C alone over the state's tensors (memoryviews of their storage, no copies) with awscrt (what
-opd_store uses) and through ``opd_store.checksum.Crc32c``, against the store's save medians of the
+opd_store uses) and through ``opd_store.format._checksum.Crc32c``, against the store's save medians of the
 same run. The ``crc32c`` package (opd_store's checksum before 2026-11-30, now the tests' independent
 oracle) is timed beside it when installed (the ``bench`` extra), and torch's own zip CRC-32 for
 scale. Target: < 5 % of the save.
@@ -51,7 +51,7 @@ def run_crc(args, state, speed_results: dict) -> list[str]:
     import torch
     from awscrt import checksums
 
-    from opd_store.checksum import Crc32c
+    from opd_store.format import Crc32c
 
     views = tensor_views(state)
     nbytes = sum(v.nbytes for v in views)
@@ -125,7 +125,7 @@ def run_crc(args, state, speed_results: dict) -> list[str]:
         "| measurement | seconds | GiB/s |",
         "|---|---|---|",
         f"| awscrt checksums.crc32c over {len(views)} tensor memoryviews ({nbytes / MIB:.0f} MiB) | {crc_secs:.3f} | {nbytes / 2**30 / crc_secs:.1f} |",
-        f"| opd_store.checksum.Crc32c.update over the same | {wrapper_secs:.3f} | {nbytes / 2**30 / wrapper_secs:.1f} |",
+        f"| opd_store.format._checksum.Crc32c.update over the same | {wrapper_secs:.3f} | {nbytes / 2**30 / wrapper_secs:.1f} |",
     ]
     if package_secs is not None:
         lines.append(

@@ -35,9 +35,10 @@ import time
 import uuid
 from pathlib import Path
 
+from opd_testkit.s3 import MotoProcess
+
 from bench._common import machine_description, median, proc_status_kib, reset_peak_rss
-from opd_store.testing.machines import process_cpu_secs
-from opd_store.testing.s3 import MotoProcess
+from opd_store.job._machines import process_cpu_secs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -217,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         client.create_bucket(Bucket=args.bucket)
     except client.exceptions.BucketAlreadyOwnedByYou:
         pass
-    import opd_store.dcp  # noqa: F401 - the imports, once, before the ranks are forked
     import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401
+
+    import opd_store.dcp  # noqa: F401 - the imports, once, before the ranks are forked
 
     summary = []
     try:

@@ -181,9 +181,7 @@ def _rng_check(rank: int, device: str, store, step: int, model, optimizer) -> di
     """CUDA (or CPU) generator of every rank through a sharded OPD checkpoint."""
     import torch
 
-    from opd_store.opd.config import OPDConfig
-    from opd_store.opd.sharded import save_sharded_opd_checkpoint
-    from opd_store.opd.sharded_load import load_sharded_opd_checkpoint
+    from opd_store.opd import OPDConfig, load_sharded_opd_checkpoint, save_sharded_opd_checkpoint
 
     config, provenance = OPDConfig(), {"code_revision": "gpu-check"}
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)

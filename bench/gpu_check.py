@@ -25,7 +25,7 @@ import torch
 
 
 def _build(device: str):
-    from opd_store.job.models import build_student, build_tokenizer
+    from opd_store.job import build_student, build_tokenizer
 
     tokenizer = build_tokenizer()
     student = build_student(len(tokenizer), seed=0).to(device)
@@ -62,7 +62,7 @@ def _save_kwargs(store, student, tokenizer, optimizer, scheduler, step: int) -> 
 
 
 def _load(url: str, device: str):
-    from opd_store.opd.checkpoint import load_adapter, load_opd_checkpoint
+    from opd_store.opd import load_adapter, load_opd_checkpoint
 
     tokenizer, student, optimizer, scheduler = _build(device)
     load_adapter(url, student)
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print("FAIL: no CUDA device")
         return 1
     from opd_store import CheckpointStore
-    from opd_store.opd.async_save import AsyncCheckpointer
-    from opd_store.opd.checkpoint import save_opd_checkpoint
+    from opd_store.opd import AsyncCheckpointer, save_opd_checkpoint
 
     root = Path(args.out or tempfile.mkdtemp(prefix="opd-gpu-check-"))
     store = CheckpointStore(root / "store")

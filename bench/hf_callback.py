@@ -3,7 +3,7 @@
     python -m bench.hf_callback                    # tiny TRL GKD run and a 256 MiB state, local and moto S3
     python -m bench.hf_callback --sizes tiny --saves 3
 
-For each state (``tiny``: the TRL GKD run of ``opd_store.job.trl_demo``, about 60 KB per checkpoint;
+For each state (``tiny``: the TRL GKD run of ``opd_store.job._trl_demo``, about 60 KB per checkpoint;
 ``256mib``: a plain ``transformers.Trainer`` fully fine-tuning a Llama of ~22 M parameters, so model
 plus AdamW state is about 256 MiB) and each store (a local directory, moto S3 over loopback), the
 run saves every step and a timing callback on each side of :class:`StoreCallback` measures, per
@@ -63,7 +63,7 @@ def _big_trainer(out: str, steps: int, callbacks: list):
 
 
 def _tiny_trainer(out: str, steps: int, callbacks: list):
-    from opd_store.job.trl_demo import GKDSpec, build_trainer
+    from opd_store.job._trl_demo import GKDSpec, build_trainer
 
     return build_trainer(out, GKDSpec(max_steps=steps, save_steps=1, save_total_limit=2), callbacks=callbacks,
                          logging_steps=10_000)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="local,s3")
     parser.add_argument("--saves", type=int, default=4, help="saves per run (the first is not counted)")
     args = parser.parse_args(argv)
-    from opd_store.testing.s3 import MotoS3  # the tests' moto server (one definition)
+    from opd_testkit.s3 import MotoS3  # the tests' moto server (one definition)
 
     moto = MotoS3() if "s3" in args.stores.split(",") else None
     lines = [f"# StoreCallback on_save cost, {dt.date.today()}", "",

@@ -24,13 +24,13 @@ Every method saves and loads the same training state (:func:`make_training_state
                    machine-wide ``os.sync()``). Load fills a template state of empty tensors in place
                    (DCP's contract); building the template is timed too.
 ``opd_store``      a transaction: ``store.begin(step)`` / ``txn.open(name)`` /
-                   ``opd_store.torch_io.torch_save(state, writer)`` / commit (CRC32C while
+                   ``opd_store.format._torch_io.torch_save(state, writer)`` / commit (CRC32C while
                    streaming, fsync, create-only manifest); load ``store.open`` (size + CRC32C
                    checked) + ``torch.load``.
 ``opd_store-zipcrc``  the same with torch's own zip CRC-32 left on (a plain ``torch.save`` into
                    the writer): the side-by-side measurement behind ``torch_io``'s choice.
 ``opd_store-mmap``  the same save; load maps the verified local file
-                   (``opd_store.torch_io.torch_load(reader, mmap=True)``): tensors share the page
+                   (``opd_store.format._torch_io.torch_load(reader, mmap=True)``): tensors share the page
                    cache instead of being copied (local only).
 ``opd_store-async``  the asynchronous save's blocking time (its *save* column): the state is
                    staged into reusable host buffers (``StagingBuffers``, as ``AsyncCheckpointer``
@@ -317,7 +317,7 @@ class Store(Method):
     def save(self, state, tag):
         import torch
 
-        from opd_store.torch_io import torch_save
+        from opd_store.format import torch_save
 
         with self.store.begin(tag) as txn:
             with txn.open(PAYLOAD) as writer:
@@ -329,7 +329,7 @@ class Store(Method):
     mmap = False
 
     def load(self, state_template, tag):
-        from opd_store.torch_io import torch_load
+        from opd_store.format import torch_load
 
         with self.store.open(tag, PAYLOAD) as handle:
             return torch_load(handle, mmap=self.mmap)
@@ -353,7 +353,7 @@ class StoreMmap(Store):
 class StoreAsync(Store):
     """The asynchronous save's blocking time: ``save`` returns once the state is staged.
 
-    Staging is :class:`opd_store.opd.async_save.StagingBuffers` (what ``AsyncCheckpointer`` does
+    Staging is :class:`opd_store.opd._async_save.StagingBuffers` (what ``AsyncCheckpointer`` does
     while training waits); the write and commit then run in a thread, and :meth:`finish` waits for
     them (timed apart as ``save_total``). :meth:`prepare` stages once before the clock: a training
     job's earlier saves have already allocated the buffers (steady state, as
@@ -363,7 +363,7 @@ class StoreAsync(Store):
     name = "opd_store-async"
 
     def prepare(self, state):
-        from opd_store.opd.async_save import StagingBuffers
+        from opd_store.opd._async_save import StagingBuffers
 
         self.buffers = StagingBuffers()
         self.buffers.begin()

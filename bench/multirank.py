@@ -1,7 +1,7 @@
 """Multi-rank saves: the same total state saved by 1, 2 and 4 ranks, local and moto S3.
 
 Each configuration spawns N ranks in a gloo process group on 127.0.0.1 (``torch.multiprocessing``,
-spawn). A save is :func:`opd_store.pipeline.collective.write_and_commit_collective`, the stages
+spawn). A save is :func:`opd_store.pipeline._collective.write_and_commit_collective`, the stages
 ``save_opd_checkpoint`` runs with a process group: rank 0 chooses the attempt, every rank
 ``torch.save``-streams its shard (``SIZE/N`` MiB of float32 tensors) into its part, rank 0 commits
 one manifest. The time of a save is the slowest rank's, from a barrier before it to its return;
@@ -22,9 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from opd_testkit.s3 import MotoProcess
+from opd_testkit.stores import free_port
+
 from bench._common import make_state, median
-from opd_store.testing.s3 import MotoProcess
-from opd_store.testing.stores import free_port
 
 
 def _request(store, step: int, world_size: int, shard: dict):
@@ -50,9 +51,8 @@ def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, s
     import torch.distributed as dist
 
     from opd_store import CheckpointStore
-    from opd_store.opd.distributed import current_group
-    from opd_store.pipeline import write_and_commit
-    from opd_store.pipeline.collective import write_and_commit_collective
+    from opd_store.opd import current_group
+    from opd_store.pipeline import write_and_commit, write_and_commit_collective
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,

@@ -3,7 +3,7 @@
 Committed steps (10 objects and a manifest each) and the leftovers of killed and failed saves are
 written straight into moto with boto3; the store's requests are counted by a botocore
 ``before-send.s3`` handler on its own client (every HTTP attempt, retries included) and cross-checked
-at the moto server (:class:`opd_store.testing.s3.MotoProcess`). Targets: ``latest_step()`` <= 5
+at the moto server (:class:`opd_testkit.s3.MotoProcess`). Targets: ``latest_step()`` <= 5
 requests at 1,000 steps; ``steps()`` no request per step.
 """
 
@@ -15,8 +15,9 @@ import secrets
 import time
 from typing import Any, Callable
 
+from opd_testkit.s3 import MotoProcess, S3RequestCounter
+
 from bench._common import log, timed
-from opd_store.testing.s3 import MotoProcess, S3RequestCounter
 
 LATEST_TARGET_REQUESTS = 5
 
@@ -35,7 +36,7 @@ class FixtureWriter:
 
     @staticmethod
     def attempt_id() -> str:
-        from opd_store.layout import new_attempt_id
+        from opd_store.format import new_attempt_id
 
         return new_attempt_id()
 
@@ -45,9 +46,7 @@ class FixtureWriter:
             future.result()
 
     def committed_step_objects(self, step: int) -> list[tuple[str, bytes]]:
-        from opd_store.checksum import crc32c_hex
-        from opd_store.layout import step_dirname
-        from opd_store.manifest import Manifest, PayloadEntry, Writer
+        from opd_store.format import Manifest, PayloadEntry, Writer, crc32c_hex, step_dirname
 
         attempt = self.attempt_id()
         sdir = f"{self.prefix}/{step_dirname(step)}"
@@ -71,7 +70,7 @@ class FixtureWriter:
         return items
 
     def failed_attempt_objects(self, step: int, n_objects: int = 3) -> list[tuple[str, bytes]]:
-        from opd_store.layout import step_dirname
+        from opd_store.format import step_dirname
 
         attempt = self.attempt_id()
         sdir = f"{self.prefix}/{step_dirname(step)}"
@@ -119,7 +118,7 @@ def _count(moto: MotoProcess, counter: S3RequestCounter, fn: Callable[[], Any]) 
 
 def run_requests(args, moto: MotoProcess) -> list[str]:
     from opd_store import CheckpointStore
-    from opd_store.layout import step_dirname
+    from opd_store.format import step_dirname
 
     bucket = "bench-requests"
     moto.new_bucket(bucket)
@@ -179,7 +178,7 @@ def run_requests(args, moto: MotoProcess) -> list[str]:
 
     lines = [
         "Fixtures written straight into moto with boto3 (16 threads); manifests built with "
-        "`opd_store.manifest.Manifest`. Each committed step: 10 payload objects + manifest.json. "
+        "`opd_store.format._manifest.Manifest`. Each committed step: 10 payload objects + manifest.json. "
         "Leftovers: uncommitted step prefixes (3 objects of a killed save) between committed steps, "
         "and a failed attempt (3 objects) beside the committed one in the oldest and newest step of each batch. "
         "Requests counted by a botocore `before-send.s3` handler on the store's own s3fs client "

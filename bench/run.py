@@ -40,6 +40,8 @@ from typing import Any, Callable
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from opd_testkit.s3 import MotoProcess, S3RequestCounter  # noqa: E402
+
 from bench._common import (  # noqa: E402
     MIB,
     REPO_ROOT,
@@ -51,7 +53,6 @@ from bench._common import (  # noqa: E402
     timed,
 )
 from bench.methods import LOCAL_ONLY, METHODS  # noqa: E402
-from opd_store.testing.s3 import MotoProcess, S3RequestCounter  # noqa: E402
 
 TARGET_RATIO = 1.10
 ASYNC_BLOCKED_RATIO = 0.10  # the spot-saves target: blocked time of an async save against the sync save
@@ -74,7 +75,7 @@ def preload() -> None:
     from torch.distributed.checkpoint import _fsspec_filesystem  # noqa: F401
 
     import opd_store  # noqa: F401
-    import opd_store.torch_io  # noqa: F401
+    import opd_store.format._torch_io  # noqa: F401
 
 
 def run_child(args, method: str, backend: str, size_mib: int, tag: int, root: str, options: dict,

@@ -8,12 +8,12 @@
     python -m bench.soak --n 12 --seed 3          # the short form
 
 Kills are chosen by event, not by clock: each start is armed with one kill point of the job
-(``opd_store.kill_points``) in a phase it still reaches (mid-update forward, backward or optimizer
+(``opd_store.runtime._kill_points``) in a phase it still reaches (mid-update forward, backward or optimizer
 step; between updates; a payload streaming, at a random byte; before the manifest's create; right
 after the commit; a retention delete; a tier upload; an asynchronous save's background write),
 the phase with the fewest kills first. A kill point the start never reached is a miss, redrawn.
-The checks are in :mod:`opd_store.testing.soak`; the verdict (at least N kills, every phase at
-least 4 when N allows, every resume bit-exact) in :mod:`opd_store.testing.soak_phases`.
+The checks are in :mod:`opd_testkit.soak`; the verdict (at least N kills, every phase at
+least 4 when N allows, every resume bit-exact) in :mod:`opd_testkit.soak_phases`.
 
 The report (markdown, verdict first) is printed and written to
 ``bench/results/soak-<backend>[-tiered][-ranksN]-<date>.md``. Exit status 0 only when it passes.
@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from opd_store.testing.soak import Soak
-from opd_store.testing.soak_report import render
+from opd_testkit.soak import Soak
+from opd_testkit.soak_report import render
 
 from ._common import REPO_ROOT, machine_description, now_stamp
 
@@ -40,7 +40,7 @@ def _launcher(name: str, world_size: int):
     interpreters. Multi-rank jobs always exec (their ranks are spawned interpreters anyway)."""
     if name == "exec" or world_size > 1:
         return subprocess.Popen
-    from opd_store.testing.forkserver import default_server
+    from opd_testkit.forkserver import default_server
 
     return default_server().popen
 
@@ -77,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             store_url = str(workdir / "store")
         else:
             if args.backend == "moto":
-                from opd_store.testing.s3 import MotoProcess
+                from opd_testkit.s3 import MotoProcess
 
                 server = MotoProcess(key_buffer_bytes=None)
             else:
-                from opd_store.testing.seaweed import SeaweedS3
+                from opd_testkit.seaweed import SeaweedS3
 
                 server = SeaweedS3()
             server.create_bucket("opd-soak")

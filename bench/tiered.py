@@ -36,12 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import machine_description, make_state, median, state_nbytes
-from opd_store.testing.s3 import MotoProcess
+from opd_testkit.s3 import MotoProcess
 
+from bench._common import machine_description, make_state, median, state_nbytes
 from opd_store import CheckpointStore
+from opd_store.format import torch_save
 from opd_store.tiered import TieredStore
-from opd_store.torch_io import torch_save
 
 
 def _save(store, step: int, state: dict) -> float:

@@ -17,7 +17,7 @@ Every method moves the same state (:func:`bench.methods.make_training_state`) to
 ``boto3-tm``       boto3's transfer manager (``upload_fileobj`` / ``download_fileobj`` with
                    ``TransferConfig(multipart_chunksize=P, max_concurrency=K)``), reading from and
                    writing into the tensors' memory.
-``opd_store``      a transaction with ``opd_store.torch_io.torch_save`` (CRC32C, manifest),
+``opd_store``      a transaction with ``opd_store.format._torch_io.torch_save`` (CRC32C, manifest),
                    ``part_size_bytes=P``, ``parts_in_flight=K``; load ``store.open`` (parallel
                    ranges, size and CRC32C checked) + ``torch.load`` (:class:`bench.methods.Store`).
 ``dcp-threads``    ``torch.distributed.checkpoint`` with ``FsspecWriter(thread_count=K)`` (K files
@@ -243,8 +243,8 @@ class StoreCopy(StoreParallel):
         import tempfile
 
         from opd_store import CheckpointStore
-        from opd_store.torch_io import torch_load
-        from opd_store.transfer import copy_checkpoint
+        from opd_store.format import torch_load
+        from opd_store.store import copy_checkpoint
 
         storage = self.store.storage
         if self.one_stream:  # what a copy did before ranged reads: one GET stream per payload

@@ -4,7 +4,7 @@
                                         [--models capped,uncapped] [--methods s3fs-1stream,...]
 
 The model: SeaweedFS (a production S3 server, ``weed mini`` on loopback) behind
-:class:`opd_store.testing.throttle.CappedProxyProcess`, which caps every connection at
+:class:`opd_testkit.throttle.CappedProxyProcess`, which caps every connection at
 ``--cap-mib`` MiB/s each way, as real object stores cap each connection (AWS S3: roughly 50-100 MB/s);
 ``uncapped`` is the same server reached directly. For every model and state size (64 float32
 tensors plus an SGD-momentum state of the same shapes), every method of
@@ -33,11 +33,12 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from opd_testkit.seaweed import SeaweedS3  # noqa: E402
+from opd_testkit.throttle import CappedProxyProcess  # noqa: E402
+
 from bench._common import REPO_ROOT, _version, machine_description, median, run_forked  # noqa: E402
 from bench._method_child import measure_one  # noqa: E402
 from bench.transfer_methods import BY_NAME, METHODS, PART_BYTES, PARTS_IN_FLIGHT, RAW_PARALLEL  # noqa: E402
-from opd_store.testing.seaweed import SeaweedS3  # noqa: E402
-from opd_store.testing.throttle import CappedProxyProcess  # noqa: E402
 
 SAVE_TARGET, DCP_TARGET = 1.15, 2.0
 DEADLINES_SECS = (30, 120)
@@ -58,9 +59,9 @@ def preload() -> None:
     from torch.distributed.checkpoint import _fsspec_filesystem  # noqa: F401
 
     import opd_store  # noqa: F401
-    import opd_store.storage.s3_reads  # noqa: F401
-    import opd_store.storage.s3_transfers  # noqa: F401
-    import opd_store.torch_io  # noqa: F401
+    import opd_store.format._torch_io  # noqa: F401
+    import opd_store.storage.s3._multipart  # noqa: F401
+    import opd_store.storage.s3._reads  # noqa: F401
 
 
 def run_model(args, model: str, runs_log) -> list[dict]:

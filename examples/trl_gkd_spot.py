@@ -5,7 +5,7 @@
     python examples/trl_gkd_spot.py --store ./gkd-store    # any fsspec URL or a local directory
 
 A tiny real ``GKDTrainer`` run (Llama student with a LoRA adapter, frozen teacher, local tokenizer
-with a chat template, CPU, no download; ``opd_store.job.trl_demo``) checkpoints every 2 steps
+with a chat template, CPU, no download; ``opd_store.job._trl_demo``) checkpoints every 2 steps
 through ``StoreCallback``. It is run once uninterrupted (the reference), then as a spot run:
 SIGKILLed during training after its first commit, started again and SIGKILLed while saving a
 checkpoint (payload objects written, manifest not yet created), and started a last time to the end.
@@ -29,9 +29,9 @@ from pathlib import Path
 
 def _child(store: str, options: dict, out: str, result: str | None) -> None:
     import torch
+    from opd_testkit.events import emit
 
-    from opd_store.job.trl_demo import run_start
-    from opd_store.testing.events import emit
+    from opd_store.job._trl_demo import run_start
 
     state = run_start(store, out, storage_options=options, events=emit)
     if result:
@@ -41,9 +41,10 @@ def _child(store: str, options: dict, out: str, result: str | None) -> None:
 
 def _start(store, options, base: Path, label: str, *, kill_at_step=None, kill_in_save=False):
     """One start in a fresh "machine"; SIGKILL it at a step or during a save. Returns (killed, resumed, result)."""
+    from opd_testkit.events import PREFIX
+
     from opd_store import CheckpointStore
-    from opd_store.testing.events import PREFIX
-    from opd_store.testing.machines import fresh_machine
+    from opd_store.job._machines import fresh_machine
 
     env, work = fresh_machine(base, {"TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONWARNINGS": "ignore"})
     result = work.parent / "result.pt"
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         options[key] = value
     server = None
     if args.s3_emulator:
-        from opd_store.testing.s3 import MotoS3  # the tests' moto server, as `opd-store demo --s3-emulator`
+        from opd_testkit.s3 import MotoS3  # the tests' moto server, as `opd-store demo --s3-emulator`
 
         server = MotoS3()
         os.environ.update(server.environment())
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from opd_store import CheckpointStore
-        from opd_store.job.trl_demo import compare_states, run_start
+        from opd_store.job._trl_demo import compare_states, run_start
 
         base = Path(tempfile.mkdtemp(prefix="trl-gkd-spot-"))
         print(f"store: {args.store}   machines under {base}")

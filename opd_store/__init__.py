@@ -1,9 +1,13 @@
 """opd_store: crash-safe PyTorch checkpoints on any fsspec URL (write-then-commit-manifest).
 
-A checkpoint exists exactly when its manifest object does; see docs/protocol.md.
+A checkpoint exists exactly when its manifest object does; see docs/protocol.md. This module is the
+public API; each layer's package (:mod:`opd_store.store`, :mod:`opd_store.retention`,
+:mod:`opd_store.dcp`, :mod:`opd_store.opd`, ...) exports its own, and ARCHITECTURE.md maps them.
 """
 
+from ._lazy import lazy_exports
 from ._version import __version__
+from .commit import PayloadWriter, Transaction
 from .errors import (
     AmbiguousCommitError,
     CheckpointNotFoundError,
@@ -13,64 +17,30 @@ from .errors import (
     IntegrityError,
     ManifestError,
     OpdStoreError,
+    PayloadUploadError,
     ResumeMismatchError,
     RetentionError,
-    PayloadUploadError,
     StoreNotFoundError,
     StoreUnreachableError,
     UnsafeCheckpointError,
     UnsupportedBackendError,
     UploadError,
 )
-from .manifest import Manifest, PayloadEntry
-from .payload_writer import PayloadWriter
-from .status import CheckpointInfo, Problem, VerifyReport
-from .store import CheckpointStore
-from .store_api import BaseStore
+from .format import Manifest, PayloadEntry
+from .retention import RetentionPolicy
+from .runtime import PreemptionWatcher
+from .store import BaseStore, CheckpointInfo, CheckpointStore, Problem, VerifyReport
 from .tiered import TieredStore
-from .transaction import Transaction
 
-# The OPD layer needs torch (and pydantic/yaml for its config); import it on first use so that
-# ``import opd_store`` and store-only tools stay light.
-_LAZY = {
-    "save_opd_checkpoint": "opd_store.opd.save",
-    "load_opd_checkpoint": "opd_store.opd.load",
-    "load_adapter": "opd_store.opd.adapter",
-    "latest_complete_checkpoint": "opd_store.opd.load",
-    "OPDConfig": "opd_store.opd.config",
-    "migrate_legacy": "opd_store.opd.legacy",
-    "AsyncCheckpointer": "opd_store.opd.async_save",
-    "SaveHandle": "opd_store.opd.async_save",
-    "PreemptionWatcher": "opd_store.preemption",
-    "save_sharded_opd_checkpoint": "opd_store.opd.sharded",
-    "load_sharded_opd_checkpoint": "opd_store.opd.sharded_load",
-    "GlobalSamplePosition": "opd_store.opd.data",
-}
+# The OPD layer needs torch: each name is imported on first use, so ``import opd_store`` and the
+# store-only commands stay light.
+_OPD_EXPORTS = ("AsyncCheckpointer", "GlobalSamplePosition", "OPDConfig", "SaveHandle", "latest_complete_checkpoint",
+                "load_adapter", "load_opd_checkpoint", "load_sharded_opd_checkpoint", "migrate_legacy",
+                "save_opd_checkpoint", "save_sharded_opd_checkpoint")
+__getattr__ = lazy_exports(__name__, {name: "opd_store.opd" for name in _OPD_EXPORTS})
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'opd_store' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-__all__ = [
-    "AsyncCheckpointer",
-    "PreemptionWatcher",
-    "SaveHandle",
-    "OPDConfig",
-    "latest_complete_checkpoint",
-    "load_adapter",
-    "load_opd_checkpoint",
-    "migrate_legacy",
-    "save_opd_checkpoint",
-    "save_sharded_opd_checkpoint",
-    "load_sharded_opd_checkpoint",
-    "GlobalSamplePosition",
+__all__ = sorted([
+    *_OPD_EXPORTS,
     "AmbiguousCommitError",
     "BaseStore",
     "CheckpointInfo",
@@ -84,11 +54,13 @@ __all__ = [
     "ManifestError",
     "OpdStoreError",
     "PayloadEntry",
+    "PayloadUploadError",
     "PayloadWriter",
+    "PreemptionWatcher",
     "Problem",
     "ResumeMismatchError",
     "RetentionError",
-    "PayloadUploadError",
+    "RetentionPolicy",
     "StoreNotFoundError",
     "StoreUnreachableError",
     "TieredStore",
@@ -98,4 +70,4 @@ __all__ = [
     "UploadError",
     "VerifyReport",
     "__version__",
-]
+])

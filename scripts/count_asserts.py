@@ -1,6 +1,6 @@
 """Count the suite's test functions and ``assert`` statements (a check that no assertion was lost).
 
-    .venv/bin/python scripts/count_asserts.py [ROOT ...]     # default: tests opd_store/testing
+    .venv/bin/python scripts/count_asserts.py [ROOT ...]     # default: tests testkit/opd_testkit
 
 Prints one line per root and a total: files, test functions (``def test_*`` at module or class
 level), ``assert`` statements (every ``ast.Assert`` node, in tests and in the helpers they call) and
@@ -31,7 +31,7 @@ def count(path: Path) -> tuple[int, int, int]:
 
 
 def main(argv: list[str]) -> int:
-    roots = [Path(arg) for arg in argv] or [Path("tests"), Path("opd_store/testing")]
+    roots = [Path(arg) for arg in argv] or [Path("tests"), Path("testkit/opd_testkit")]
     totals = [0, 0, 0, 0]
     for root in roots:
         files = sorted(root.rglob("*.py")) if root.is_dir() else [root] if root.exists() else []

@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.opd-store-installed
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt testkit/pyproject.toml ] \
+    && [ "$stamp" -nt scripts/setup.sh ]; then
     exit 0
 fi
 if [ ! -x .venv/bin/python ]; then
@@ -14,5 +15,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[job,test]"
+# opd_store with the job, the demo's S3 emulator and the test tools; opd_testkit (testkit/: the
+# servers, proxies and fork server of the tests and benchmarks, never in opd_store's wheel).
+.venv/bin/python -m pip install --quiet -e ".[job,emulator,test]" -e ./testkit
 touch "$stamp"

@@ -6,7 +6,7 @@ has its own servers (ports chosen by the OS), its own temporary directories (``t
 a per-worker base) and its own fork server. ``backend`` is parametrised over local, memory, s3
 (moto) and gcs; a test that names ``seaweed`` in its parameters also runs on S3 served by
 SeaweedFS. Each test gets a clean location (moto reset and a fresh bucket, a new SeaweedFS or GCS
-bucket, a cleared ``memory://``, a new temp directory). The helpers live in :mod:`opd_store.testing`.
+bucket, a cleared ``memory://``, a new temp directory). The helpers live in :mod:`opd_testkit`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import types
 from pathlib import Path
 
 import pytest
-
-from opd_store.testing.stores import Backend, clear_memory_fs, use_emulator_environment, with_session
-from opd_store.testing.stores import aio_session as shared_aio_session
+from opd_testkit.stores import Backend, clear_memory_fs, use_emulator_environment, with_session
+from opd_testkit.stores import aio_session as shared_aio_session
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers: faults, proc_writer, store_fixtures
 
@@ -102,12 +101,12 @@ def pytest_configure(config) -> None:
 
 def _share_fork_server(config) -> None:
     """One fork server for every worker of the run, started here on the controller before the
-    workers are (they inherit :data:`~opd_store.testing.forkserver.SHARED_SOCKET_ENV`), and stopped
+    workers are (they inherit :data:`~opd_testkit.forkserver.SHARED_SOCKET_ENV`), and stopped
     when the run ends (with every child still running). Its preload (torch, transformers, peft, the
     trainers: about 8 CPU-s) is then paid once, not once per worker; the controller waits only for
     its socket, and a worker's first request waits for the preload. Without workers (``-n 0``, a
     worker itself, ``--collect-only``) each process starts its own on first use."""
-    from opd_store.testing.forkserver import SHARED_SOCKET_ENV, ForkServer, accepts_connections
+    from opd_testkit.forkserver import SHARED_SOCKET_ENV, ForkServer, accepts_connections
 
     if (hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None)
             or config.option.collectonly or accepts_connections(os.environ.get(SHARED_SOCKET_ENV) or "")):
@@ -134,7 +133,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def moto_s3():
-    from opd_store.testing.s3 import MotoS3
+    from opd_testkit.s3 import MotoS3
 
     server = MotoS3()
     # Before any S3 test runs, prove s3fs works against this server over HTTP (list, write, read,
@@ -147,7 +146,7 @@ def moto_s3():
 @pytest.fixture(scope="session")
 def seaweed_s3():
     """This worker's SeaweedFS (``weed mini``, a production S3 server in Go) on loopback."""
-    from opd_store.testing.seaweed import SeaweedS3
+    from opd_testkit.seaweed import SeaweedS3
 
     server = SeaweedS3()
     yield server
@@ -156,7 +155,7 @@ def seaweed_s3():
 
 @pytest.fixture(scope="session")
 def fake_gcs():
-    from opd_store.testing.gcs import FakeGCS
+    from opd_testkit.gcs import FakeGCS
 
     server = FakeGCS()
     yield server
@@ -165,9 +164,9 @@ def fake_gcs():
 
 @pytest.fixture(scope="session")
 def fork_server():
-    """The preloaded fork server of this worker (:mod:`opd_store.testing.forkserver`; under
+    """The preloaded fork server of this worker (:mod:`opd_testkit.forkserver`; under
     pytest-xdist the one the run's workers share)."""
-    from opd_store.testing.forkserver import default_server
+    from opd_testkit.forkserver import default_server
 
     return default_server()
 
@@ -225,7 +224,7 @@ def local_backend(request, tmp_path) -> Backend:
 
 @pytest.fixture(scope="session")
 def aio_session():
-    """The process's aiobotocore session (:func:`opd_store.testing.stores.aio_session`)."""
+    """The process's aiobotocore session (:func:`opd_testkit.stores.aio_session`)."""
     return shared_aio_session()
 
 
@@ -237,9 +236,9 @@ def opd_s3_backend(s3_backend, aio_session) -> Backend:
 
 @pytest.fixture
 def opd():
-    """Helpers for OPD tests: the small real objects of :mod:`opd_store.testing.opd` and
+    """Helpers for OPD tests: the small real objects of :mod:`opd_testkit.opd` and
     ``backend_named(request, name)``."""
-    from opd_store.testing import opd as objects
+    from opd_testkit import opd as objects
 
     return types.SimpleNamespace(
         backend_named=backend_named,
@@ -259,17 +258,17 @@ def opd():
 
 @pytest.fixture(scope="session")
 def peft_factory():
-    """A tiny real PEFT LoRA student and tokenizer (:class:`opd_store.testing.opd.PeftFactory`)."""
-    from opd_store.testing.opd import PeftFactory
+    """A tiny real PEFT LoRA student and tokenizer (:class:`opd_testkit.opd.PeftFactory`)."""
+    from opd_testkit.opd import PeftFactory
 
     return PeftFactory()
 
 
 @pytest.fixture
 def s3_fault_proxy(moto_s3, aio_session):
-    """A clean S3 bucket behind :class:`~opd_store.testing.proxies.S3FaultProxy`; yields
+    """A clean S3 bucket behind :class:`~opd_testkit.proxies.S3FaultProxy`; yields
     (Backend through the proxy, proxy)."""
-    from opd_store.testing.proxies import S3FaultProxy, through_proxy
+    from opd_testkit.proxies import S3FaultProxy, through_proxy
 
     proxy = S3FaultProxy(moto_s3.endpoint_url)
     try:

@@ -3,7 +3,7 @@
 Two ways to run it, same commands and messages:
 
 * ``python tests/proc_writer.py BACKEND_JSON COMMAND [ARGS...]`` (stdin/stdout lines; handy by
-  hand), where BACKEND_JSON is ``Backend.to_json()`` (:mod:`opd_store.testing.stores`);
+  hand), where BACKEND_JSON is ``Backend.to_json()`` (:mod:`opd_testkit.stores`);
 * :func:`start` (used by the tests): a ``multiprocessing`` child forked from a ``forkserver``
   that has already imported opd_store, s3fs and gcsfs, talking over a ``Pipe``. Each child is a
   separate process with its own store instance, clients and caches; only the import cost is
@@ -40,12 +40,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from opd_store.testing.stores import Backend, use_emulator_environment  # noqa: E402
+from opd_testkit.stores import Backend, use_emulator_environment  # noqa: E402
 
 use_emulator_environment()  # before fsspec's S3/GCS backends are imported
 
 PAYLOAD_NAMES = ("model.pt", "optimizer.pt", "nested/dir/extra.bin")
-PRELOAD = ["proc_writer", "opd_store.testing.stores", "opd_store", "fsspec", "s3fs", "gcsfs"]
+PRELOAD = ["proc_writer", "opd_testkit.stores", "opd_store", "fsspec", "s3fs", "gcsfs"]
 
 
 def make_bytes(tag: str, size: int) -> bytes:

@@ -7,8 +7,7 @@ locations of the OPD and spot tests.
 from __future__ import annotations
 
 import pytest
-
-from opd_store.testing.stores import Backend, with_session
+from opd_testkit.stores import Backend, with_session
 
 
 @pytest.fixture(params=("local", "s3"))

@@ -1,4 +1,4 @@
-"""The tests' fork server (:mod:`opd_store.testing.forkserver`) shared through its socket, as the
+"""The tests' fork server (:mod:`opd_testkit.forkserver`) shared through its socket, as the
 controller of a pytest-xdist run shares one with its workers (``tests/conftest.py``): a client
 attached to another's server forks its children there, detaching leaves the server running, and a
 server returned before its preload is imported forks only once the preload is done."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from opd_store.testing.forkserver import ForkServer
+from opd_testkit.forkserver import ForkServer
 
 PROBE = "import os, sys; print(os.getppid(), 'colorsys' in sys.modules)"
 
@@ -35,11 +35,10 @@ def test_a_shared_server_that_failed_its_preload_or_is_gone_is_named_with_its_lo
     """A server returned before its preload whose preload then fails (a module that raises) forks
     nothing: the request says so with the end of the server's log (the import error), not a bare
     connection error. The socket it leaves, which nobody listens on (what a stale
-    ``OPD_FORKSERVER_SOCKET`` names), takes no connection: :func:`~opd_store.testing.forkserver.
+    ``OPD_FORKSERVER_SOCKET`` names), takes no connection: :func:`~opd_testkit.forkserver.
     default_server` checks that before it attaches, and starts a server of its own instead."""
     import pytest
-
-    from opd_store.testing.forkserver import accepts_connections
+    from opd_testkit.forkserver import accepts_connections
 
     broken = ForkServer(preload=("colorsys", "opd_store_no_such_module"), env={"PATH": "/usr/bin:/bin"},
                         wait_ready=False)

@@ -3,13 +3,13 @@
 import json
 from pathlib import Path
 
-from opd_store.manifest import manifest_json_schema
+from opd_store.format import manifest_json_schema
 
 
 def test_committed_schema_matches_models():
     committed = json.loads((Path(__file__).parent.parent / "docs" / "manifest-schema.json").read_text())
     assert committed == manifest_json_schema(), (
-        "regenerate with: python -c \"import json; from opd_store.manifest import manifest_json_schema; "
+        "regenerate with: python -c \"import json; from opd_store.format._manifest import manifest_json_schema; "
         "open('docs/manifest-schema.json','w').write(json.dumps(manifest_json_schema(), indent=2, sort_keys=True)+'\\n')\""
     )
 
@@ -26,7 +26,7 @@ SCHEMA_SHA256_BY_FORMAT_VERSION = {
 def test_a_model_change_needs_a_format_version_bump():
     import hashlib
 
-    from opd_store.manifest import MANIFEST_FORMAT_VERSION
+    from opd_store.format._manifest import MANIFEST_FORMAT_VERSION
 
     canonical = json.dumps(manifest_json_schema(), sort_keys=True, separators=(",", ":")).encode("utf-8")
     digest = hashlib.sha256(canonical).hexdigest()

@@ -1,7 +1,7 @@
 """The ``opd-store`` command line (also ``python -m opd_store``).
 
 Human output goes to stdout, diagnostics to stderr; exit codes are listed in
-:mod:`opd_store.cli.common`. A failure is one line on stderr, ``opd-store COMMAND: error: <URL>:
+:mod:`opd_store.cli._common`. A failure is one line on stderr, ``opd-store COMMAND: error: <URL>:
 cannot <operation>: <cause>``. Client libraries (botocore, s3fs, gcsfs, google-auth, ...) log
 their retries and print warnings of their own; those, and tracebacks, appear only with
 ``-v``/``--verbose``. The Python API leaves logging to the application: only this entry point
@@ -15,13 +15,30 @@ import os
 import sys
 import traceback
 
-from .common import EXIT_UNEXPECTED, EXIT_USAGE, CliError, configure_logging, exit_code_for
+from ._common import EXIT_UNEXPECTED, EXIT_USAGE, CliError, configure_logging, exit_code_for
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import demo_cmd, import_dcp_cmd, inspect_cmd, migrate_cmd, store_cmds, train_cmd
+    from . import (
+        _demo_cmd as demo_cmd,
+    )
+    from . import (
+        _import_dcp_cmd as import_dcp_cmd,
+    )
+    from . import (
+        _inspect_cmd as inspect_cmd,
+    )
+    from . import (
+        _migrate_cmd as migrate_cmd,
+    )
+    from . import (
+        _store_cmds as store_cmds,
+    )
+    from . import (
+        _train_cmd as train_cmd,
+    )
 
     parser = argparse.ArgumentParser(
         prog="opd-store",
@@ -73,7 +90,7 @@ def _report(args: argparse.Namespace, exc: Exception) -> int:
     its exit code: the documented one for opd_store's errors and for backend failures, 1 for
     anything else (a bug)."""
     from ..errors import OpdStoreError
-    from ..storage.backend_errors import describe, is_backend_failure
+    from ..storage import describe, is_backend_failure
 
     if args.verbose:
         traceback.print_exception(exc, file=sys.stderr)

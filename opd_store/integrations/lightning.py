@@ -14,7 +14,7 @@ it). Here every such name is a store of its own, ``<url>/<name>/``, whose steps 
 numbered in save order: a save commits version ``N + 1`` after the highest version ``N`` listed
 (committed or not) as ``<url>/<name>/step-(N+1)/`` (payload ``checkpoint.ckpt``, created with
 ``torch.save`` straight into the object, manifest created only if absent, ``global_step`` and
-``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline.save.run_save`),
+``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline._save.run_save`),
 and only then, as its after-commit hooks, deletes the name's older versions: the complete ones by
 the retention policy :data:`NEWEST_VERSION_ONLY` (the one retention executor; a pinned version
 stays), the uncommitted attempts of killed saves after them. So a name that was ever saved always
@@ -47,17 +47,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from ..errors import CheckpointNotFoundError
-from ..pipeline.save import SaveRequest, run_save
+from ..pipeline import SaveRequest, run_save
 from ..retention import RetentionPolicy
+from ..runtime import route_background_random
 from ..store import COMPLETE, UNCOMMITTED, CheckpointInfo, CheckpointStore
-from ..thread_random import route_background_random
 
 logger = logging.getLogger("opd_store.integrations.lightning")
 
@@ -102,7 +101,7 @@ class StoreCheckpointIO(CheckpointIO):
         self.root.check_reachable()
         self.url = self.root.url
         self.storage_options = dict(storage_options or {})
-        self._bare_root = fsspec.core.split_protocol(self.url)[1].rstrip("/")
+        self._bare_root = self.url.split("://", 1)[-1].rstrip("/")  # as Lightning normalises a URL
         self._local_cache_dir = local_cache_dir
         self._fetched: dict[Path, Path] = {}
         self._saving: dict[str, threading.Lock] = {}
@@ -134,19 +133,14 @@ class StoreCheckpointIO(CheckpointIO):
         """The URL Lightning uses for checkpoint ``name``."""
         return f"{self.url.rstrip('/')}/{name}"
 
-    def filesystem(self) -> fsspec.AbstractFileSystem:
-        """The fsspec filesystem of the root, with the plugin's storage options."""
-        return fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+    def filesystem(self) -> Any:
+        """The fsspec filesystem of the root: the store's own client, with the plugin's storage options."""
+        return self.root.storage.fs
 
     def names(self) -> list[str]:
         """Checkpoint names under the root that hold a complete checkpoint (a fresh listing)."""
-        fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-        fs.invalidate_cache()
-        try:
-            children = fs.ls(root, detail=True)
-        except FileNotFoundError:
-            return []
-        names = sorted(entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in children if entry["type"] == "directory")
+        prefixes, _objects = self.root.storage.list_children("")
+        names = sorted(prefix.rstrip("/") for prefix in prefixes)
         return [name for name in names if self.exists(self.path_of(name))]
 
     def exists(self, path: str | os.PathLike) -> bool:

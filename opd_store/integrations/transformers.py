@@ -7,30 +7,30 @@ Two additions to a training script (docs/integrations.md)::
     trainer.train(resume_from_checkpoint=store_checkpoint("s3://bucket/run", trainer=trainer))
 
 :class:`StoreCallback` commits every ``checkpoint-N`` directory the Trainer writes as step ``N``
-of the store, through the save pipeline's stages (:mod:`opd_store.pipeline.save`):
+of the store, through the save pipeline's stages (:mod:`opd_store.pipeline._save`):
 
 1. **Snapshot** (``on_save``, every rank): this rank's share of the directory is checked complete
-   (:func:`~opd_store.integrations.hf_layout.missing_files`: a missing or empty file stops the save,
+   (:func:`~opd_store.integrations._hf_layout.missing_files`: a missing or empty file stops the save,
    named) and described (size, inode, mtime); with ``async_upload`` rank 0's files are hard-linked
-   into a staging directory (:func:`~opd_store.integrations.files.snapshot_files`), so
+   into a staging directory (:func:`~opd_store.integrations._files.snapshot_files`), so
    ``save_total_limit`` deleting the directory meanwhile cannot take bytes from the upload.
 2. **Write parts under an attempt**: rank 0 uploads the shared files (model or adapter, optimizer,
    scheduler, scaler, ``trainer_state.json``, tokenizer, ``training_args.bin``) and its own
    ``rng_state*.pth``, every other rank its own files as its part of rank 0's attempt
-   (:func:`~opd_store.pipeline.collective.write_and_commit_collective`).
+   (:func:`~opd_store.pipeline._collective.write_and_commit_collective`).
 3. **Commit**: one manifest, created only if absent, naming every file with its size and CRC32C.
-4. **After-commit hooks** (:func:`~opd_store.pipeline.save.after_commit`): retention, then
+4. **After-commit hooks** (:func:`~opd_store.pipeline._save.after_commit`): retention, then
    :attr:`StoreCallback.committed_steps`.
 
 With ``async_upload``, stages 2-4 (with several ranks: rank 0's write, the commit and the hooks,
 after the other ranks sealed their parts) run as one task on a
-:class:`~opd_store.pipeline.worker.BackgroundWorker`: at most one in flight, a failure raised at
+:class:`~opd_store.pipeline._worker.BackgroundWorker`: at most one in flight, a failure raised at
 the next save, :meth:`StoreCallback.wait` or the end of training as
 :class:`~opd_store.errors.BackgroundSaveError`. Stages on the training thread run inside
-:func:`~opd_store.opd.rng.preserve_global_rng` and the worker routes its ``random`` draws away from
+:func:`~opd_store.opd._rng.preserve_global_rng` and the worker routes its ``random`` draws away from
 it, so S3/GCS retry back-offs never move the run's random streams.
 
-:func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations.hf_resume`,
+:func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations._hf_resume`,
 re-exported here) fetch the newest *complete* step, verified, for ``Trainer.train`` to resume.
 """
 
@@ -47,18 +47,23 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..errors import BackgroundSaveError, CommitConflictError, IncompleteCheckpointError
-from ..opd.distributed import current_group, decide_on_rank0
-from ..opd.rng import preserve_global_rng
-from ..pipeline.collective import FinishCommit, write_and_commit_collective
-from ..pipeline.save import SaveRequest, after_commit, run_save
-from ..pipeline.worker import EXIT_STAGE_SAVES, BackgroundTask, BackgroundWorker
-from ..resume_guard import refuse_damaged_step_ahead
+from ..opd import current_group, decide_on_rank0, preserve_global_rng
+from ..pipeline import (
+    EXIT_STAGE_SAVES,
+    BackgroundTask,
+    BackgroundWorker,
+    FinishCommit,
+    SaveRequest,
+    after_commit,
+    run_save,
+    write_and_commit_collective,
+)
 from ..retention import RetentionPolicy, RunLineage
-from ..store import COMPLETE, CheckpointStore
-from .files import FileSnapshot, directory_files, snapshot_files, upload_files
-from .hf_layout import JIT_SENTINEL_NAME, checkpoint_dirname, files_of_rank, missing_files
-from .hf_resume import resume_from_store, store_checkpoint
-from .run_config import RunConfig, check_resume, trainer_run_config
+from ..store import COMPLETE, CheckpointStore, refuse_damaged_step_ahead
+from ._files import FileSnapshot, directory_files, snapshot_files, upload_files
+from ._hf_layout import JIT_SENTINEL_NAME, checkpoint_dirname, files_of_rank, missing_files
+from ._hf_resume import resume_from_store, store_checkpoint
+from ._run_config import RunConfig, check_resume, trainer_run_config
 
 logger = logging.getLogger("opd_store.integrations.transformers")
 
@@ -75,7 +80,7 @@ class StoreCallback(TrainerCallback):
             fsspec URL).
         storage_options (dict | None): fsspec options for every request (endpoint, credentials).
         retention (RetentionPolicy | None): applied in the store after each commit by the rules of
-            :mod:`opd_store.retention` (pins and the resume parent are kept), independent of the
+            :mod:`opd_store.retention._policy` (pins and the resume parent are kept), independent of the
             Trainer's ``save_total_limit`` on local disk. ``None`` keeps every checkpoint.
         async_upload (bool): upload and commit on the background worker (module docs).
         preemption (PreemptionWatcher | None): started at ``on_train_begin`` and stopped at
@@ -85,7 +90,7 @@ class StoreCallback(TrainerCallback):
             which differences between this run and the checkpoint it resumes are accepted
             (docs/resume.md, "Resume modes").
         exit_timeout_secs (float): with ``async_upload``, seconds an upload in flight at
-            interpreter exit gets to commit before it is abandoned (:mod:`opd_store.pipeline.worker`).
+            interpreter exit gets to commit before it is abandoned (:mod:`opd_store.pipeline._worker`).
 
     Raises:
         StoreUnreachableError: the store cannot be used (no bucket, credentials or connection);
@@ -133,7 +138,7 @@ class StoreCallback(TrainerCallback):
                 starts from (0, or the resumed step): its saves would collide with them, or
                 interleave two runs' steps. Nothing has been trained yet.
             IntegrityError: a committed step newer than that is damaged (names it, the file and
-                ``opd-store delete``; :mod:`opd_store.resume_guard`). Nothing has been trained yet.
+                ``opd-store delete``; :mod:`opd_store.store._resume_guard`). Nothing has been trained yet.
             ResumeMismatchError: the resumed step belongs to another run (names every field).
 
         Rank obligations: every rank runs it (the Trainer calls callbacks on every rank); rank 0

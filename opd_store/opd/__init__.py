@@ -1,19 +1,59 @@
-"""On-policy-distillation checkpoints on the store (the seed's contract, rebuilt on manifests).
+"""On-policy-distillation checkpoints on the store: the seed's save and resume contract, rebuilt
+on manifests (docs/resume.md).
 
-- :mod:`opd_store.opd.checkpoint`: ``save_opd_checkpoint``, ``load_opd_checkpoint``,
-  ``load_adapter``, ``latest_complete_checkpoint`` in one import; they live in
-  :mod:`~opd_store.opd.names` (payload layout, references), :mod:`~opd_store.opd.snapshot`,
-  :mod:`~opd_store.opd.save`, :mod:`~opd_store.opd.load` and :mod:`~opd_store.opd.adapter`.
-- :mod:`opd_store.opd.async_save`: ``AsyncCheckpointer``, the same save on the background worker
-  (:mod:`~opd_store.opd.staging`: its reusable host buffers).
-- :mod:`opd_store.opd.distributed`: the process group, collective loads, rank-0 decisions.
-- :mod:`opd_store.opd.config`: the pydantic ``OPDConfig`` with execution-only markings.
-- :mod:`opd_store.opd.resume`: resume modes and ``validate_execution_change``.
-- :mod:`opd_store.opd.rng`: per-rank RNG capture/restore, ``preserve_global_rng``.
-- :mod:`opd_store.opd.safe_load`: weights-only loading with a narrow allow-list; save-time sanitiser.
-- :mod:`opd_store.opd.legacy`: migration of seed-layout checkpoints into any store.
-- :mod:`opd_store.opd.data`: ``LoaderPosition``, a shuffled DataLoader's position for mid-epoch
-  resume; ``GlobalSamplePosition``, a global sample index re-split over any number of ranks.
-- :mod:`opd_store.opd.sharded`, :mod:`opd_store.opd.sharded_load`: checkpoints of a sharded
-  (FSDP2) student through DCP; :mod:`opd_store.opd.elastic`: the elastic-resume policy.
+For users: saving (:func:`save_opd_checkpoint`, :class:`AsyncCheckpointer`,
+:func:`save_sharded_opd_checkpoint`), loading (:func:`load_opd_checkpoint`, :func:`load_adapter`,
+:func:`load_sharded_opd_checkpoint`, :func:`latest_complete_checkpoint`), the config whose fields
+decide a resume (:class:`OPDConfig`, :data:`RESUME_MODES`), data-loader positions for a mid-epoch
+resume (:class:`LoaderPosition`, :class:`GlobalSamplePosition`), the import of legacy checkpoints
+(:func:`migrate_legacy`) and :func:`preserve_global_rng`. For the layers above (the job, the
+integrations): the process-group helpers of :mod:`._distributed` and :func:`validate_resume`.
+Every module imports torch, so each name is imported on first use.
 """
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._adapter import load_adapter
+    from ._async_save import AsyncCheckpointer, SaveHandle
+    from ._config import OPDConfig
+    from ._data import GlobalSamplePosition, LoaderPosition
+    from ._distributed import agree_on_notice, agreement_group, current_group, decide_on_rank0, load_collective
+    from ._legacy import MigrationResult, migrate_legacy
+    from ._load import latest_complete_checkpoint, load_opd_checkpoint
+    from ._names import SCHEMA_SHARDED
+    from ._resume import RESUME_MODES, validate_resume
+    from ._rng import preserve_global_rng
+    from ._save import save_opd_checkpoint
+    from ._sharded import save_sharded_opd_checkpoint
+    from ._sharded_load import load_sharded_opd_checkpoint
+
+_EXPORTS = {
+    "load_adapter": "._adapter",
+    "AsyncCheckpointer": "._async_save",
+    "SaveHandle": "._async_save",
+    "OPDConfig": "._config",
+    "GlobalSamplePosition": "._data",
+    "LoaderPosition": "._data",
+    "agree_on_notice": "._distributed",
+    "agreement_group": "._distributed",
+    "current_group": "._distributed",
+    "decide_on_rank0": "._distributed",
+    "load_collective": "._distributed",
+    "MigrationResult": "._legacy",
+    "migrate_legacy": "._legacy",
+    "latest_complete_checkpoint": "._load",
+    "load_opd_checkpoint": "._load",
+    "SCHEMA_SHARDED": "._names",
+    "RESUME_MODES": "._resume",
+    "validate_resume": "._resume",
+    "preserve_global_rng": "._rng",
+    "save_opd_checkpoint": "._save",
+    "save_sharded_opd_checkpoint": "._sharded",
+    "load_sharded_opd_checkpoint": "._sharded_load",
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

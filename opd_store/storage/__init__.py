@@ -1,21 +1,22 @@
-"""The storage seam: backends behind a few abstract verbs (fsspec is confined to this package).
+"""The storage seam: backends behind a few abstract verbs (fsspec and the backends' clients are
+confined to this package).
 
-:class:`Storage` declares the verbs (:mod:`opd_store.storage.base`), :class:`FsspecStorage`
-implements them over an fsspec filesystem, :mod:`opd_store.storage.backends` (local, memory,
-others) and :mod:`opd_store.storage.buckets` (S3, GCS) add each backend's create-only write, probe
-and clock, :mod:`opd_store.storage.open_url` picks the backend for a URL,
-:mod:`opd_store.storage.client_options` gives every client opd_store's timeouts,
-:mod:`opd_store.storage.reachability` (with :mod:`opd_store.storage.remote_probes`) proves a store
-usable in bounded time, and :mod:`opd_store.storage.backend_errors` is the one table that says
-what a backend failure means.
+:class:`Storage` declares the verbs (:mod:`._base`), :class:`FsspecStorage` implements them over an
+fsspec filesystem (:mod:`._fsspec`); :mod:`._backends` (local, memory, others), :mod:`.s3` and
+:mod:`.gcs` (over their shared :mod:`._bucket`) add each backend's create-only write, probe and
+clock; :mod:`.transfers` moves payloads over several connections; :func:`open_storage` picks the
+backend for a URL (:mod:`._open_url`) with opd_store's timeouts (:mod:`._client_options`);
+:mod:`._reachability` proves a store usable in bounded time; :mod:`._backend_errors` is the one
+table that says what a backend failure means (:func:`classify`).
 """
 
-from .backend_errors import Meaning, classify
-from .backends import CheckThenPutStorage, LocalStorage, MemoryStorage
-from .base import Storage, join
-from .buckets import GCSStorage, S3Storage
-from .fsspec_storage import FsspecStorage, NoMultipartUploads
-from .open_url import open_storage
+from ._backend_errors import Meaning, backend_operation, classify, describe, is_backend_failure, is_missing
+from ._backends import CheckThenPutStorage, LocalStorage, MemoryStorage
+from ._base import Storage, join
+from ._fsspec import FsspecStorage, NoMultipartUploads
+from ._open_url import open_storage
+from .gcs import GCSStorage
+from .s3 import S3Storage
 
 __all__ = [
     "CheckThenPutStorage",
@@ -23,6 +24,10 @@ __all__ = [
     "GCSStorage",
     "LocalStorage",
     "Meaning",
+    "backend_operation",
+    "describe",
+    "is_backend_failure",
+    "is_missing",
     "MemoryStorage",
     "NoMultipartUploads",
     "S3Storage",

@@ -1,6 +1,6 @@
-"""Test and benchmark support for opd_store: real servers on loopback, proxies, fresh machines.
+"""Testing support for users of opd_store: a fault-injecting, recording wrapper around any
+:class:`~opd_store.storage.Storage` (:class:`FaultyStorage`)."""
 
-Installed with the product so that ``tests/``, ``bench/`` and ``opd-store demo`` share one copy.
-Nothing here is imported by ``import opd_store``; each submodule imports its heavy dependencies
-(moto, boto3, torch) only when a function that needs them is called.
-"""
+from ._faults import MUTATING, Fault, FaultyStorage, InjectedFault, Op
+
+__all__ = ["MUTATING", "Fault", "FaultyStorage", "InjectedFault", "Op"]

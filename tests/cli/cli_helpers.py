@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from opd_store.testing.stores import Backend
+from opd_testkit.stores import Backend
 
 
 def cli_store_args(backend: Backend) -> list[str]:

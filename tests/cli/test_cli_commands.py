@@ -7,16 +7,16 @@ import json
 import time
 
 import pytest
-from fsspec.callbacks import Callback
-
 from cli_helpers import cli_store_args
+from fsspec.callbacks import Callback
+from opd_testkit.aged_objects import backdate
+from opd_testkit.stores import open_store, raw_put
+
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.orphans import find_orphans
-from opd_store.layout import new_attempt_id
-from opd_store.transfer import copy_checkpoint
-from opd_store.testing.aged_objects import backdate
-from opd_store.testing.stores import open_store, raw_put
+from opd_store.format import new_attempt_id
+from opd_store.retention._gc import find_orphans
+from opd_store.store import copy_checkpoint
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

@@ -13,10 +13,11 @@ import sys
 import termios
 from pathlib import Path
 
-import opd_store
 from cli_helpers import cli_store_args
+from opd_testkit import forkserver
+
+import opd_store
 from opd_store import CheckpointStore
-from opd_store.testing import forkserver
 
 REPO_ROOT = Path(opd_store.__file__).resolve().parents[1]
 
@@ -53,7 +54,7 @@ def test_cli_in_a_subprocess_on_s3(s3_backend, tmp_path):
     code, out, err = finish(cli("cp", s3_backend.url, 4, tmp_path / "plain", *args))
     assert (code, out, err) == (0, f"{tmp_path / 'plain' / 'step-000004'}\n", "")
 
-    # stderr on a terminal: a tqdm bar (through fsspec's TqdmCallback) reaches it.
+    # stderr on a terminal: a tqdm bar reaches it.
     master, slave = pty.openpty()
     # A terminal has a size (tqdm draws nothing on a 0-column one).
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))

@@ -5,7 +5,7 @@ Each case runs ``python -m opd_store`` as a real process against a real backend 
 accepts and never answers, moto with a missing bucket, unwritable and missing local paths, URL
 schemes opd_store cannot commit to) for ``ls``, ``latest``, ``show``, ``verify``, ``train``,
 ``demo --store``, ``cp`` and ``gc``, all commands of a case at once. The processes are forked from
-the worker's preloaded fork server (:mod:`opd_store.testing.forkserver`), except where the case
+the worker's preloaded fork server (:mod:`opd_testkit.forkserver`), except where the case
 is about what a new interpreter reads when it starts: GCS without credentials (google-auth reads
 the metadata server's address at import, and a new interpreter of every command also shows that
 nothing printed while the modules load reaches stderr) and the read-only bind mount (the command
@@ -33,10 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from opd_testkit import forkserver
 
 import opd_store
 from opd_store import CheckpointStore
-from opd_store.testing import forkserver
 
 REPO_ROOT = Path(opd_store.__file__).resolve().parents[1]
 DEFAULT_BOUND_SECS = 15.0

@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 
 from cli_helpers import cli_store_args
+from opd_testkit import opd as helpers
+
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.opd.checkpoint import load_opd_checkpoint
-from opd_store.testing import opd as helpers
+from opd_store.opd import load_opd_checkpoint
 
 TESTS = Path(__file__).parents[1]
 
@@ -97,7 +98,7 @@ def test_gc_never_deletes_a_foreign_checkpoint_and_migrate_imports_it(s3_backend
 def test_migrate_on_a_terminal_advances_a_progress_bar_per_step(tmp_path, capsys, monkeypatch):
     from fsspec.callbacks import Callback
 
-    import opd_store.cli.migrate_cmd as migrate_cmd
+    import opd_store.cli._migrate_cmd as migrate_cmd
 
     class Recorder(Callback):
         def __init__(self):

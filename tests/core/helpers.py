@@ -7,10 +7,9 @@ import os
 from typing import Any
 
 import crc32c
+from opd_testkit.stores import open_store  # noqa: F401 - the tests import it from here
 
 from opd_store import CheckpointStore
-from opd_store.testing.stores import open_store  # noqa: F401 - the tests import it from here
-
 
 
 def boto3_client(moto):
@@ -32,7 +31,7 @@ def save(store: CheckpointStore, step: int, payloads: dict[str, bytes], *, metad
 
 
 def crc_hex(data: bytes) -> str:
-    """CRC32C via the ``crc32c`` package directly (independent of opd_store.checksum)."""
+    """CRC32C via the ``crc32c`` package directly (independent of opd_store.format._checksum)."""
     return f"{crc32c.crc32c(data):08x}"
 
 

@@ -11,7 +11,7 @@ import weakref
 import pytest
 
 from opd_store.errors import SaveAbandonedError
-from opd_store.pipeline.worker import BackgroundWorker
+from opd_store.pipeline import BackgroundWorker
 
 DEADLINE_SECS = 60
 

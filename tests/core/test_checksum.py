@@ -1,4 +1,4 @@
-"""``opd_store.checksum``: CRC32C (awscrt) over every buffer type a writer is handed, checked against
+"""``opd_store.format._checksum``: CRC32C (awscrt) over every buffer type a writer is handed, checked against
 the published check value and against a second implementation (the ``crc32c`` package)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import crc32c
 import numpy as np
 import torch
 
-from opd_store.checksum import ALGORITHM, Crc32c, crc32c_hex
+from opd_store.format import Crc32c, crc32c_hex
+from opd_store.format._checksum import ALGORITHM
 
 
 def test_the_published_check_value():

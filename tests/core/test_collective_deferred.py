@@ -1,4 +1,4 @@
-"""The deferred commit of :func:`opd_store.pipeline.collective.write_and_commit_collective`: two
+"""The deferred commit of :func:`opd_store.pipeline._collective.write_and_commit_collective`: two
 ranks as two threads of this process (a group of the same collectives over a barrier), rank 0
 handing its own write and the commit to a queue it runs afterwards, as a background worker does."""
 
@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from opd_store import CheckpointStore
-from opd_store.pipeline import SaveRequest
-from opd_store.pipeline.collective import write_and_commit_collective
+from opd_store.pipeline import SaveRequest, write_and_commit_collective
 
 
 class ThreadGroup:

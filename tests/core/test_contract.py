@@ -17,6 +17,7 @@ import socket
 
 import pytest
 import torch
+from proc_writer import make_bytes
 
 from opd_store import (
     CheckpointNotFoundError,
@@ -25,9 +26,8 @@ from opd_store import (
     IntegrityError,
     ManifestError,
 )
-from opd_store.store_refs import split_checkpoint_url
+from opd_store.store import split_checkpoint_url
 
-from proc_writer import make_bytes
 from .helpers import crc_hex, open_store, save
 
 ATTEMPT_RE = re.compile(r"^attempt-\d{8}T\d{6}Z-[0-9a-f]{12}$")
@@ -392,8 +392,7 @@ def test_legacy_seed_layout(backend, raw, caplog):
 
 def test_delete_removes_manifest_first_then_prefix(backend, raw):
     from opd_store import CheckpointStore
-
-    from faults import FaultyStorage
+    from opd_store.testing import FaultyStorage
 
     store = open_store(backend)
     save(store, 1, {"model.pt": b"one"})

@@ -13,6 +13,7 @@ import gc
 import logging
 
 import pytest
+from proc_writer import make_bytes
 
 from opd_store import (
     AmbiguousCommitError,
@@ -21,9 +22,8 @@ from opd_store import (
     CommitError,
     IncompleteCheckpointError,
 )
-from opd_store.manifest import Manifest, PayloadEntry, Writer
-from faults import Fault, FaultyStorage, InjectedFault
-from proc_writer import make_bytes
+from opd_store.format import Manifest, PayloadEntry, Writer
+from opd_store.testing import Fault, FaultyStorage, InjectedFault
 
 from .helpers import crc_hex, open_store, save
 

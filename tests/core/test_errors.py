@@ -25,7 +25,7 @@ from opd_store import (
     UnsupportedBackendError,
 )
 from opd_store.storage import CheckThenPutStorage
-from opd_store.store_refs import split_checkpoint_url
+from opd_store.store import split_checkpoint_url
 
 from .helpers import Raw, save
 

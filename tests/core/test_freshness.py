@@ -5,9 +5,9 @@ sizes per instance; none of that may leak into a decision)."""
 from __future__ import annotations
 
 import pytest
+from proc_writer import make_bytes, payloads_for
 
 from opd_store import CheckpointNotFoundError, IntegrityError
-from proc_writer import make_bytes, payloads_for
 
 from .helpers import Proc, open_store, run_proc, save
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 
 import pytest
-
 from proc_writer import payloads_for
 
 from .helpers import Proc, open_store, save

@@ -11,10 +11,8 @@ import os
 import torch
 
 from opd_store import CheckpointStore
-from opd_store.checksum import crc32c_hex
-from opd_store.layout import step_dirname
-from opd_store.storage import backends
-from opd_store.torch_io import torch_save
+from opd_store.format import crc32c_hex, step_dirname, torch_save
+from opd_store.storage import _backends as backends
 
 
 class _RecordingRaw:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from opd_store import CheckpointStore
-from opd_store.checksum import crc32c_hex
 from opd_store.errors import CommitConflictError, IncompleteCheckpointError
+from opd_store.format import crc32c_hex
 
 
 def _store(backend) -> CheckpointStore:

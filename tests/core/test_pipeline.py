@@ -1,4 +1,4 @@
-"""The one save sequence (:mod:`opd_store.pipeline.save`) on its own: write parts under an attempt,
+"""The one save sequence (:mod:`opd_store.pipeline._save`) on its own: write parts under an attempt,
 commit, then the after-commit hooks in order; what it gives back when a stage fails."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from opd_store import CheckpointStore, CommitConflictError, TieredStore
 from opd_store.errors import RetentionError, SaveAbandonedError
 from opd_store.pipeline import SaveRequest, run_save, write_and_commit
 from opd_store.retention import RetentionPolicy
-
-from faults import Fault, FaultyStorage
+from opd_store.testing import Fault, FaultyStorage
 
 
 def _request(store, step: int, released: list[int], **kwargs) -> SaveRequest:

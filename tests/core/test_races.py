@@ -13,10 +13,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from proc_writer import PAYLOAD_NAMES, payloads_for
 
 from opd_store import CommitConflictError, OpdStoreError
-from opd_store.storage.backend_errors import Meaning, classify
-from proc_writer import PAYLOAD_NAMES, payloads_for
+from opd_store.storage import Meaning, classify
 
 from .helpers import Proc, open_store
 

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from opd_store.manifest import Manifest, PayloadEntry, Writer
+from opd_store.format import Manifest, PayloadEntry, Writer
 
 from .helpers import boto3_client, crc_hex, open_store
 

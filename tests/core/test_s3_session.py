@@ -6,7 +6,7 @@ from __future__ import annotations
 from fsspec.asyn import sync
 
 from opd_store import CheckpointStore
-from opd_store.storage.s3_session import new_session
+from opd_store.storage.s3._session import new_session
 
 
 def _access_key(store: CheckpointStore) -> str:

@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from opd_store.layout import new_attempt_id
-from opd_store.storage import FsspecStorage, LocalStorage, NoMultipartUploads, Storage
-from opd_store.storage.backend_errors import Meaning, classify
+from opd_store.format import new_attempt_id
+from opd_store.storage import FsspecStorage, LocalStorage, Meaning, NoMultipartUploads, Storage, classify
 
 from .helpers import crc_hex, open_store
 

@@ -1,4 +1,4 @@
-"""``opd_store.torch_io``: torch.save without torch's zip CRC-32, scoped to the calling thread."""
+"""``opd_store.format._torch_io``: torch.save without torch's zip CRC-32, scoped to the calling thread."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from opd_store import CheckpointStore, IntegrityError
-from opd_store.layout import step_dirname
-from opd_store.torch_io import no_zip_crc32, torch_save, zip_crc32_switchable
+from opd_store.format import step_dirname, torch_save
+from opd_store.format._torch_io import no_zip_crc32, zip_crc32_switchable
 
 
 def _state() -> dict:
@@ -119,7 +119,7 @@ def _mapped_from(tensor: torch.Tensor, path) -> bool:
 
 
 def test_torch_load_maps_a_verified_local_payload_privately(tmp_path):
-    from opd_store.torch_io import torch_load
+    from opd_store.format import torch_load
 
     store = CheckpointStore(tmp_path / "store")
     state = _save_state(store, 5)
@@ -148,7 +148,7 @@ def test_torch_load_maps_a_verified_local_payload_privately(tmp_path):
 def test_torch_load_mmap_of_a_remote_payload_loads_from_memory():
     import fsspec
 
-    from opd_store.torch_io import torch_load
+    from opd_store.format import torch_load
 
     fsspec.filesystem("memory").store.clear()
     store = CheckpointStore("memory://torch-io/run")
@@ -167,7 +167,7 @@ def _address_range(buffer: bytearray) -> tuple[int, int]:
 
 @pytest.mark.parametrize("name", ["s3", "gcs"])
 def test_a_downloaded_payload_loads_in_place_as_views_of_its_one_buffer(name, request):
-    from opd_store.torch_io import torch_load
+    from opd_store.format import torch_load
 
     backend = request.getfixturevalue(f"{name}_backend")
     store = CheckpointStore(backend.url, storage_options=backend.storage_options)
@@ -195,8 +195,8 @@ def test_a_downloaded_payload_loads_in_place_as_views_of_its_one_buffer(name, re
 
 
 def test_in_place_load_only_from_a_reader_that_lends_its_buffer():
-    from opd_store.storage.parts import MemoryReader
-    from opd_store.torch_io import weights_only_load
+    from opd_store.format import weights_only_load
+    from opd_store.storage.transfers import MemoryReader
 
     state = _state()
     data = io.BytesIO()
@@ -219,8 +219,8 @@ class _NotAllowed:
 
 
 def test_in_place_load_refuses_an_unsafe_payload_in_torch_words():
-    from opd_store.storage.parts import MemoryReader
-    from opd_store.torch_io import weights_only_load
+    from opd_store.format import weights_only_load
+    from opd_store.storage.transfers import MemoryReader
 
     data = io.BytesIO()
     torch.save({"weight": torch.ones(3), "odd": _NotAllowed(1)}, data)
@@ -233,8 +233,8 @@ def test_in_place_load_refuses_an_unsafe_payload_in_torch_words():
 
 
 def test_the_opd_layers_safe_load_loads_a_downloaded_payload_in_place():
-    from opd_store.opd.safe_load import load_payload
-    from opd_store.storage.parts import MemoryReader
+    from opd_store.opd._safe_load import load_payload
+    from opd_store.storage.transfers import MemoryReader
 
     state = {"model": _state(), "rng": torch.get_rng_state(), "step": 9}
     data = io.BytesIO()
@@ -249,9 +249,9 @@ def test_the_opd_layers_safe_load_loads_a_downloaded_payload_in_place():
 
 def test_a_downloaded_payload_in_an_older_format_loads_as_torch_load_reads_it():
     from opd_store.errors import UnsafeCheckpointError
-    from opd_store.opd.safe_load import load_payload
-    from opd_store.storage.parts import MemoryReader
-    from opd_store.torch_io import weights_only_load
+    from opd_store.format import weights_only_load
+    from opd_store.opd._safe_load import load_payload
+    from opd_store.storage.transfers import MemoryReader
 
     legacy = io.BytesIO()
     torch.save({"w": torch.arange(4.0)}, legacy, _use_new_zipfile_serialization=False)  # no zip archive

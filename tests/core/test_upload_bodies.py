@@ -1,5 +1,5 @@
 """How an upload's body (S3 and GCS) reaches the connection: views of the part buffer, no copy, no thread hop
-(``opd_store.storage.upload_bodies.PartBody``)."""
+(``opd_store.storage.transfers._upload_bodies.PartBody``)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def test_an_upload_body_goes_to_the_connection_as_views_of_its_part_buffer():
     from aiobotocore._endpoint_helpers import _IOBaseWrapper  # what aiobotocore hands aiohttp
     from aiohttp import payload as aiohttp_payload
 
-    from opd_store.storage.parts import MemoryReader
-    from opd_store.storage.upload_bodies import SEND_CHUNK_BYTES, PartBody
+    from opd_store.storage.transfers import MemoryReader, PartBody
+    from opd_store.storage.transfers._upload_bodies import SEND_CHUNK_BYTES
 
     buffer = bytearray(bytes(range(251)) * (3 * SEND_CHUNK_BYTES // 251 + 1))
     body = PartBody(buffer)
@@ -65,7 +65,8 @@ def test_a_chunk_the_connection_does_not_take_within_the_send_timeout_fails_the_
     from aiobotocore._endpoint_helpers import _IOBaseWrapper
     from aiohttp import payload as aiohttp_payload
 
-    from opd_store.storage.upload_bodies import SEND_CHUNK_BYTES, WRITE_TIMEOUT_MESSAGE, PartBody
+    from opd_store.storage.transfers import PartBody
+    from opd_store.storage.transfers._upload_bodies import SEND_CHUNK_BYTES, WRITE_TIMEOUT_MESSAGE
 
     buffer = bytearray(3 * SEND_CHUNK_BYTES)
     body = PartBody(buffer, send_timeout_secs=0.05)

@@ -9,9 +9,9 @@ import gc
 
 import pytest
 import torch
+from proc_writer import make_bytes
 
 from opd_store import IncompleteCheckpointError, StoreUnreachableError
-from proc_writer import make_bytes
 
 from .helpers import open_store, save
 

@@ -16,7 +16,7 @@ _SPEC = os.environ.get("OPD_TEST_BLOCK_DCP_SAVE")
 if _SPEC:
     import threading
 
-    from opd_store.dcp.writer import StoreWriter
+    from opd_store.dcp import StoreWriter
 
     _rank, _step, _marker = _SPEC.split(":", 2)
     _original = StoreWriter.write_data
@@ -42,7 +42,7 @@ _PAUSE = os.environ.get("OPD_TEST_PAUSE_AFTER_UPDATE")
 if _PAUSE:
     import signal
 
-    import opd_store.job.train as _train
+    import opd_store.job._train as _train
 
     _pause_rank, _pause_update, _pause_marker = _PAUSE.split(":", 2)
     _run_update = _train.run_sharded_update

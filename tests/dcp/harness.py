@@ -2,7 +2,7 @@
 
 Every process start costs seconds of imports on a loaded 2-core machine, so a test starts this
 launcher once (``python tests/dcp/harness.py SPEC_PATH``, a child of the worker's preloaded fork
-server, :mod:`opd_store.testing.forkserver`, which has imported torch, DCP, PEFT and opd_store): it
+server, :mod:`opd_testkit.forkserver`, which has imported torch, DCP, PEFT and opd_store): it
 imports the spec's scenario module, then forks N rank processes (``fork`` after the imports, before any thread or
 process group exists) that join one gloo group through a ``FileStore`` under the test's tmp
 directory (no port to race for under ``pytest -n``). Each rank runs the spec's scenarios in order
@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from opd_store.testing.stores import Backend, open_store, use_emulator_environment
+from opd_testkit.stores import Backend, open_store, use_emulator_environment
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the scenario modules and sharded_models
@@ -124,7 +124,7 @@ def run_launch(spec: dict, tmp: Path, timeout_secs: float = 900) -> list[dict]:
         AssertionError: the launcher failed; its output and every rank's results are in the message.
         subprocess.TimeoutExpired: it ran past ``timeout_secs`` (the launcher is killed).
     """
-    from opd_store.testing import forkserver
+    from opd_testkit import forkserver
 
     tmp.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, out=str(tmp))

@@ -10,11 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from sharded_models import compare, full_state, local_shards, mlp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import opd_store.dcp.writer as dcp_writer
+import opd_store.dcp._writer as dcp_writer
 from opd_store.dcp import StoreReader, StoreWriter, async_save, load, save
-from sharded_models import compare, full_state, local_shards, mlp
 
 RESHARD_PAIRS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2))
 

@@ -13,14 +13,17 @@ import signal
 import time
 
 import torch
-
-from opd_store.opd.config import OPDConfig
-from opd_store.opd.data import GlobalSamplePosition
-from opd_store.opd.distributed import agree_on_notice, agreement_group
-from opd_store.opd.sharded import save_sharded_opd_checkpoint
-from opd_store.opd.sharded_load import load_sharded_opd_checkpoint
-from opd_store.preemption import PreemptionWatcher
 from sharded_models import compare, draws, full_state, local_shards, lora_student, mlp, seed_rank
+
+from opd_store.opd import (
+    GlobalSamplePosition,
+    OPDConfig,
+    agree_on_notice,
+    agreement_group,
+    load_sharded_opd_checkpoint,
+    save_sharded_opd_checkpoint,
+)
+from opd_store.runtime import PreemptionWatcher
 
 PROVENANCE = {"corpus": "c0ffee", "code_revision": "abc"}
 

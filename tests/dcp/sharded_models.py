@@ -39,7 +39,7 @@ def mlp(group, *, seed: int, train_steps: int = 1):
 def lora_student(group, *, seed: int, train_steps: int = 1):
     """The main job's student (tiny Llama with a PEFT LoRA adapter), each decoder layer and the
     root sharded; only the adapter trains."""
-    from opd_store.job.models import build_student
+    from opd_store.job import build_student
 
     model = build_student(32, seed)
     mesh = mesh_of(group)

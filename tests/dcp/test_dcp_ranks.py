@@ -8,9 +8,8 @@ One test per launch, so ``pytest -n`` never starts a launch twice.
 from __future__ import annotations
 
 import pytest
-
 from harness import run_launch
-from opd_store.testing.stores import Backend, open_store
+from opd_testkit.stores import Backend, open_store
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -10,17 +10,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from opd_testkit.stores import open_store
 
 from opd_store import CheckpointStore, TieredStore
 from opd_store.cli import main as cli_main
 from opd_store.dcp import StoreReader, StoreWriter, adopt_dcp_checkpoint, load, save
-from opd_store.dcp.metadata_io import loads_metadata
-from opd_store.errors import (
-    CommitConflictError,
-    IncompleteCheckpointError,
-    UnsafeCheckpointError,
-)
-from opd_store.testing.stores import open_store
+from opd_store.dcp._metadata_io import loads_metadata
+from opd_store.errors import CommitConflictError, IncompleteCheckpointError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

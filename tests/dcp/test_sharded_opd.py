@@ -11,15 +11,15 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from harness import run_launch
-from opd_store.testing.stores import Backend
+from opd_testkit.stores import Backend
 
 pytestmark = pytest.mark.timeout(900)
 
 
 def _draws_from(state: dict) -> list[float]:
-    from opd_store.opd.rng import preserve_global_rng, restore_rng_state
+    from opd_store.opd import preserve_global_rng
+    from opd_store.opd._rng import restore_rng_state
 
     with preserve_global_rng():
         restore_rng_state(state)
@@ -72,8 +72,8 @@ def test_sharded_opd_checkpoints_elastic_resume_and_preemption(tmp_path):
 
     # saved on 2, loaded on 4: ranks 2 and 3 derive their RNG from the checkpoint, as anyone would
     from opd_store import CheckpointStore
-    from opd_store.opd.elastic import elastic_seed
-    from opd_store.opd.rng import derived_rng_state
+    from opd_store.opd._elastic import elastic_seed
+    from opd_store.opd._rng import derived_rng_state
 
     fingerprint = CheckpointStore(backend.url).manifest(5).metadata["config_fingerprint"]
     for rank, result in enumerate(lora):
@@ -104,8 +104,8 @@ def test_sharded_opd_checkpoints_elastic_resume_and_preemption(tmp_path):
         assert dies["gave_up"] and dies["raised"] == "RuntimeError" and dies["secs"] < 5.0 + 2.0, dies
 
     # load_adapter on one process, no process group: the adapter gathered from the 4 ranks' shards
-    from opd_store.job.models import build_student
-    from opd_store.opd.adapter import load_adapter
+    from opd_store.job import build_student
+    from opd_store.opd import load_adapter
 
     student = build_student(32, seed=42)
     assert load_adapter(lora[0]["url"], student) is None

@@ -1,7 +1,7 @@
 """``opd-store train --nproc 4 --shard``: killed, resumed bit-exact on 4 ranks, resumed elastic on 2.
 
 One test, five runs of the real CLI, each a child of the worker's preloaded fork server
-(:mod:`opd_store.testing.forkserver`) whose ranks are forked from it (``--start-method fork``), so
+(:mod:`opd_testkit.forkserver`) whose ranks are forked from it (``--start-method fork``), so
 no run pays the imports. The two runs with a fault go through tests/dcp/faulty_job.py:
 
 1. the uninterrupted reference on 4 ranks;
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
-from opd_store.testing import forkserver
 
 FAULTY_JOB = Path(__file__).with_name("faulty_job.py")
 DEADLINE_SECS = 600

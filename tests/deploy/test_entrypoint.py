@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
-from opd_store.testing import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRYPOINT = REPO / "deploy/entrypoint.sh"

@@ -24,7 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from opd_store.testing import forkserver  # noqa: E402
+from opd_testkit import forkserver  # noqa: E402
 from s3_access import Permission, is_allowed, policy_actions, required_permissions  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -99,7 +99,7 @@ class Job:
         self.scheduler.step()
 
     def save(self, store, step: int, rank_arg: int | None = None) -> str:
-        from opd_store.opd.checkpoint import save_opd_checkpoint
+        from opd_store.opd import save_opd_checkpoint
 
         trainer = {"attempted_updates": step, "successful_updates": step, "query_update": step}
         return save_opd_checkpoint(
@@ -109,7 +109,7 @@ class Job:
         )
 
     def load(self, url: str, store) -> dict:
-        from opd_store.opd.checkpoint import load_opd_checkpoint
+        from opd_store.opd import load_opd_checkpoint
 
         return load_opd_checkpoint(
             url, optimizer=self.optimizer, scheduler=self.scheduler, config=self.config,
@@ -122,7 +122,7 @@ def _inject(spec: dict, rank: int) -> None:
     """Make ``fail_rank``'s write of one payload fail (or block) after some bytes went out."""
     if spec.get("fail_rank") != rank:
         return
-    from opd_store.opd import save as checkpoint  # where the payload writes live
+    from opd_store.opd import _save as checkpoint  # where the payload writes live
 
     victim = "training_state.pt" if rank == 0 else f"rng-rank-{rank:02d}.pt"
     original = checkpoint._save_torch
@@ -151,7 +151,7 @@ def main() -> int:
         "gloo", init_method=spec["init_method"], rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=spec.get("timeout_secs", 600)),
     )
-    from opd_store.opd.checkpoint import latest_complete_checkpoint
+    from opd_store.opd import latest_complete_checkpoint
     from opd_store.store import CheckpointStore
 
     store = CheckpointStore(spec["url"], storage_options=spec["storage_options"])

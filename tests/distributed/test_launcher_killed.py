@@ -2,7 +2,7 @@
 
 A launcher killed with SIGKILL runs no handler. Its ranks must not go on training and committing
 beside the rerun of the job (whose commits would then conflict with theirs): the kernel kills each
-rank when the launcher dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, :mod:`opd_store.cli.rank_process`).
+rank when the launcher dies (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, :mod:`opd_store.cli._rank_process`).
 torch's own launcher asks for SIGINT instead, which a rank ignores when the job was started in the
 background by a shell (``opd-store train ... &`` ignores SIGINT, and children inherit that), so the
 launcher here runs with SIGINT ignored, as such a job does.
@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import pytest
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
-from opd_store.testing import forkserver
-from opd_store.testing.machines import wait_until_gone
+from opd_store.job._machines import wait_until_gone
 
 DEADLINE_SECS = 300
 RANKS_GONE_SECS = 20  # the kernel signals them as the launcher exits: far less in practice

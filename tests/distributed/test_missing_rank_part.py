@@ -15,8 +15,8 @@ from rank_worker import Adapter, Config  # noqa: E402
 
 from opd_store import CheckpointStore  # noqa: E402
 from opd_store.errors import CheckpointNotFoundError  # noqa: E402
-from opd_store.opd.checkpoint import load_opd_checkpoint, save_opd_checkpoint  # noqa: E402
-from opd_store.opd.rng import capture_rng_state  # noqa: E402
+from opd_store.opd import load_opd_checkpoint, save_opd_checkpoint  # noqa: E402
+from opd_store.opd._rng import capture_rng_state  # noqa: E402
 
 
 def _training():

@@ -14,13 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+from opd_testkit import forkserver
 
-from opd_store.testing import forkserver
 from opd_store import CheckpointStore
 
 WORKER = Path(__file__).with_name("rank_worker.py")

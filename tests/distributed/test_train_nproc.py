@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
-from opd_store.testing import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).with_name("inject")

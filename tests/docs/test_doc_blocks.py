@@ -4,7 +4,7 @@ The convention (documented in docs/operations.md, "How the blocks on this page a
 fenced block with a language must directly follow an HTML comment saying how it is run:
 
 - ``<!-- doc-block: run -->``: run as-is (bash with ``-euo pipefail``; python as ``python -c``
-  would, in a new process forked from a preloaded interpreter, :mod:`opd_store.testing.forkserver`;
+  would, in a new process forked from a preloaded interpreter, :mod:`opd_testkit.forkserver`;
   ``opd-store`` commands run the same way) in an empty temporary directory; a ``console`` block is a transcript (see
   :func:`run_transcript`): its ``$ `` lines run in one bash session and the lines after each one
   must match that command's stdout, ``...`` matching any text;
@@ -32,8 +32,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from opd_store.testing import forkserver
+from opd_testkit import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

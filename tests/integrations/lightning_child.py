@@ -7,7 +7,7 @@ them a resumed run draws other dropout masks (docs/integrations.md). The data or
 interrupted from its beginning rather than from the batch it reached.
 
 As a program (``python tests/integrations/lightning_child.py SPEC_JSON``, started by :func:`start`
-on a fresh machine from the worker's fork server): events (:mod:`opd_store.testing.events`)
+on a fresh machine from the worker's fork server): events (:mod:`opd_testkit.events`)
 ``{"event": "epoch_end", "epoch": N}`` at each epoch end (before that epoch's checkpoint:
 ModelCheckpoint runs after other callbacks), then the child waits for the parent's reply; at the end
 ``{"event": "done", "resumed_from": ...}`` after ``torch.save`` of the weights to the spec's
@@ -23,8 +23,9 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from opd_store.testing import events, forkserver
-from opd_store.testing.machines import fresh_machine
+from opd_testkit import events, forkserver
+
+from opd_store.job._machines import fresh_machine
 
 
 def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs: int = 4, callbacks=(),

@@ -11,7 +11,7 @@ after training, a commit of step 3 whose directory lacks rank 1's RNG file; befo
 into a directory rank 1 cannot create. Every rank must raise the same typed error naming rank 1
 (a rank failing alone must not leave the other waiting in a collective); the errors are reported
 as ``[type name, failing ranks, message]``. The result is the event ``{"event": "result", ...}``
-(:mod:`opd_store.testing.events`).
+(:mod:`opd_testkit.events`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import traceback
 import uuid
 from pathlib import Path
 
-from opd_store.testing import events, forkserver
+from opd_testkit import events, forkserver
 
 
 def _error(call) -> list | None:

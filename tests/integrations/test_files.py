@@ -1,4 +1,4 @@
-"""Local checkpoint directories in and out of a store (opd_store.integrations.files and hf_layout)."""
+"""Local checkpoint directories in and out of a store (opd_store.integrations._files and hf_layout)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import pytest
 
 from opd_store import CheckpointStore, IncompleteCheckpointError, IntegrityError
-from opd_store.integrations.files import directory_files, fetch_step, snapshot_files, upload_files
-from opd_store.integrations.hf_layout import files_of_rank, missing_files, owner_rank
+from opd_store.integrations._files import directory_files, fetch_step, snapshot_files, upload_files
+from opd_store.integrations._hf_layout import files_of_rank, missing_files, owner_rank
 
 
 def _directory(tmp_path):

@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+from opd_testkit.proxies import Rule, S3FaultProxy
 from transformers import TrainerCallback
 
 from opd_store import (
@@ -22,11 +23,10 @@ from opd_store import (
     StoreUnreachableError,
 )
 from opd_store.integrations.transformers import StoreCallback, resume_from_store, store_checkpoint
-from opd_store.job.trl_demo import GKDSpec, build_trainer, final_state
-from opd_store.preemption import PreemptionWatcher
+from opd_store.job._machines import torch_threads
+from opd_store.job._trl_demo import GKDSpec, build_trainer, final_state
 from opd_store.retention import RetentionPolicy
-from opd_store.testing.machines import torch_threads
-from opd_store.testing.proxies import Rule, S3FaultProxy
+from opd_store.runtime import PreemptionWatcher
 
 TRAINER_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja", "optimizer.pt",
                  "rng_state.pth", "scheduler.pt", "tokenizer.json", "tokenizer_config.json", "trainer_state.json",

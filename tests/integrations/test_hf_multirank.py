@@ -6,8 +6,8 @@ background worker after rank 1 sealed its part)."""
 from __future__ import annotations
 
 import pytest
-
 import rank_child
+
 from opd_store import CheckpointStore
 
 pytestmark = pytest.mark.timeout(600)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import signal
 import threading
 
+import lightning_child
 import pytest
 import torch
 
-import lightning_child
 from opd_store import CheckpointStore, StoreUnreachableError
 from opd_store.integrations.lightning import StoreCheckpointIO
-from opd_store.testing.machines import torch_threads
+from opd_store.job._machines import torch_threads
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -15,11 +15,11 @@ import threading
 
 import pytest
 import torch
-
 import trl_child
+from opd_testkit.proxies import Rule, S3FaultProxy
+
 from opd_store import CheckpointStore
-from opd_store.testing.machines import torch_threads
-from opd_store.testing.proxies import Rule, S3FaultProxy
+from opd_store.job._machines import torch_threads
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,7 +29,7 @@ def reference():
     """The uninterrupted run (no store, no callback), in this process."""
     import tempfile
 
-    from opd_store.job.trl_demo import run_start
+    from opd_store.job._trl_demo import run_start
 
     with tempfile.TemporaryDirectory() as out, torch_threads(1):  # run_start sets 1 thread: restored after
         return run_start(None, out, spec=trl_child.SPEC)

@@ -1,12 +1,12 @@
 """One start of the tiny TRL GKD run, as its own program (forked from the worker's fork server).
 
 ``python tests/integrations/trl_child.py SPEC_JSON``, started by :func:`start` in a fresh machine
-(:func:`opd_store.testing.machines.fresh_machine`: new empty working directory, ``HOME`` and temp
+(:func:`opd_store.job._machines.fresh_machine`: new empty working directory, ``HOME`` and temp
 dir, so only the store carries state from one start to the next). The fork server has imported
-torch, transformers, TRL and opd_store's integrations (:data:`opd_store.testing.forkserver.TRAINER_PRELOAD`),
+torch, transformers, TRL and opd_store's integrations (:data:`opd_testkit.forkserver.TRAINER_PRELOAD`),
 so a start costs a fork instead of ~10 s of imports on a loaded 2-core machine.
 
-Events (:mod:`opd_store.testing.events`): every event of :func:`opd_store.job.trl_demo.run_start`
+Events (:mod:`opd_testkit.events`): every event of :func:`opd_store.job._trl_demo.run_start`
 (``resumed``, ``step``, ``saved``); with ``step_ack`` the child waits for the parent's reply after
 each ``step`` event, so the parent can SIGKILL it at an exact step; at the end
 ``{"event": "done", "cwd_entries": [...]}`` after ``torch.save`` of the final state (adapter,
@@ -22,10 +22,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from opd_store.job.trl_demo import GKDSpec
-from opd_store.testing import events
-from opd_store.testing import forkserver
-from opd_store.testing.machines import fresh_machine
+from opd_testkit import events, forkserver
+
+from opd_store.job._machines import fresh_machine
+from opd_store.job._trl_demo import GKDSpec
 
 SPEC = GKDSpec(max_steps=4, save_steps=2)
 """The run of every start: saves at steps 2 and 4 (the test kills one start at step 3 and one
@@ -36,7 +36,7 @@ def main(spec: dict) -> None:
     try:
         import torch
 
-        from opd_store.job.trl_demo import run_start
+        from opd_store.job._trl_demo import run_start
 
         def on_event(event):
             events.emit(event)

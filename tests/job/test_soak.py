@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from opd_testkit.soak import Soak
+from opd_testkit.soak_phases import Reference, plan_start, reachable_phases, verdict
+from opd_testkit.soak_report import render
 
 from opd_store import CheckpointStore
-from opd_store.kill_points import ENV_VAR, PHASES
-from opd_store.testing.machines import fresh_machine
-from opd_store.testing.soak import Soak
-from opd_store.testing.soak_phases import Reference, plan_start, reachable_phases, verdict
-from opd_store.testing.soak_report import render
+from opd_store.job._machines import fresh_machine
+from opd_store.runtime._kill_points import ENV_VAR, PHASES
 
 # -- kill points ----------------------------------------------------------------------------------
 

@@ -7,10 +7,10 @@ import json
 import sys
 
 import pytest
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.testing import forkserver
 
 
 def _stderr_lines(capsys) -> list[str]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from opd_testkit.stores import Backend
 
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.testing.stores import Backend
 
 UPDATES = ["--updates", "4", "--checkpoint-every", "2"]
 

@@ -10,7 +10,7 @@ import yaml
 
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.job.train import train
+from opd_store.job import train
 from opd_store.retention import RetentionPolicy
 from opd_store.tiered import TieredStore
 

@@ -2,13 +2,12 @@
 
 The helpers (``opd``, ``peft_factory``, ``opd_s3_backend``, ``s3_fault_proxy``) are in
 tests/conftest.py, shared with the spot tests; the small real objects are in
-:mod:`opd_store.testing.opd`.
+:mod:`opd_testkit.opd`.
 """
 
 from __future__ import annotations
 
 import pytest
-
 from store_fixtures import backend_named
 
 OPD_BACKENDS = ("local", "memory", "s3")

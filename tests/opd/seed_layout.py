@@ -11,7 +11,7 @@ seed used them:
 * ``rng_state()``: ``{"python": random.getstate(), "numpy": np.random.get_state(),
   "torch": torch.get_rng_state()}`` plus ``"cuda": torch.cuda.get_rng_state_all()`` when CUDA is
   available; numpy's state is its own tuple holding a ``uint32`` ndarray, so the file needs numpy's
-  reconstructor to load (the allow-list of :mod:`opd_store.opd.safe_load`).
+  reconstructor to load (the allow-list of :mod:`opd_store.opd._safe_load`).
 * ``save_adapter(model, processor, directory)``: ``model.save_pretrained(directory)`` and, when a
   processor is given, ``processor.save_pretrained(directory)`` into the same directory.
 """

@@ -10,14 +10,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
-from opd_store.opd.config import (
-    EXECUTION_ONLY_KEY,
-    ROLLOUT_LIMIT_KEY,
-    OPDConfig,
-    ResumeMode,
-    execution_only,
-)
-from opd_store.opd.resume import RESUME_MODES
+from opd_store.opd import RESUME_MODES, OPDConfig
+from opd_store.opd._config import EXECUTION_ONLY_KEY, ROLLOUT_LIMIT_KEY, ResumeMode, execution_only
 
 
 def with_values(**dotted) -> OPDConfig:

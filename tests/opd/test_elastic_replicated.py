@@ -13,8 +13,9 @@ import pytest
 
 from opd_store import CheckpointStore, load_opd_checkpoint, save_opd_checkpoint
 from opd_store.errors import ResumeMismatchError
-from opd_store.opd.elastic import ElasticResume, elastic_seed
-from opd_store.opd.rng import capture_rng_state, derived_rng_state, preserve_global_rng, restore_rng_state
+from opd_store.opd import preserve_global_rng
+from opd_store.opd._elastic import ElasticResume, elastic_seed
+from opd_store.opd._rng import capture_rng_state, derived_rng_state, restore_rng_state
 
 
 def _states(opd, count: int) -> list[dict]:
@@ -40,7 +41,7 @@ def test_elastic_resume_of_a_replicated_checkpoint(tmp_path, opd, caplog):
     with pytest.raises(ResumeMismatchError, match="saved with world_size 4 and this run has world_size 2"):
         load_opd_checkpoint((store, 2), **opd.load_kwargs(world_size=2, rank=0))
 
-    caplog.set_level(logging.WARNING, logger="opd_store.opd.elastic")
+    caplog.set_level(logging.WARNING, logger="opd_store.opd")
     for rank in (0, 1):  # below the old world size: its own RNG
         loaded = []
         trainer = load_opd_checkpoint((store, 2), **opd.load_kwargs(config=elastic, world_size=2, rank=rank,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd_store.opd.data import GlobalSamplePosition
+from opd_store.opd import GlobalSamplePosition
 
 
 def _positions(world_size: int, state: dict | None = None, *, size: int = 30, batch: int = 2):

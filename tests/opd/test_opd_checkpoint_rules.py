@@ -8,17 +8,9 @@ import pytest
 import torch
 import yaml
 
-from opd_store.errors import (
-    CommitConflictError,
-    IncompleteCheckpointError,
-    ResumeMismatchError,
-)
-from opd_store.opd.checkpoint import (
-    latest_complete_checkpoint,
-    load_opd_checkpoint,
-    resolve_checkpoint,
-    save_opd_checkpoint,
-)
+from opd_store.errors import CommitConflictError, IncompleteCheckpointError, ResumeMismatchError
+from opd_store.opd import latest_complete_checkpoint, load_opd_checkpoint, save_opd_checkpoint
+from opd_store.opd._names import resolve_checkpoint
 from opd_store.store import CheckpointStore
 
 
@@ -126,7 +118,7 @@ def test_rank_rng_states_must_match_world_size(opd_backend, store, opd):
     kwargs = opd.save_kwargs(store, world_size=2)
     with pytest.raises(ValueError, match="rank RNG states must match OPD world size"):
         save_opd_checkpoint(**kwargs)  # None: only this process's state, for 2 ranks
-    from opd_store.opd.rng import capture_rng_state
+    from opd_store.opd._rng import capture_rng_state
 
     kwargs["rank_rng_states"] = [capture_rng_state()] * 3
     with pytest.raises(ValueError, match="3 state"):
@@ -135,7 +127,7 @@ def test_rank_rng_states_must_match_world_size(opd_backend, store, opd):
 
 
 def test_multi_rank_save_writes_schema_v2_and_one_rng_file_per_rank(opd_backend, store, opd):
-    from opd_store.opd.rng import capture_rng_state
+    from opd_store.opd._rng import capture_rng_state
 
     kwargs = opd.save_kwargs(store, world_size=4)
     kwargs["rank_rng_states"] = [capture_rng_state() for _ in range(4)]
@@ -208,7 +200,7 @@ def test_world_size_mismatch_is_refused_naming_both_sizes(opd_backend, store, op
 def test_saved_with_four_ranks_loaded_with_two_or_eight_is_refused(opd_backend, store, opd, load_world_size):
     """The documented policy (docs/resume.md: a world-size change is refused
     under every resume mode) applies with a message naming both sizes; nothing is restored."""
-    from opd_store.opd.rng import capture_rng_state
+    from opd_store.opd._rng import capture_rng_state
 
     save_opd_checkpoint(**opd.save_kwargs(store, world_size=4, rank_rng_states=[capture_rng_state()] * 4))
     loaded = []
@@ -224,7 +216,7 @@ def test_restored_teacher_update_count_is_checked(opd_backend, store, opd):
     """The seed's post-check: a checkpoint whose teacher count differs is refused (and nothing is
     restored first)."""
     _layer, optimizer, scheduler = opd.make_training()
-    from opd_store.opd.rng import capture_rng_state
+    from opd_store.opd._rng import capture_rng_state
 
     with store.begin(2) as txn:
         with txn.open("rng.pt") as writer:

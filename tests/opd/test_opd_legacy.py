@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from seed_layout import PickledNote, seed_rng_state, write_seed_checkpoint
 
-from opd_store.checksum import crc32c_hex
-from opd_store.errors import CommitConflictError, IncompleteCheckpointError, IntegrityError, UnsafeCheckpointError
-from opd_store.opd.checkpoint import (
+from opd_store.errors import (
+    CommitConflictError,
+    IncompleteCheckpointError,
+    IntegrityError,
+    UnsafeCheckpointError,
+)
+from opd_store.format import crc32c_hex
+from opd_store.opd import (
+    OPDConfig,
     latest_complete_checkpoint,
     load_adapter,
     load_opd_checkpoint,
+    migrate_legacy,
     save_opd_checkpoint,
 )
-from opd_store.opd.config import OPDConfig
-from opd_store.opd.legacy import migrate_legacy
 from opd_store.store import CheckpointStore
-from seed_layout import PickledNote, seed_rng_state, write_seed_checkpoint
 
 
 def _peft_state(model):
@@ -178,7 +183,7 @@ def test_migrate_refuses_pickle_only_payloads(tmp_path, opd):
 
 
 def test_migrate_deletes_a_copy_that_does_not_read_back(tmp_path, opd):
-    from faults import FaultyStorage
+    from opd_store.testing import FaultyStorage
 
     class CorruptingStorage(FaultyStorage):
         """Stores ``adapter_model.safetensors`` with its first byte flipped (silent corruption)."""

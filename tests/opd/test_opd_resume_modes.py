@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from opd_store.errors import ResumeMismatchError
-from opd_store.opd.checkpoint import load_opd_checkpoint, save_opd_checkpoint
-from opd_store.opd.config import OPDConfig
+from opd_store.opd import OPDConfig, load_opd_checkpoint, save_opd_checkpoint
 from opd_store.store import CheckpointStore
 
 VALIDATION_KEYS = ("validation_baseline", "last_validation_artifact", "validation_baseline_step")

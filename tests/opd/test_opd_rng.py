@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from opd_store.opd import rng as rng_module
-from opd_store.opd.checkpoint import load_opd_checkpoint, save_opd_checkpoint
-from opd_store.opd.rng import capture_rng_state, preserve_global_rng, restore_rng_state
+from opd_store.opd import _rng as rng_module
+from opd_store.opd import load_opd_checkpoint, preserve_global_rng, save_opd_checkpoint
+from opd_store.opd._rng import capture_rng_state, restore_rng_state
 from opd_store.store import CheckpointStore
 
 
@@ -137,7 +137,7 @@ def _drawing(op) -> bool:
 
 @pytest.mark.parametrize("backend_name", ["local", "memory"])
 def test_save_leaves_generators_untouched_when_the_storage_draws(request, tmp_path, opd, backend_name):
-    from faults import Fault, FaultyStorage
+    from opd_store.testing import Fault, FaultyStorage
 
     url = str(tmp_path / "store") if backend_name == "local" else "memory://opd-test/rng"
     draws = Fault(when=_drawing, once=False)

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from opd_store.opd.checkpoint import load_adapter, load_opd_checkpoint, save_opd_checkpoint
-from opd_store.opd.config import OPDConfig
-from opd_store.opd.rng import capture_rng_state
+from opd_store.opd import OPDConfig, load_adapter, load_opd_checkpoint, save_opd_checkpoint
+from opd_store.opd._rng import capture_rng_state
 from opd_store.store import CheckpointStore
 
 CASES = [("local", 1), ("memory", 1), ("s3", 1), ("local", 2), ("memory", 4)]

@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from opd_store.errors import UnsafeCheckpointError
-from opd_store.opd.checkpoint import load_opd_checkpoint, save_opd_checkpoint
-from opd_store.opd.safe_load import ALLOWED_GLOBAL_NAMES, find_unsafe_globals, load_payload, sanitize_state
+from opd_store.opd import load_opd_checkpoint, save_opd_checkpoint
+from opd_store.opd._safe_load import ALLOWED_GLOBAL_NAMES, find_unsafe_globals, load_payload, sanitize_state
 from opd_store.store import CheckpointStore
 
 EXECUTED: list[str] = []
@@ -38,7 +38,7 @@ class Exploit:
 def _write_checkpoint(store: CheckpointStore, opd, trainer_extra) -> None:
     """A committed checkpoint whose training state holds ``trainer_extra`` (written without the
     sanitiser, as a hostile or old writer would)."""
-    from opd_store.opd.rng import capture_rng_state
+    from opd_store.opd._rng import capture_rng_state
 
     _layer, optimizer, scheduler = opd.make_training()
     config = opd.TinyConfig()

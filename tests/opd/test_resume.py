@@ -9,14 +9,8 @@ import pytest
 import yaml
 
 from opd_store.errors import OpdStoreError, ResumeMismatchError
-from opd_store.opd.config import OPDConfig
-from opd_store.opd.resume import (
-    RESUME_MODES,
-    ResumeDecision,
-    resume_mode_of,
-    validate_execution_change,
-    validate_resume,
-)
+from opd_store.opd import RESUME_MODES, OPDConfig, validate_resume
+from opd_store.opd._resume import ResumeDecision, resume_mode_of, validate_execution_change
 
 URL = "s3://runs/opd-demo/checkpoints/step-000040"
 PROVENANCE = {

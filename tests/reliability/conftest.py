@@ -1,11 +1,10 @@
 """Fixtures of the reliability tests (crashes, transient faults, hostile input): S3 behind the
-fault proxy of :mod:`opd_store.testing.proxies`."""
+fault proxy of :mod:`opd_testkit.proxies`."""
 
 from __future__ import annotations
 
 import pytest
-
-from opd_store.testing.proxies import S3FaultProxy, through_proxy
+from opd_testkit.proxies import S3FaultProxy, through_proxy
 
 # s3fs's default block is 50 MiB; 5 MiB (S3's smallest part) makes a multipart payload cheap.
 BLOCK_BYTES = 5 << 20
@@ -28,7 +27,6 @@ def s3_proxy(moto_s3):
 def raw(backend, request):
     """An independent view of ``backend`` (see ``tests/core/helpers.py``)."""
     from core.helpers import Raw
-
     from store_fixtures import s3_server
 
     moto = s3_server(request, backend) if backend.name == "s3" else None

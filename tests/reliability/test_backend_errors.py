@@ -1,4 +1,4 @@
-"""The one table of backend failures (:mod:`opd_store.storage.backend_errors`): what each backend
+"""The one table of backend failures (:mod:`opd_store.storage._backend_errors`): what each backend
 really raises, produced by the real clients against the real emulators (moto behind a fault proxy,
 fake-gcs-server, the local filesystem), and what opd_store does with each meaning."""
 
@@ -7,15 +7,14 @@ from __future__ import annotations
 import os
 
 import pytest
+from core.helpers import boto3_client, open_store, save
 from gcsfs.retry import HttpError, validate_response
 
-from faults import Fault, FaultyStorage
 from opd_store import CheckpointStore, CommitConflictError
 from opd_store.errors import StoragePermissionError
-from opd_store.pins import pin
-from opd_store.storage.backend_errors import Meaning, backend_operation, classify, describe
-
-from core.helpers import boto3_client, open_store, save
+from opd_store.storage import Meaning, backend_operation, classify, describe
+from opd_store.store import pin
+from opd_store.testing import Fault, FaultyStorage
 
 
 def _raised(call):

@@ -1,7 +1,7 @@
 """``check_reachable`` through the Python API: a real probe (a listing; for writers a probe object
 created with the create-only write and deleted), refusals that name the operation and the cause,
 and a probe name that no listing, ``ls`` or ``gc`` ever takes for a step. S3 behind the fault proxy
-in front of moto (:mod:`opd_store.testing.proxies`), local directories, the memory store.
+in front of moto (:mod:`opd_testkit.proxies`), local directories, the memory store.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 import pytest
 
 from opd_store import CheckpointStore, StoreNotFoundError, StoreUnreachableError
-from opd_store.layout import PROBE_PREFIX, probe_name
-from opd_store.orphans import collect_garbage
-from opd_store.retention import RetentionPolicy
+from opd_store.format import probe_name
+from opd_store.format._names import PROBE_PREFIX
+from opd_store.retention import RetentionPolicy, collect_garbage
 
 
 def test_the_write_probe_uses_the_commit_primitive_and_leaves_nothing(s3_proxy):

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from core.helpers import boto3_client
-from opd_store.testing import forkserver
+from opd_testkit import forkserver
 
 CHILD = Path(__file__).with_name("endpoint_child.py")
 

@@ -9,13 +9,12 @@ import json
 import posixpath
 
 import pytest
+from core.helpers import open_store
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from core.helpers import open_store
 from opd_store.errors import ManifestError
-from opd_store.layout import check_payload_name
-from opd_store.manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, parse_manifest
+from opd_store.format import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, check_payload_name, parse_manifest
 
 AID = "attempt-20260101T000000Z-0123456789ab"
 URL = "memory://fuzz/step-000007/manifest.json"

@@ -22,18 +22,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from core.helpers import save
+from opd_testkit.opd import PROVENANCE, StubAdapterModel, TinyConfig, make_training, trainer_state
+from opd_testkit.proxies import S3FaultProxy, through_proxy
+from opd_testkit.stores import open_store
+from opd_testkit.transfer_dialects import dialect_of
 
 from opd_store import CheckpointStore, IntegrityError
 from opd_store.cli import main as cli_main
-from opd_store.opd.legacy import migrate_legacy
-from opd_store.storage.parts import MIN_PART_SIZE_BYTES
-from opd_store.testing.opd import PROVENANCE, StubAdapterModel, TinyConfig, make_training, trainer_state
-from opd_store.testing.proxies import S3FaultProxy, through_proxy
-from opd_store.testing.stores import open_store
-from opd_store.testing.transfer_dialects import dialect_of
-from opd_store.transfer import copy_checkpoint
-
-from core.helpers import save
+from opd_store.opd import migrate_legacy
+from opd_store.storage.transfers._parts import MIN_PART_SIZE_BYTES
+from opd_store.store import copy_checkpoint
 
 PART = MIN_PART_SIZE_BYTES
 IN_FLIGHT = 3

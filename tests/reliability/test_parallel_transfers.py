@@ -3,7 +3,7 @@ fake-gcs-server), through a proxy that records every request: parts in flight at
 pool of part buffers, several payloads of a save moving at once, ranged reads into one buffer, and
 the faults of a transfer (a part that keeps failing, a connection cut, a short or altered range,
 throttling). S3 uploads a payload as a multipart upload, GCS as temporary part objects composed
-into it (:mod:`opd_store.testing.transfer_dialects` names each store's requests).
+into it (:mod:`opd_testkit.transfer_dialects` names each store's requests).
 
 Every store here uses S3's smallest part (5 MiB) so that a few MiB make a multipart upload.
 """
@@ -13,16 +13,15 @@ from __future__ import annotations
 import threading
 
 import pytest
+from core.helpers import save
+from opd_testkit.proxies import through_proxy
+from opd_testkit.stores import open_store, raw_put
+from opd_testkit.transfer_dialects import GCS, dialect_of, raw_backend, stored_keys
 
 from opd_store import IntegrityError, PayloadUploadError, StoreUnreachableError
-from opd_store.checksum import crc32c_base64
-from opd_store.storage.parts import MIN_PART_SIZE_BYTES
-from opd_store.storage.gcs_transfers import PART_MARKER
-from opd_store.testing.proxies import through_proxy
-from opd_store.testing.stores import open_store, raw_put
-from opd_store.testing.transfer_dialects import GCS, dialect_of, raw_backend, stored_keys
-
-from core.helpers import save
+from opd_store.format import crc32c_base64
+from opd_store.storage.gcs._composite import PART_MARKER
+from opd_store.storage.transfers._parts import MIN_PART_SIZE_BYTES
 
 PART = MIN_PART_SIZE_BYTES
 
@@ -393,7 +392,7 @@ def test_an_object_of_another_size_is_an_integrity_error_with_its_real_size(faul
 
 # -- GCS: the compose tree ------------------------------------------------------------------------
 def test_compose_groups_make_a_tree_of_at_most_32_sources_in_byte_order():
-    from opd_store.storage.gcs_transfers import compose_groups
+    from opd_store.storage.gcs._composite import compose_groups
 
     names = [f"p{i:05d}" for i in range(1, 1090)]  # 1,089 parts: 35 groups, then 2, then 1
     levels = compose_groups(names)
@@ -411,7 +410,7 @@ def test_a_gcs_payload_of_more_parts_than_one_compose_takes_is_composed_as_a_tre
     """With a fan-in of 2 (GCS's is 32: the same code path, 4 parts instead of 33), the 4 parts of
     ``model.bin`` become 2 intermediate composites, then the payload; every temporary object is
     deleted before the manifest is created."""
-    import opd_store.storage.gcs_transfers as gcs_transfers
+    import opd_store.storage.gcs._composite as gcs_transfers
 
     monkeypatch.setattr(gcs_transfers, "MAX_COMPOSE_SOURCES", 2)
     backend, proxy = faulty

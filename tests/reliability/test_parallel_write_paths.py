@@ -17,15 +17,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_testkit.gcs import gcs_object
+from opd_testkit.opd import (
+    PROVENANCE,
+    StubAdapterModel,
+    TinyConfig,
+    make_training,
+    save_kwargs,
+    trainer_state,
+)
+from opd_testkit.proxies import through_proxy
+from opd_testkit.stores import open_store
+from opd_testkit.transfer_dialects import GCS, S3, dialect_of
 
 from opd_store import AsyncCheckpointer, CheckpointStore, TieredStore, save_opd_checkpoint
 from opd_store.cli import main as cli_main
-from opd_store.storage.parts import MIN_PART_SIZE_BYTES
-from opd_store.testing.opd import PROVENANCE, StubAdapterModel, TinyConfig, make_training, save_kwargs, trainer_state
-from opd_store.testing.proxies import through_proxy
-from opd_store.testing.stores import open_store
-from opd_store.testing.gcs import gcs_object
-from opd_store.testing.transfer_dialects import GCS, S3, dialect_of
+from opd_store.storage.transfers._parts import MIN_PART_SIZE_BYTES
 
 PART = MIN_PART_SIZE_BYTES
 

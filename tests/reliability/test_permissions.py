@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from core.helpers import boto3_client, open_store, save
+
 from opd_store.errors import StoragePermissionError
 
 from .conftest import BLOCK_BYTES

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from core.helpers import open_store
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import botocore.exceptions
 import pytest
+from opd_testkit.stores import open_store
 
-from opd_store.storage.backend_errors import Meaning, classify
-from opd_store.testing.stores import open_store
+from opd_store.storage import Meaning, classify
 
 SERVERS = pytest.mark.parametrize("server_name", ["moto_s3", "seaweed_s3"])
 
@@ -96,7 +96,7 @@ def test_aborting_an_aborted_upload(server, server_name):
 
 @SERVERS
 def test_part_checksums(server, server_name):
-    from opd_store.checksum import crc32c_base64
+    from opd_store.format import crc32c_base64
 
     backend = server.new_backend()
     client, bucket = server.boto3_client(), _bucket(backend)

@@ -6,11 +6,12 @@ previous step stays the latest, and the save reports the failure instead of succ
 from __future__ import annotations
 
 import pytest
-
 from core.helpers import open_store, save
-from faults import FaultyStorage, _FaultyHandle
+
 from opd_store import CheckpointStore
 from opd_store.errors import IncompleteCheckpointError
+from opd_store.testing import FaultyStorage
+from opd_store.testing._faults import _FaultyHandle
 
 
 class _ShortHandle:

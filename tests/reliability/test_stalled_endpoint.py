@@ -1,6 +1,6 @@
 """An endpoint that stops answering in the middle of a job (a stuck gateway): saves and loads fail
 with an error naming the step, the object, the operation and the read timeout, instead of
-hanging. The proxy in front of moto (:mod:`opd_store.testing.proxies`) reads the stalled requests and never
+hanging. The proxy in front of moto (:mod:`opd_testkit.proxies`) reads the stalled requests and never
 answers them; the store's ``read_timeout_secs`` is 1 s and botocore makes one attempt per pass of
 s3fs's retry loop (opd_store's default: 2 passes, nested twice for a download), so a failure takes
 at most 4 attempts of 1 s. With the defaults (60 s, 3 botocore attempts) the same failure takes at
@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from proc_writer import make_bytes
 
 from opd_store import CheckpointStore, StoreUnreachableError
-from proc_writer import make_bytes
 
 from .conftest import BLOCK_BYTES
 

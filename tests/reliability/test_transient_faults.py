@@ -1,6 +1,6 @@
 """Transient S3 faults: HTTP 500, 503 SlowDown, connections
 dropped before the request reaches S3, dropped after it landed (the reply is lost), and bodies cut
-mid-response, injected by a proxy in front of moto (:mod:`opd_store.testing.proxies`).
+mid-response, injected by a proxy in front of moto (:mod:`opd_testkit.proxies`).
 
 Saves and loads retry with back-off (botocore's retry handler, then s3fs's own retry loop; see
 docs/protocol.md, "Retries") and either commit whole or not at all; committed data is never lost.
@@ -11,7 +11,6 @@ the retried requests, the bytes that reached S3, and the loaded bytes.
 from __future__ import annotations
 
 import pytest
-
 from core.helpers import boto3_client, crc_hex, open_store, save
 
 from .conftest import BLOCK_BYTES

@@ -13,16 +13,16 @@ import json
 import sys
 from pathlib import Path
 
-from opd_store.testing.stores import use_emulator_environment
+from opd_testkit.stores import use_emulator_environment
 
 use_emulator_environment()  # before fsspec's S3/GCS backends are imported
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from opd_testkit import opd as fixtures  # noqa: E402
 
 from opd_store import CheckpointStore, TieredStore, save_opd_checkpoint  # noqa: E402
 from opd_store.retention import RetentionPolicy  # noqa: E402
-from opd_store.testing import opd as fixtures  # noqa: E402
 
 
 def open_target(target: dict):

@@ -40,11 +40,11 @@ sys.path.insert(0, str(HERE.parent))
 
 import threading  # noqa: E402
 
-from faults import Fault, FaultyStorage  # noqa: E402
+from opd_testkit.stores import Backend  # noqa: E402
 from proc_writer import make_bytes  # noqa: E402
 
 from opd_store import CheckpointStore  # noqa: E402
-from opd_store.testing.stores import Backend  # noqa: E402
+from opd_store.testing import Fault, FaultyStorage  # noqa: E402
 
 STEP = 2
 A_BYTES = make_bytes("a", 1000)
@@ -106,8 +106,9 @@ def run_txn(store: CheckpointStore) -> None:
 
 
 def run_async(store: CheckpointStore) -> None:
-    from opd_store.opd.async_save import AsyncCheckpointer
-    from opd_store.testing import opd as fixtures
+    from opd_testkit import opd as fixtures
+
+    from opd_store.opd import AsyncCheckpointer
 
     factory = fixtures.PeftFactory()
     model, tokenizer = factory.model(), factory.tokenizer()

@@ -8,7 +8,7 @@ on S3, its multipart upload open), and the save then commits. Abandoned attempts
 SIGKILLed there) are kept until the store's clock says they are older than the grace period, and
 collected then, whatever their ids say; the store's clock is moved without sleeping (local files'
 mtimes set explicitly; moto stamping objects with a shifted clock; the store's "now" read an hour
-later: :mod:`opd_store.testing.aged_objects`). On local disk and on S3 (moto).
+later: :mod:`opd_testkit.aged_objects`). On local disk and on S3 (moto).
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import time
 from pathlib import Path
 
 import pytest
+from opd_testkit import forkserver
+from opd_testkit.aged_objects import backdate, moto_clock
+from opd_testkit.stores import Backend
+from proc_writer import make_bytes
 
 import opd_store
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.layout import attempt_created_secs, new_attempt_id
-from opd_store.orphans import collect_garbage, delete_orphans, find_orphans
-from opd_store.retention import RetentionPolicy
-from opd_store.testing import forkserver
-from opd_store.testing.aged_objects import backdate, moto_clock
-from opd_store.testing.stores import Backend
-from proc_writer import make_bytes
+from opd_store.format import attempt_created_secs, new_attempt_id
+from opd_store.retention import RetentionPolicy, collect_garbage
+from opd_store.retention._gc import delete_orphans, find_orphans
 
 REPO_ROOT = Path(opd_store.__file__).resolve().parents[1]
 WRITER = Path(__file__).with_name("skewed_writer.py")
@@ -64,7 +64,7 @@ def cli_args(backend: Backend) -> list[str]:
 
 class Writer:
     """One ``skewed_writer.py`` process (see its docstring), forked from this worker's preloaded
-    fork server (:mod:`opd_store.testing.forkserver`): the writer shifts ``time.time`` when its
+    fork server (:mod:`opd_testkit.forkserver`): the writer shifts ``time.time`` when its
     program starts, which every clock reading of opd_store goes through (``time.time()`` looked up
     at each call), in a forked child as in a new interpreter."""
 
@@ -304,7 +304,7 @@ def test_an_orphan_whose_writer_streams_again_before_its_deletion_keeps_attempt_
     part, both stored then); before the deletion its writer uploads b.bin's next part. The second
     look sees that part (an upload is activity of its attempt, as an object is): neither the
     attempt nor its upload is removed, although the survey had found both stale."""
-    from faults import FaultyStorage
+    from opd_store.testing import FaultyStorage
 
     backend = s3_backend
     client = moto_s3.boto3_client()

@@ -10,16 +10,16 @@ from __future__ import annotations
 import time
 
 import pytest
+from opd_testkit.aged_objects import backdate, moto_clock
+from opd_testkit.stores import open_store, raw_put
 
-from faults import Fault, FaultyStorage, InjectedFault
 from opd_store import CheckpointNotFoundError, CheckpointStore
-from opd_store.orphans import collect_garbage, find_orphans
-from opd_store.pruning import apply_retention, execute_plan, plan_store_retention
-from opd_store.layout import new_attempt_id
-from opd_store.pins import pin, pinned_steps, unpin
-from opd_store.retention import RetentionPolicy
-from opd_store.testing.aged_objects import backdate, moto_clock
-from opd_store.testing.stores import open_store, raw_put
+from opd_store.format import new_attempt_id
+from opd_store.retention import RetentionPolicy, apply_retention, collect_garbage
+from opd_store.retention._executor import execute_plan, plan_store_retention
+from opd_store.retention._gc import find_orphans
+from opd_store.store import pin, pinned_steps, unpin
+from opd_store.testing import Fault, FaultyStorage, InjectedFault
 
 
 def commit(store: CheckpointStore, step: int, *, payload: bytes | None = None, metadata=None) -> None:

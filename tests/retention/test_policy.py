@@ -8,15 +8,14 @@ import random
 
 import pytest
 
-from opd_store.retention import (
+from opd_store.retention import RetentionPolicy, RunLineage
+from opd_store.retention._policy import (
     KEEP_EVERY,
     KEEP_JUST_COMMITTED,
     KEEP_LAST,
     KEEP_NEWEST,
     KEEP_PARENT,
     KEEP_PINNED,
-    RetentionPolicy,
-    RunLineage,
     StepRecord,
     plan_retention,
     protected_parents,

@@ -23,15 +23,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+from opd_testkit import forkserver
+from opd_testkit import opd as helpers
+from opd_testkit.stores import Backend
 
-from faults import Fault, FaultyStorage, InjectedFault
 from opd_store import AsyncCheckpointer, CheckpointStore, TieredStore, save_opd_checkpoint
 from opd_store.cli import main
 from opd_store.errors import BackgroundSaveError, RetentionError, UploadError
 from opd_store.retention import RetentionPolicy
-from opd_store.testing import forkserver
-from opd_store.testing import opd as helpers
-from opd_store.testing.stores import Backend
+from opd_store.testing import Fault, FaultyStorage, InjectedFault
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]

@@ -1,7 +1,7 @@
 """Retention applied by ``save_opd_checkpoint`` after its own commit, never deleting the step a run
 resumed from (a run that resumes and crashes before its first save still finds that step).
 
-Real saves and loads of the OPD layer (small real torch objects from opd_store.testing.opd), on
+Real saves and loads of the OPD layer (small real torch objects from opd_testkit.opd), on
 local disk and S3 (moto server). Crashes are injected with tests/faults.py: a ``KeyboardInterrupt``
 raised by the storage stands for the process dying at that operation.
 """
@@ -9,16 +9,14 @@ raised by the storage stands for the process dying at that operation.
 from __future__ import annotations
 
 import pytest
+from opd_testkit import opd as helpers
+from opd_testkit.stores import open_store
 
-from faults import Fault, FaultyStorage, InjectedFault
 from opd_store import CheckpointStore, RetentionError
-from opd_store.orphans import collect_garbage
-from opd_store.opd.checkpoint import load_opd_checkpoint, save_opd_checkpoint
-from opd_store.opd.config import OPDConfig
-from opd_store.pins import pin
-from opd_store.retention import RetentionPolicy, RunLineage
-from opd_store.testing import opd as helpers
-from opd_store.testing.stores import open_store
+from opd_store.opd import OPDConfig, load_opd_checkpoint, save_opd_checkpoint
+from opd_store.retention import RetentionPolicy, RunLineage, collect_garbage
+from opd_store.store import pin
+from opd_store.testing import Fault, FaultyStorage, InjectedFault
 
 
 def save(store, step: int, **kwargs) -> str:

@@ -7,9 +7,8 @@ import pytest
 
 from opd_store import CheckpointStore
 from opd_store.errors import RetentionError, UploadError
-from opd_store.pins import pin
-from opd_store.pruning import apply_retention
-from opd_store.retention import RetentionPolicy
+from opd_store.retention import RetentionPolicy, apply_retention
+from opd_store.store import pin
 from opd_store.tiered import TieredStore
 
 

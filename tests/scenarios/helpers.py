@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from opd_testkit.stores import EMULATOR_ENV, open_store  # noqa: F401 - the tests import open_store here
 
-from opd_store.testing import machines
-from opd_store.testing.stores import EMULATOR_ENV, open_store  # noqa: F401 - the tests import open_store here
+from opd_store.job import _machines as machines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 32
@@ -26,7 +26,7 @@ def seed_all(seed: int) -> None:
 
 def config(updates: int = 8):
     """The main job's real pydantic ``OPDConfig``."""
-    from opd_store.job.train import job_config
+    from opd_store.job._train import job_config
 
     return job_config(updates=updates, checkpoint_every=2, store_url="scenario")
 
@@ -63,7 +63,7 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
 
 def save(store, *, model, optimizer, scheduler, trainer_state: dict, teacher_state: dict | None = None,
          cfg=None, **kwargs) -> str:
-    from opd_store.opd.checkpoint import save_opd_checkpoint
+    from opd_store.opd import save_opd_checkpoint
 
     return save_opd_checkpoint(
         checkpoints_dir=store, model=model, processor=None, optimizer=optimizer, scheduler=scheduler,
@@ -73,7 +73,7 @@ def save(store, *, model, optimizer, scheduler, trainer_state: dict, teacher_sta
 
 
 def load(checkpoint, *, model, optimizer, scheduler, cfg=None, storage_options=None) -> dict:
-    from opd_store.opd.checkpoint import load_adapter, load_opd_checkpoint
+    from opd_store.opd import load_adapter, load_opd_checkpoint
 
     load_adapter(checkpoint, model, storage_options=storage_options)
     return load_opd_checkpoint(
@@ -90,7 +90,7 @@ def base_state(step: int, **extra) -> dict:
 
 
 def fresh_machine(base: Path, extra_env: dict[str, str] | None = None) -> tuple[dict[str, str], Path]:
-    """A fresh machine (:func:`opd_store.testing.machines.fresh_machine`) with the emulator
+    """A fresh machine (:func:`opd_store.job._machines.fresh_machine`) with the emulator
     environment and this worktree's opd_store and test helpers first on ``PYTHONPATH``."""
     return machines.fresh_machine(base, {**EMULATOR_ENV, **(extra_env or {})},
                                   pythonpath=[str(REPO_ROOT), str(REPO_ROOT / "tests")])

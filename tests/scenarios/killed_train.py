@@ -17,8 +17,9 @@ import os
 import signal
 import sys
 
-from opd_store import attempt, transaction
 from opd_store.cli import main
+from opd_store.commit import _attempt as attempt
+from opd_store.commit import _transaction as transaction
 
 
 def _install(kill_step: int, kill_after: int) -> None:

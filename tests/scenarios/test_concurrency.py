@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
+from opd_store.commit import Transaction
 from opd_store.errors import CommitConflictError
-from opd_store.opd.rng import capture_rng_state
-from opd_store.transaction import Transaction
+from opd_store.opd._rng import capture_rng_state
 
 from .helpers import adapter_tensors, base_state, load, open_store, save, seed_all, student, trainable
 

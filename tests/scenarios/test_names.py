@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore, latest_complete_checkpoint
 from opd_store.errors import CheckpointNotFoundError, IncompleteCheckpointError
-from opd_store.opd.checkpoint import load_opd_checkpoint
-from opd_store.testing import forkserver
+from opd_store.opd import load_opd_checkpoint
 
 from .helpers import PROVENANCE, PYTHON, adapter_tensors, base_state, config, fresh_machine, save, student, trainable
 

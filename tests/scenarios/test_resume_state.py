@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from opd_store.errors import UnsafeCheckpointError
-from opd_store.job.train import warmup_decay
-from opd_store.opd.data import LoaderPosition
+from opd_store.job._train import warmup_decay
+from opd_store.opd import LoaderPosition
 
 from .helpers import VOCAB, adapter_tensors, base_state, load, save, seed_all, student, trainable
 
@@ -452,7 +452,7 @@ def test_optimizer_state_lands_on_the_params_device_and_dtype(store, device, fus
         return target, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
     target, opt, sched = fresh()
-    from opd_store.opd.checkpoint import load_opd_checkpoint
+    from opd_store.opd import load_opd_checkpoint
 
     from .helpers import PROVENANCE, config
 
@@ -515,7 +515,7 @@ def test_optimizer_state_saved_on_gpu_loads_on_this_host(store, device):
     target = torch.nn.Linear(4, 3).to(device=device, dtype=torch.float64)
     opt = torch.optim.AdamW(list(target.parameters()), lr=0.01, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    from opd_store.opd.checkpoint import load_opd_checkpoint
+    from opd_store.opd import load_opd_checkpoint
 
     from .helpers import PROVENANCE, config
 

@@ -17,7 +17,7 @@ import pydantic
 import torch
 
 from opd_store.errors import UnsafeCheckpointError
-from opd_store.opd.safe_load import ALLOWED_GLOBALS
+from opd_store.opd._safe_load import ALLOWED_GLOBALS
 
 from .helpers import base_state, config, load, save, student, trainable
 

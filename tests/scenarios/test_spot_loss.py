@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from opd_store.testing import forkserver
+from opd_testkit import forkserver
 
 from .helpers import PYTHON, fresh_machine, open_store, store_args
 

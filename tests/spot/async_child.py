@@ -27,15 +27,16 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
-from opd_store.testing.stores import Backend  # noqa: E402
-from faults import Fault, FaultyStorage  # noqa: E402
+from opd_testkit import opd as fixtures  # noqa: E402
+from opd_testkit.stores import Backend  # noqa: E402
 
 from opd_store import CheckpointStore  # noqa: E402
-from opd_store.opd.async_save import AsyncCheckpointer  # noqa: E402
-from opd_store.opd.checkpoint import save_opd_checkpoint  # noqa: E402
-from opd_store.opd.rng import capture_rng_state  # noqa: E402
-from opd_store.testing import opd as fixtures  # noqa: E402
-
+from opd_store.opd import (
+    AsyncCheckpointer,  # noqa: E402
+    save_opd_checkpoint,  # noqa: E402
+)
+from opd_store.opd._rng import capture_rng_state  # noqa: E402
+from opd_store.testing import Fault, FaultyStorage  # noqa: E402
 
 
 def say(message: str) -> None:

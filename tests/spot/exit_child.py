@@ -3,7 +3,7 @@ tests/spot/test_exit_paths.py, forked from the preloaded fork server).
 
 ``python tests/spot/exit_child.py BACKEND_JSON LOCAL_TIER_DIR PATH [ORDER]``; messages go to
 stdout, one per line, flushed. Every path saves step 2 with the small real OPD objects of
-:mod:`opd_store.testing.opd` (tensors in the snapshot) and must end with exit status 0 and step 2
+:mod:`opd_testkit.opd` (tensors in the snapshot) and must end with exit status 0 and step 2
 committed (for the tier paths: durable in the bucket), with no thread of opd_store alive when the
 ``atexit`` hooks run (printed as ``threads at exit: [...]``, just before the interpreter
 finalizes). The commit point of the save (the manifest
@@ -17,7 +17,7 @@ process starts to end:
     race that ended such processes with SIGABRT).
 ``tier-exit``
     The same through a :class:`TieredStore` whose bucket upload waits at the gate; the gate opens
-    from an exit hook registered after the store's (:func:`opd_store.exit_hooks.register`; hooks
+    from an exit hook registered after the store's (:func:`opd_store.runtime._exit_hooks.register`; hooks
     run last-registered first), so the upload finishes while the interpreter is exiting.
 ``async-tier-exit``
     An :class:`AsyncCheckpointer` save into a :class:`TieredStore` whose *local* commit waits at
@@ -43,14 +43,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from faults import Fault, FaultyStorage  # noqa: E402
+from opd_testkit.opd import save_kwargs  # noqa: E402
+from opd_testkit.stores import Backend, open_store  # noqa: E402
 
-from opd_store import CheckpointStore, TieredStore, exit_hooks  # noqa: E402
-from opd_store.opd.async_save import AsyncCheckpointer  # noqa: E402
-from opd_store.opd.checkpoint import save_opd_checkpoint  # noqa: E402
-from opd_store.preemption import PreemptionWatcher  # noqa: E402
-from opd_store.testing.opd import save_kwargs  # noqa: E402
-from opd_store.testing.stores import Backend, open_store  # noqa: E402
+from opd_store import CheckpointStore, TieredStore
+from opd_store.opd import (
+    AsyncCheckpointer,  # noqa: E402
+    save_opd_checkpoint,  # noqa: E402
+)
+from opd_store.runtime import PreemptionWatcher  # noqa: E402
+from opd_store.runtime import _exit_hooks as exit_hooks  # noqa: E402
+from opd_store.testing import Fault, FaultyStorage  # noqa: E402
 
 STEP = 2
 # A teacher whose EMA weights are parameters: the snapshot holds new nn.Parameter objects over the

@@ -18,15 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from faults import Fault, FaultyStorage, InjectedFault
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
 from opd_store.errors import BackgroundSaveError, CommitError, SaveInFlightError
-from opd_store.opd.async_save import AsyncCheckpointer
-from opd_store.opd.checkpoint import load_adapter, load_opd_checkpoint
-from opd_store.opd.rng import capture_rng_state, restore_rng_state
-from opd_store.testing import forkserver
+from opd_store.opd import AsyncCheckpointer, load_adapter, load_opd_checkpoint
+from opd_store.opd._rng import capture_rng_state, restore_rng_state
+from opd_store.testing import Fault, FaultyStorage, InjectedFault
 
 HERE = Path(__file__).parent
 DEADLINE_SECS = 120

@@ -4,13 +4,13 @@ committed: an asynchronous save at interpreter exit, a tier upload at interprete
 
 Two faults of this kind were found: a process that ended while the writer thread still freed the
 snapshot's tensors died with SIGABRT after the save had committed ("terminate called without an
-active exception", exit -6, in about 1 of 6 runs; the docstring of :mod:`opd_store.pipeline.worker`
+active exception", exit -6, in about 1 of 6 runs; the docstring of :mod:`opd_store.pipeline._worker`
 says why), and an S3 save whose first request came after ``main`` returned failed with "cannot
-schedule new futures after interpreter shutdown" (``opd_store.exit_hooks``). Each path runs :data:`RUNS`
+schedule new futures after interpreter shutdown" (``opd_store.runtime._exit_hooks``). Each path runs :data:`RUNS`
 times (32 runs in all; a 1-in-6 failure passes all of them with probability (5/6)**32 < 0.3 %),
 and each run also checks the cause whatever the timing: no thread of opd_store is alive when the
 ``atexit`` hooks run, just before the interpreter finalizes. Each run is a process forked from the
-preloaded fork server (:mod:`opd_store.testing.forkserver`) that ends through the interpreter's
+preloaded fork server (:mod:`opd_testkit.forkserver`) that ends through the interpreter's
 real exit (exit hooks, ``atexit`` hooks, finalization), as a training script does.
 
 A third: an asynchronous save into a tiered store that commits while the interpreter exits queues
@@ -26,8 +26,7 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from opd_store.testing.stores import Backend, open_store
+from opd_testkit.stores import Backend, open_store
 
 CHILD = Path(__file__).with_name("exit_child.py")
 RUNS = 4

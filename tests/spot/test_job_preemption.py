@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
-from opd_store.testing import forkserver
 
 pytestmark = pytest.mark.timeout(2400)  # several job processes; each imports torch/transformers/peft
 

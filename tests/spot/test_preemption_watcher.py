@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from opd_store.preemption import PreemptionWatcher
+from opd_store.runtime import PreemptionWatcher
 
 DEADLINE_SECS = 60
 

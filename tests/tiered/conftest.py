@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Callable
 
 import pytest
-
-from opd_store.testing.hold_proxy import HoldProxy
-from opd_store.testing.stores import Backend
+from opd_testkit.hold_proxy import HoldProxy
+from opd_testkit.stores import Backend
 
 
 @pytest.fixture

@@ -20,14 +20,15 @@ import time
 from pathlib import Path
 
 import pytest
-from opd_store.testing.proxies import through_proxy
-from opd_store.testing.stores import Backend
+from opd_testkit import forkserver
+from opd_testkit.proxies import through_proxy
+from opd_testkit.stores import Backend
 from proc_writer import payloads_for
 
 from opd_store import CheckpointStore
 from opd_store.cli import main
-from opd_store.tiered import TieredStore, same_payloads
-from opd_store.testing import forkserver
+from opd_store.tiered import TieredStore
+from opd_store.tiered._store import same_payloads
 
 CHILD = str(Path(__file__).with_name("tier_child.py"))
 REPO = str(Path(__file__).resolve().parents[2])

@@ -16,16 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from opd_store.testing.stores import Backend
-from faults import Fault, FaultyStorage, InjectedFault
 from fsspec.callbacks import Callback
+from opd_testkit.stores import Backend
 from proc_writer import payloads_for
 
 from opd_store import CheckpointStore, latest_complete_checkpoint, load_opd_checkpoint, save_opd_checkpoint
 from opd_store.errors import CommitConflictError, CommitError, IntegrityError, UploadError
 from opd_store.retention import RetentionPolicy
-from opd_store.tiered import TieredStore, same_payloads
-from opd_store.transfer import copy_checkpoint
+from opd_store.store import copy_checkpoint
+from opd_store.testing import Fault, FaultyStorage, InjectedFault
+from opd_store.tiered import TieredStore
+from opd_store.tiered._store import same_payloads
 
 
 class CountingStorage(FaultyStorage):
@@ -309,7 +310,7 @@ def test_opd_save_latest_and_load_through_a_tiered_store(bucket_backend, tmp_pat
 def test_every_public_store_method_is_tiered():
     """The tiered store composes two stores: it offers the whole store API itself, inherits no
     method it would have to refuse, and has no single storage."""
-    from opd_store.store_api import BaseStore
+    from opd_store.store import BaseStore
 
     api = {name for name in dir(BaseStore) if not name.startswith("_")}
     assert api <= set(vars(TieredStore)) and not issubclass(TieredStore, CheckpointStore)

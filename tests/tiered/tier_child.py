@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opd_store.testing.stores import Backend, use_emulator_environment  # noqa: E402
+from opd_testkit.stores import Backend, use_emulator_environment  # noqa: E402
 
 use_emulator_environment()  # before fsspec's S3/GCS backends are imported
 from proc_writer import payloads_for  # noqa: E402

@@ -13,7 +13,7 @@ _SPEC = os.environ.get("OPD_TEST_BLOCK_SAVE")
 if _SPEC:
     import threading
 
-    from opd_store.opd import save as _checkpoint  # where the payload writes live
+    from opd_store.opd import _save as _checkpoint  # where the payload writes live
 
     _rank, _step, _marker = _SPEC.split(":", 2)
     _original = _checkpoint._save_torch

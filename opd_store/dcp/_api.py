@@ -1,0 +1,215 @@
+"""``save``, ``load`` and ``async_save``: DCP with opd_store's storage and opd_store's errors.
+
+Plain ``dcp.save(..., storage_writer=StoreWriter(store, step))`` works; these functions add what a
+caller of opd_store expects: the committed URL as the result, a discarded attempt when the save
+fails, and DCP's ``CheckpointException`` (a ``BaseException`` whose ``failures`` map ranks to
+errors) turned into opd_store's typed errors, the same on every rank:
+
+* a save that failed anywhere raises :class:`~opd_store.errors.DistributedSaveError` (or
+  :class:`~opd_store.errors.DistributedCommitConflictError` when the step was already committed),
+  naming each failing rank and its error; a single process raises its own error;
+* a load that failed raises the failing ranks' error itself when they all failed the same way
+  (an :class:`~opd_store.errors.IncompleteCheckpointError` for a missing or truncated rank file, an
+  :class:`~opd_store.errors.IntegrityError` for a checksum mismatch: each naming step, rank and
+  file), an error of that class naming each failing rank when they failed with one opd_store error
+  class but different messages, and :class:`~opd_store.errors.DistributedLoadError` otherwise.
+  Every check runs before DCP reads (:mod:`opd_store.dcp._reader`): no tensor has changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import (
+    CommitConflictError,
+    DistributedCommitConflictError,
+    DistributedLoadError,
+    DistributedSaveError,
+    OpdStoreError,
+)
+from ..store import BaseStore
+from ._reader import StoreReader
+from ._writer import ExtraPayloads, StoreWriter
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_size(process_group: Any) -> int:
+    if not _distributed():
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def _failures(exc: CheckpointException) -> dict[int, BaseException]:
+    return {int(rank): (wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+            for rank, wrapped in exc.failures.items()}
+
+
+def _text(failures: dict[int, BaseException]) -> dict[int, str]:
+    return {rank: f"{type(error).__name__}: {error}" for rank, error in sorted(failures.items())}
+
+
+def save_error(exc: CheckpointException, *, url: str, step: int, world_size: int) -> BaseException:
+    """The opd_store error of a failed DCP save (see the module docstring)."""
+    failures = _failures(exc)
+    if world_size == 1 and len(failures) == 1:
+        return next(iter(failures.values()))
+    conflict = all(isinstance(error, CommitConflictError) for error in failures.values())
+    cls = DistributedCommitConflictError if conflict else DistributedSaveError
+    text = _text(failures)
+    return cls.from_failures(
+        f"{url}: step {step} was not committed: " + "; ".join(f"rank {r} failed: {t}" for r, t in text.items()), text)
+
+
+def load_error(exc: CheckpointException, *, url: str, step: int,
+               metadata_error: BaseException | None = None) -> BaseException:
+    """The opd_store error of a failed DCP load (see the module docstring); ``metadata_error`` is
+    this rank's typed error from ``read_metadata``, which DCP reports as an ``AssertionError``."""
+    failures = _failures(exc)
+    if metadata_error is not None:
+        failures = {rank: metadata_error if isinstance(error, AssertionError) and str(metadata_error) in str(error)
+                    else error for rank, error in failures.items()}
+    text = _text(failures)
+    distinct = {(type(error), str(error)) for error in failures.values()}
+    if len(distinct) == 1:
+        error = next(iter(failures.values()))
+        error.failures = text
+        return error
+    classes = {type(error) for error in failures.values()}
+    summary = "; ".join(f"rank {r} failed: {t}" for r, t in text.items())
+    if len(classes) == 1 and issubclass(next(iter(classes)), OpdStoreError):
+        error = next(iter(classes))(f"{url}: step {step} could not be loaded: {summary}")
+        error.failures = text
+        return error
+    return DistributedLoadError.from_failures(f"{url}: step {step} could not be loaded on {len(failures)} rank(s): "
+                                              f"{summary}", text)
+
+
+def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
+         storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
+         metadata: dict[str, Any] | None = None, mesh_shape: list[int] | None = None,
+         extra_payloads: ExtraPayloads | None = None) -> str:
+    """``dcp.save`` of ``state_dict`` as step ``step`` of ``store``; returns the committed URL.
+
+    Rank obligations: every rank of ``process_group`` (default: the default group, or this
+    process alone without one) calls it with the same store and step.
+
+    Args:
+        state_dict (dict): what ``dcp.save`` takes (DTensors of a sharded model, tensors, objects,
+            ``Stateful`` values).
+        store (BaseStore | str | os.PathLike): a store or its URL.
+        step (int): a step not committed yet.
+        storage_options (dict | None): fsspec options for a URL.
+        process_group: the group saving together (DCP's ``process_group``).
+        planner: DCP's ``SavePlanner`` (default ``DefaultSavePlanner``).
+        metadata, mesh_shape, extra_payloads: see :class:`~opd_store.dcp._writer.StoreWriter`.
+
+    Raises:
+        DistributedSaveError: (an ``OSError``) a rank failed; nothing committed; on every rank.
+        DistributedCommitConflictError: (a ``FileExistsError``) the step is already committed.
+        The single process's own error without a process group (``CommitConflictError``, ...).
+    """
+    writer = StoreWriter(store, step, storage_options=storage_options, metadata=metadata, mesh_shape=mesh_shape,
+                         extra_payloads=extra_payloads)
+    world_size = _group_size(process_group)
+    try:
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                 no_dist=not _distributed())
+    except CheckpointException as exc:
+        writer.abort()
+        raise save_error(exc, url=writer.checkpoint_id, step=step, world_size=world_size) from exc
+    return writer.checkpoint_id
+
+
+def load(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
+         storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
+         single_process: bool = False) -> None:
+    """``dcp.load`` of step ``step`` of ``store`` into ``state_dict`` (in place, resharded).
+
+    Rank obligations: every rank of ``process_group`` calls it with the same store and step; with
+    ``single_process`` this process loads alone (no collectives, even under a process group).
+
+    Raises:
+        IncompleteCheckpointError, IntegrityError, DistributedLoadError, ...: see the module
+            docstring; raised on every rank before any tensor of ``state_dict`` changed.
+        CheckpointNotFoundError: the step is not committed.
+    """
+    reader = StoreReader(store, step, storage_options=storage_options)
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                 no_dist=single_process or not _distributed())
+    except CheckpointException as exc:
+        raise load_error(exc, url=reader.checkpoint_id, step=step, metadata_error=reader.metadata_error) from exc
+
+
+@dataclasses.dataclass
+class AsyncSave:
+    """A save in flight (:func:`async_save`).
+
+    Attributes:
+        staged (Future[None]): done once the state is copied to host memory: the training may then
+            change its tensors (already done when the stager stages synchronously, the default).
+        committed (Future[str]): the committed URL, or :func:`save`'s errors.
+    """
+
+    staged: Future
+    committed: Future
+
+    def result(self, timeout: float | None = None) -> str:
+        """The committed URL (waits up to ``timeout`` seconds); raises the save's error."""
+        return self.committed.result(timeout=timeout)
+
+
+def async_save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
+               storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
+               metadata: dict[str, Any] | None = None, async_stager: Any = None,
+               extra_payloads: ExtraPayloads | None = None) -> AsyncSave:
+    """``dcp.async_save``: returns once DCP staged ``state_dict`` (CPU copies), or, with an
+    asynchronous stager (``DefaultStager(StagingOptions(use_pinned_memory=True,
+    use_async_staging=True, ...))``: pinned host buffers, copies on a side stream), once staging
+    began; ``staged`` says when the tensors may change, ``committed`` resolves to the URL or
+    raises :func:`save`'s errors.
+
+    Rank obligations: as :func:`save`; ``process_group`` should be a group used by nothing else
+    while the save runs (its collectives run on DCP's background thread), e.g.
+    ``dist.new_group(backend="gloo")``.
+    """
+    writer = StoreWriter(store, step, storage_options=storage_options, metadata=metadata,
+                         extra_payloads=extra_payloads)
+    world_size = _group_size(process_group)
+    kwargs = {} if async_stager is None else {"async_stager": async_stager}
+    response = dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                              **kwargs)
+    upload = getattr(response, "upload_completion", response)
+    staged = getattr(response, "staging_completion", None)
+    if staged is None:
+        staged = Future()
+        staged.set_result(None)
+    result: Future = Future()
+
+    def settle(done: Future) -> None:
+        try:
+            done.result()
+        except CheckpointException as exc:
+            writer.abort()
+            result.set_exception(save_error(exc, url=writer.checkpoint_id, step=step, world_size=world_size))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            writer.abort()
+            result.set_exception(exc)
+        else:
+            result.set_result(writer.checkpoint_id)
+
+    upload.add_done_callback(settle)
+    return AsyncSave(staged=staged, committed=result)
+
+
+__all__ = ["AsyncSave", "async_save", "load", "load_error", "save", "save_error"]

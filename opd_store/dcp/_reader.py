@@ -1,0 +1,204 @@
+"""``StoreReader``: DCP's ``StorageReader`` over a committed opd_store checkpoint.
+
+``dcp.load(state_dict, storage_reader=StoreReader(store, step))`` loads with DCP's planners,
+resharding included (a checkpoint saved from W ranks loads on W'). What this class adds is the
+rule that **nothing reaches a tensor before every byte this rank reads has been checked**, and that
+a damaged checkpoint fails every rank:
+
+1. ``read_metadata`` (every rank): the step must be committed; DCP's metadata is read as a payload
+   (size and CRC32C checked) and decoded without running code
+   (:func:`~opd_store.dcp._metadata_io.loads_metadata`).
+2. ``prepare_local_plan`` (every rank, inside DCP's planning collective): the committed attempt is
+   listed and every file of the manifest must be there with its size (a missing or truncated rank
+   file fails every rank with the same :class:`~opd_store.errors.IncompleteCheckpointError`, naming
+   step, rank and file); then each file this rank's plan reads is fetched and checked against its
+   manifest entry (:meth:`BaseStore.open`: remote objects one GET held in memory, local files
+   checksummed through a read-only map). A mismatch raises :class:`~opd_store.errors.IntegrityError`
+   naming the step, the file and the rank that wrote it. DCP gathers these outcomes before any
+   rank reads: a failure anywhere raises the same ``CheckpointException`` on every rank and no
+   tensor has changed.
+3. ``read_data``: items are read from the checked files into DCP's planner; object items are
+   handed on only once ``torch.load(weights_only=True)`` accepted them (DCP's default planner
+   loads them with ``weights_only=False``).
+
+The price of step 2 on remote stores: the files a rank reads are in memory together, about that
+rank's share of the checkpoint, before its tensors are filled (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, BinaryIO
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
+from ..format import step_dirname
+from ..store import COMPLETE, UNCOMMITTED, BaseStore, as_store
+from ._items import read_items
+from ._metadata_io import METADATA_NAME, describe_file, loads_metadata
+
+logger = logging.getLogger("opd_store.dcp")
+
+
+class StoreReader(StorageReader):
+    """DCP storage reader of one committed step (see the module docstring).
+
+    Args:
+        store (BaseStore | str | os.PathLike): a store (plain or tiered) or its URL.
+        step (int): a committed step written by :class:`~opd_store.dcp._writer.StoreWriter` (or
+            adopted with ``opd-store import-dcp``).
+        storage_options (dict | None): fsspec options when ``store`` is a URL.
+
+    Rank obligations: every rank of the process group passed to ``dcp.load`` uses a reader of the
+    same store and step.
+    """
+
+    def __init__(self, store: BaseStore | str | os.PathLike, step: int, *,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        step_dirname(step)
+        self.store = as_store(store, storage_options)
+        self.step = step
+        self.rank = 0
+        self.manifest = None
+        self.storage_data: dict = {}
+        self.metadata_error: Exception | None = None
+        self._files: dict[str, BinaryIO] = {}
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The step's URL."""
+        return self.store.step_url(self.step)
+
+    # -- DCP's StorageReader -------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new load: files held from an earlier one are released.
+
+        Raises:
+            ValueError: ``checkpoint_id`` names another location than this reader's step.
+        """
+        self._close_files()
+        self.manifest = None
+        if checkpoint_id is not None and os.fspath(checkpoint_id).rstrip("/") != self.checkpoint_id:
+            raise ValueError(f"StoreReader for {self.checkpoint_id} was given checkpoint_id {checkpoint_id!r}")
+
+    def read_metadata(self) -> Metadata:
+        """The step's DCP metadata (manifest read, ``.metadata`` checked and decoded safely).
+
+        Raises:
+            CheckpointNotFoundError: the step has no manifest (uncommitted, or nothing there).
+            ManifestError: the manifest is unreadable.
+            IntegrityError, IncompleteCheckpointError: the ``.metadata`` payload is damaged or absent.
+            UnsafeCheckpointError: the metadata names a global outside DCP's metadata classes.
+            ValueError: the checkpoint was not written through DCP (no ``.metadata`` payload).
+        """
+        self.metadata_error = None
+        try:
+            manifest = self.store.manifest(self.step)
+            if manifest.entry(METADATA_NAME) is None:
+                raise ValueError(f"{self.checkpoint_id}: step {self.step} is not a DCP checkpoint (no "
+                                 f"{METADATA_NAME} payload); load it with load_opd_checkpoint")
+            self.manifest = manifest
+            data = self.store.read(self.step, METADATA_NAME, manifest=manifest)
+            return loads_metadata(data, source=f"{self.checkpoint_id}/{METADATA_NAME}")
+        except Exception as exc:
+            # DCP turns a failed read_metadata into an AssertionError naming it; the typed error is
+            # kept for opd_store.dcp.load to raise instead.
+            self.metadata_error = exc
+            raise
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self.rank = int(kwargs.get("rank") or 0)
+        if self.manifest is None:  # read_metadata was not called on this instance (a caller's metadata)
+            self.manifest = self.store.manifest(self.step)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Check the whole step's files, then fetch and check the files this rank reads.
+
+        Raises:
+            IncompleteCheckpointError: a file of the manifest is missing or has another size
+                (every rank raises it), naming step, rank and file.
+            IntegrityError: a file this rank reads differs from its manifest entry (CRC32C),
+                naming step, rank and file.
+            ValueError: an item of the plan has no place in the metadata.
+        """
+        self._close_files()
+        self._check_complete()
+        names = []
+        for item in plan.items:
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise ValueError(f"{self.checkpoint_id}: DCP metadata has no storage for {item.storage_index.fqn!r}")
+            if info.relative_path not in names:
+                names.append(info.relative_path)
+        for name in sorted(names):
+            self._files[name] = self._open_checked(name)
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items from the files checked in :meth:`prepare_local_plan`.
+
+        Raises:
+            UnsafeCheckpointError: an object item weights-only loading refuses.
+            ValueError: a file that was not checked (a plan changed after planning), or an item
+                inconsistent with its file.
+        """
+        per_file: dict[str, list] = {}
+        for request in plan.items:
+            per_file.setdefault(self.storage_data[request.storage_index].relative_path, []).append(request)
+        try:
+            for name, requests in per_file.items():
+                reader = self._files.get(name)
+                if reader is None:
+                    raise ValueError(f"{self.checkpoint_id}: {describe_file(name)} was not checked before reading")
+                read_items(reader, requests, self.storage_data, planner,
+                           where=f"{self.checkpoint_id}: {describe_file(name)}")
+        finally:
+            self._close_files()
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """False: DCP never picks this reader by itself; pass ``storage_reader=StoreReader(...)``."""
+        return False
+
+    # -- checks --------------------------------------------------------------------------------
+    def _check_complete(self) -> None:
+        report = self.store.verify(self.step)  # one listing of the committed attempt: every size
+        status, problems = report.status, report.problems
+        if status == COMPLETE:
+            return
+        if status == UNCOMMITTED:
+            raise CheckpointNotFoundError(f"{self.checkpoint_id}: step {self.step} is not committed")
+        details = "; ".join(f"{describe_file(p.name)}: {p.detail}" for p in problems) or status
+        raise IncompleteCheckpointError(f"{self.checkpoint_id}: step {self.step} cannot be loaded ({status}): {details}")
+
+    def _open_checked(self, name: str) -> BinaryIO:
+        try:
+            return self.store.open(self.step, name, manifest=self.manifest)
+        except IntegrityError as exc:
+            raise IntegrityError(f"step {self.step}: {describe_file(name)} failed its check on rank {self.rank}: {exc}") from exc
+        except IncompleteCheckpointError as exc:
+            raise IncompleteCheckpointError(f"step {self.step}: {describe_file(name)} is missing: {exc}") from exc
+
+    def _close_files(self) -> None:
+        files, self._files = self._files, {}
+        for reader in files.values():
+            try:
+                reader.close()
+            except Exception:  # noqa: BLE001 - a reader that fails to close holds nothing we need
+                logger.debug("could not close a checkpoint reader", exc_info=True)
+
+
+__all__ = ["StoreReader"]

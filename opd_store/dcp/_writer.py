@@ -1,0 +1,257 @@
+"""``StoreWriter``: DCP's ``StorageWriter`` over any opd_store store, committed by one manifest.
+
+``dcp.save(state_dict, storage_writer=StoreWriter(store, step))`` (or ``dcp.async_save``) runs
+DCP's planners and collectives unchanged; this class decides only where bytes go and when the
+checkpoint exists. DCP calls it in this order, with opd_store's commit protocol mapped onto it:
+
+1. ``set_up_storage_writer`` and ``prepare_local_plan`` (every rank): nothing is written.
+2. ``prepare_global_plan`` (the coordinator, rank 0 of the process group): ``store.begin(step)``
+   opens the one attempt of this save (refusing a committed step before anything is written) and
+   its attempt id goes to every rank inside DCP's planning (each plan's ``storage_data``).
+3. ``write_data`` (every rank): the rank's items go into at most two payloads of that attempt,
+   ``__<rank>_0.distcp`` (its chunks of sharded tensors) and ``__<rank>_1.distcp`` (whole tensors
+   and objects, which DCP spreads over the ranks after deduplicating them and which every loading
+   rank needs), so a rank loading at the same world size reads its own shard file and the small
+   shared files, never another rank's shards. The coordinator writes into its transaction; every
+   other rank into a part (``store.begin_part``) that it seals (durable, with size and CRC32C) and
+   whose entries travel to the coordinator among its write results.
+4. ``finish`` (the coordinator, after every rank's write results arrived): the other ranks'
+   entries are added to the transaction, extra payloads (an OPD config) and DCP's metadata
+   (``.metadata``, as DCP's own writers spell it) are written, then the manifest is created only if
+   absent, listing every rank's files with size and CRC32C. That create is the commit.
+
+Nothing is renamed, deleted or overwritten on the way (DCP's own fsspec writer writes
+``.metadata.tmp``, deletes ``.metadata`` and renames, which on S3 is a copy and a delete with a
+window in which no metadata exists). When any rank fails, DCP's collectives raise the same
+``CheckpointException`` on every rank and ``finish`` never runs: nothing is committed, the
+previous steps are untouched. A failing rank discards its own part; the coordinator's attempt is
+discarded by :meth:`StoreWriter.abort` (:func:`opd_store.dcp.save` calls it) or the next
+``reset``; otherwise ``opd-store gc`` removes it once it is older than the grace period.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..format import PayloadEntry, step_dirname
+from ..store import BaseStore, as_store
+from ._items import write_items
+from ._metadata_io import METADATA_NAME, SHARD_FILE, SHARED_FILE, data_file_name, dumps_metadata
+
+logger = logging.getLogger("opd_store.dcp")
+
+DCP_VERSION = "1.0.0"
+"""The metadata version DCP's own writers record (``filesystem.CURRENT_DCP_VERSION``)."""
+_PART_FQN = "__opd_store_part__/"
+ExtraPayloads = Callable[[Any], None]
+"""``write(txn)``: write more payloads into the coordinator's transaction before DCP's metadata."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptPlan:
+    """What the coordinator shares with every rank in DCP's global plan.
+
+    Attributes:
+        attempt_id (str): the attempt every rank writes under.
+        world_size (int): ranks in the save's process group.
+    """
+
+    attempt_id: str
+    world_size: int
+
+
+def mesh_of(state_dict: Any) -> tuple[list[int], list[str] | None] | None:
+    """Shape and dimension names of the device mesh of the first ``DTensor`` in a flat state dict."""
+    from torch.distributed.tensor import DTensor
+
+    for value in (state_dict or {}).values():
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            names = list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+            return list(mesh.shape), names
+    return None
+
+
+class StoreWriter(StorageWriter):
+    """DCP storage writer committing one opd_store checkpoint (see the module docstring).
+
+    Args:
+        store (BaseStore | str | os.PathLike): a store (plain or tiered) or its URL.
+        step (int): the step to commit; must not be committed yet.
+        storage_options (dict | None): fsspec options when ``store`` is a URL.
+        metadata (dict | None): JSON stored in the manifest's ``metadata`` (readable without torch).
+            The writer adds ``checkpoint_format: "dcp"`` and ``mesh_shape``/``mesh_dim_names``.
+        mesh_shape (list[int] | None): recorded in the manifest; default the device mesh of the
+            first ``DTensor`` saved, or ``[world_size]`` without one.
+        extra_payloads (Callable[[Transaction], None] | None): called on the coordinator in
+            ``finish`` to write more payloads (``txn.open``/``txn.write_bytes``) before the commit.
+
+    Attributes:
+        committed_url (str | None): the step's URL, set on the coordinator once committed.
+
+    Rank obligations: every rank of the process group passed to ``dcp.save`` uses a writer of the
+    same store and step; rank 0 of that group is the coordinator (DCP's default).
+    """
+
+    def __init__(self, store: BaseStore | str | os.PathLike, step: int, *,
+                 storage_options: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
+                 mesh_shape: list[int] | None = None, extra_payloads: ExtraPayloads | None = None) -> None:
+        super().__init__()
+        step_dirname(step)  # a non-negative int, else ValueError
+        self.store = as_store(store, storage_options)
+        self.step = step
+        self.metadata = dict(metadata or {})
+        self.mesh_shape = None if mesh_shape is None else [int(n) for n in mesh_shape]
+        self.extra_payloads = extra_payloads
+        self.rank = 0
+        self.is_coordinator = True
+        self.committed_url: str | None = None
+        self._txn = None
+
+    # -- DCP's StorageWriter -------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A new save: an attempt left open by a failed save is discarded; a ``checkpoint_id``
+        must be this writer's step URL (``store.step_url(step)``).
+
+        Raises:
+            ValueError: ``checkpoint_id`` names another location.
+        """
+        self.abort()
+        self.committed_url = None
+        if checkpoint_id is not None and os.fspath(checkpoint_id).rstrip("/") != self.checkpoint_id:
+            raise ValueError(f"StoreWriter for {self.checkpoint_id} was given checkpoint_id {checkpoint_id!r}; "
+                             "make one writer per step (StoreWriter(store, step))")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Record this rank's role (DCP passes ``rank`` and ``use_collectives``).
+
+        Raises:
+            ValueError: ``use_collectives=False``: one manifest must name every rank's files.
+        """
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if not kwargs.get("use_collectives", True):
+            raise ValueError("StoreWriter needs dcp.save(use_collectives=True): one manifest commits every rank's files")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Open the attempt (the coordinator) and give its id to every rank.
+
+        Raises:
+            CommitConflictError: (a ``FileExistsError``) the step is already committed; nothing written.
+            UnsupportedBackendError: the backend has no create-only write.
+        """
+        self.abort()
+        world_size = len(plans)
+        self._txn = self.store.begin(self.step, world_size=world_size, metadata=self.metadata, rank=self.rank)
+        shared = AttemptPlan(self._txn.attempt_id, world_size)
+        return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items as payloads of the shared attempt (see the module docstring).
+
+        Raises:
+            UnsafeCheckpointError: an object that weights-only loading cannot restore (key named).
+            CommitConflictError: (a rank part) the step was committed meanwhile.
+            OSError: a payload could not be written (this rank's payloads are discarded).
+        """
+        shared: AttemptPlan = plan.storage_data
+        if self.is_coordinator:
+            target = self._txn
+            mesh = mesh_of(getattr(planner, "state_dict", None))
+            self._txn.metadata.update(self._format_metadata(shared.world_size, mesh))
+        else:
+            target = self.store.begin_part(self.step, attempt_id=shared.attempt_id, rank=self.rank,
+                                           world_size=shared.world_size)
+        try:
+            files = ((SHARD_FILE, [i for i in plan.items if i.type == WriteItemType.SHARD]),
+                     (SHARED_FILE, [i for i in plan.items if i.type != WriteItemType.SHARD]))
+            results: list[WriteResult] = []
+            for index, items in files:
+                if items:
+                    name = data_file_name(self.rank, index)
+                    with target.open(name) as writer:
+                        results += write_items(writer, name, items, planner)
+            if not self.is_coordinator:
+                entries = tuple(entry.model_dump() for entry in target.seal())
+                results.append(WriteResult(index=MetadataIndex(f"{_PART_FQN}{self.rank}"), size_in_bytes=0,
+                                           storage_data=entries))
+        except BaseException:
+            target.abort()
+            if self.is_coordinator:
+                self._txn = None
+            raise
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Add every rank's files, write the extra payloads and DCP's metadata, commit (coordinator).
+
+        Raises:
+            CommitConflictError: another attempt committed the step first.
+            CommitError: the manifest create failed (see :meth:`Transaction.commit`).
+            IncompleteCheckpointError: a file is not stored with the size written.
+        """
+        txn, self._txn = self._txn, None
+        if txn is None:
+            raise ValueError(f"{self.checkpoint_id}: finish without an open attempt (was prepare_global_plan run?)")
+        storage_data = {}
+        try:
+            for rank_results in results:
+                for result in rank_results:
+                    if result.index.fqn.startswith(_PART_FQN):
+                        for entry in result.storage_data:
+                            txn.add_entry(PayloadEntry(**entry))
+                    else:
+                        storage_data[result.index] = result.storage_data
+            metadata.version = DCP_VERSION
+            metadata.storage_data = storage_data
+            metadata.storage_meta = self.storage_meta()
+            if self.extra_payloads is not None:
+                self.extra_payloads(txn)
+            txn.write_bytes(METADATA_NAME, dumps_metadata(metadata))
+        except BaseException:
+            txn.abort()
+            raise
+        self.committed_url = txn.commit()  # aborts or keeps the payloads itself, by the failure's kind
+        logger.info("committed DCP checkpoint %s (world size %d)", self.committed_url, txn.world_size)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The step's URL."""
+        return self.store.step_url(self.step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """False: DCP never picks this writer by itself; pass ``storage_writer=StoreWriter(...)``."""
+        return False
+
+    # -- opd_store ------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Discard the attempt this coordinator opened and never committed (safe to call anywhere)."""
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            txn.abort()
+
+    def _format_metadata(self, world_size: int, mesh: tuple[list[int], list[str] | None] | None) -> dict:
+        shape = self.mesh_shape or (mesh[0] if mesh else [world_size])
+        names = mesh[1] if mesh and not self.mesh_shape else None
+        return {"checkpoint_format": "dcp", "dcp_world_size": world_size, "mesh_shape": shape,
+                "mesh_dim_names": names}
+
+
+__all__ = ["AttemptPlan", "DCP_VERSION", "ExtraPayloads", "StoreWriter", "mesh_of"]

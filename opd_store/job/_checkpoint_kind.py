@@ -1,0 +1,56 @@
+"""Whether the main job can resume a checkpoint the way it was started: sharded or replicated.
+
+``opd-store train --shard`` writes sharded checkpoints through DCP (schema ``opd_sharded_v1``);
+without ``--shard`` it writes replicated ones (``training_state.pt`` and one RNG part per rank).
+Each kind loads only with its own loader, so a run started the other way is refused before any
+model is built, with the flag that would resume it (not the loaders' own errors, which name a
+missing payload or a Python function).
+"""
+
+from __future__ import annotations
+
+from ..errors import ResumeMismatchError
+from ..format import parse_step_dirname
+from ..opd import SCHEMA_SHARDED
+from ..store import BaseStore
+
+
+def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard: bool) -> int | None:
+    """Refuse to resume ``checkpoint_url`` (a step of ``store``) when it was saved the other way.
+
+    Args:
+        store (BaseStore): the job's store.
+        checkpoint_url (str | None): the step to resume (``.../step-NNNNNN``); ``None``: no resume.
+        shard (bool): whether this run shards (``--shard``).
+
+    Returns:
+        int | None: the step's saved world size (the resume's ``saved_world_size``), ``None`` when
+        there is no step or no readable manifest.
+
+    Raises:
+        ResumeMismatchError: the step is sharded and ``shard`` is off, or the other way round; the
+            message names the step, its URL and the flag. A step whose manifest cannot be read
+            (a seed-layout one) is left to the loader.
+    """
+    if checkpoint_url is None:
+        return None
+    step = parse_step_dirname(checkpoint_url.rstrip("/").rsplit("/", 1)[-1])
+    if step is None:
+        return None
+    try:
+        manifest = store.manifest(step)
+    except (FileNotFoundError, ValueError):
+        return None
+    sharded = manifest.metadata.get("opd_schema") == SCHEMA_SHARDED
+    if sharded and not shard:
+        raise ResumeMismatchError(
+            f"step {step} at {checkpoint_url} is a sharded checkpoint (saved with --shard, world size "
+            f"{manifest.world_size}); pass --shard to resume it")
+    if shard and not sharded:
+        raise ResumeMismatchError(
+            f"step {step} at {checkpoint_url} is a replicated checkpoint (saved without --shard); "
+            "resume it without --shard")
+    return manifest.world_size
+
+
+__all__ = ["check_checkpoint_kind"]

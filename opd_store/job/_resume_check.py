@@ -1,0 +1,38 @@
+"""The main job's resume guard: the newest intact step, and no committed step in the run's way.
+
+The rules for damaged steps are :mod:`opd_store.store._resume_guard`'s. On top, an *intact* committed
+step between the resume point and ``--updates`` (``--resume 2`` or ``--resume never`` on a store
+that holds step 4) is refused too: the run would redo updates and then fail at that commit.
+"""
+
+from __future__ import annotations
+
+from ..errors import CommitConflictError
+from ..store import BaseStore, newest_intact_step, refuse_damaged_step_ahead
+
+
+def check_steps_ahead(store: BaseStore, resumed_step: int | None, updates: int) -> None:
+    """Refuse a run that would save a step already committed (between its resume point and ``updates``).
+
+    Args:
+        store (BaseStore): the job's store.
+        resumed_step (int | None): the step the run resumes from (``None``: from scratch).
+        updates (int): the run's last step.
+
+    Raises:
+        IntegrityError: such a step is damaged (exit 4): names the step, the file and the command
+            that removes it (:func:`~opd_store.store._resume_guard.refuse_damaged_step_ahead`).
+        CommitConflictError: such a step is intact (exit 6): ``--resume auto`` continues from it.
+    """
+    start = resumed_step or 0
+    resuming = f"resuming from step {resumed_step}" if resumed_step is not None else "starting from scratch"
+    refuse_damaged_step_ahead(store, start, updates, f"{resuming}, --updates {updates}")
+    ahead = [step for step in store.steps() if start < step <= updates]
+    if ahead:
+        raise CommitConflictError(
+            f"{store.step_url(ahead[0])}: step {ahead[0]} is already committed and this run ({resuming}, --updates "
+            f"{updates}) would save it again; training did not start: rerun with --resume auto to continue from it"
+        )
+
+
+__all__ = ["check_steps_ahead", "newest_intact_step"]

@@ -1,0 +1,144 @@
+"""The main job's checkpoints: every save goes through the one save pipeline, on any store.
+
+:class:`JobSaves` is what the training loop calls to checkpoint. Periodic saves run the pipeline
+on the training thread (:func:`~opd_store.opd._save.save_opd_checkpoint`) or, with ``async_save``,
+on the background worker (:class:`~opd_store.opd._async_save.AsyncCheckpointer`); the save on a
+preemption notice runs it on the training thread after the background one finished. Which store
+it is (plain or tiered) is the pipeline's business, not the job's. Every ``saved`` event is
+emitted from the training thread, in step order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, TextIO
+
+from ..errors import CheckpointNotFoundError
+from ..opd import AsyncCheckpointer, SaveHandle, save_opd_checkpoint
+from ..runtime import PreemptionNotice
+from ..store import BaseStore
+
+
+def emit(stream: TextIO, record: dict[str, Any]) -> None:
+    """One JSON line on ``stream``, flushed (the demo reads events while the job runs)."""
+    stream.write(json.dumps(record) + "\n")
+    stream.flush()
+
+
+class JobSaves:
+    """The job's checkpoints (see the module docstring).
+
+    Args:
+        store (BaseStore): where checkpoints go.
+        events (TextIO): the job's event stream.
+        save_kwargs (dict): the arguments every save shares (store, model, optimizer, ...,
+            ``retention``, ``lineage``).
+        async_save (bool): periodic saves on the background worker.
+        save (Callable): the synchronous save, called with ``trainer_state``, ``teacher_state``
+            and ``save_kwargs`` (:func:`~opd_store.opd._save.save_opd_checkpoint`, or
+            :func:`~opd_store.opd._sharded.save_sharded_opd_checkpoint` for a sharded student).
+
+    Attributes:
+        saves (list[dict]): one record per committed save (``step``, ``url``, ``seconds``,
+            ``size_bytes``; ``blocked_seconds`` for asynchronous ones).
+    """
+
+    def __init__(self, store: BaseStore, events: TextIO, save_kwargs: dict[str, Any], *, async_save: bool,
+                 save: Callable[..., str] = save_opd_checkpoint) -> None:
+        self.store = store
+        self.save = save
+        self.events = events
+        self.save_kwargs = save_kwargs
+        self.checkpointer = AsyncCheckpointer() if async_save else None
+        self.saves: list[dict[str, Any]] = []
+        self._pending: list[tuple[SaveHandle, float]] = []  # the async save in flight and when it began
+
+    def periodic(self, trainer: dict[str, Any], teacher_state: dict[str, Any]) -> None:
+        """Checkpoint the state after a successful update (``save_begin``, then ``saved`` now or,
+        asynchronously, ``save_snapshot`` now and ``saved`` once committed)."""
+        step = trainer["successful_updates"]
+        emit(self.events, {"event": "save_begin", "step": step})
+        if self.checkpointer is None:
+            self.save_now(trainer, teacher_state)
+            return
+        started = time.perf_counter()
+        handle = self.checkpointer.save(trainer_state=dict(trainer), teacher_state=teacher_state, **self.save_kwargs)
+        emit(self.events, {"event": "save_snapshot", "step": step, "blocked_seconds": handle.blocked_secs})
+        self._pending.append((handle, started))
+
+    def save_now(self, trainer: dict[str, Any], teacher_state: dict[str, Any]) -> dict[str, Any]:
+        """A synchronous save of the current state; records and emits ``saved``."""
+        step = trainer["successful_updates"]
+        started = time.perf_counter()
+        url = self.save(trainer_state=dict(trainer), teacher_state=teacher_state, **self.save_kwargs)
+        record = self._record(step, url, time.perf_counter() - started)
+        emit(self.events, {"event": "saved", **record})
+        return record
+
+    def report_finished(self) -> None:
+        """Record the asynchronous save once it committed (raises its failure: never only logged)."""
+        while self._pending and self._pending[0][0].done():
+            handle, started = self._pending.pop(0)
+            url = handle.result()
+            record = self._record(handle.step, url, time.perf_counter() - started)
+            record["blocked_seconds"] = handle.blocked_secs
+            emit(self.events, {"event": "saved", **record})
+
+    def finish(self) -> None:
+        """Wait for the asynchronous save in flight and report it (raises its failure)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+            self.report_finished()
+
+    def close(self) -> None:
+        """Stop the background worker (after :meth:`finish`, or when the job is failing)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    def on_notice(self, notice: PreemptionNotice, trainer: dict[str, Any],
+                  teacher_state: dict[str, Any]) -> dict[str, Any]:
+        """The preemption path: the update in progress has finished; wait for an asynchronous save
+        in flight, then save the current state on this thread (unless its step is already
+        committed: that checkpoint is this state's, or one the run replays exactly) and return the
+        ``preempted`` event, emitted. Several ranks: every rank calls it at the same boundary (the
+        notice was agreed) and the save is the multi-rank save, committed once."""
+        started = time.perf_counter()
+        try:
+            self.finish()
+        except OSError as exc:  # the periodic save failed: the save below covers its step and more
+            self._pending.clear()
+            emit(self.events, {"event": "save_failed", "error": f"{type(exc).__name__}: {exc}"})
+        step = trainer["successful_updates"]
+        if self.store.is_complete(step):
+            url, action = self.store.step_url(step), "already committed"
+        else:
+            emit(self.events, {"event": "save_begin", "step": step})
+            url, action = self.save_now(trainer, teacher_state)["url"], "committed"
+        record = {
+            "event": "preempted",
+            "source": notice.source,
+            "detail": notice.detail,
+            "step": step,
+            "url": url,
+            "action": action,
+            "attempted_updates": trainer["attempted_updates"],
+            "seconds": time.perf_counter() - started,
+            "deadline_secs_left": notice.secs_left(),
+        }
+        emit(self.events, record)
+        return record
+
+    def _record(self, step: int, url: str, seconds: float) -> dict[str, Any]:
+        """The ``saved`` record; ``size_bytes`` is ``None`` when retention has already deleted the
+        step (an asynchronous save reported after the next one committed, with ``keep_last=1``)."""
+        try:
+            size_bytes = self.store.manifest(step).total_size_bytes
+        except CheckpointNotFoundError:
+            size_bytes = None
+        record = {"step": step, "url": url, "seconds": seconds, "size_bytes": size_bytes}
+        self.saves.append(record)
+        return record
+
+
+__all__ = ["JobSaves", "emit"]

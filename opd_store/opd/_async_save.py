@@ -1,0 +1,289 @@
+"""Asynchronous OPD saves: the snapshot now, the rest of the save pipeline on the background worker.
+
+:meth:`AsyncCheckpointer.save` takes the arguments of
+:func:`~opd_store.opd._save.save_opd_checkpoint` and runs the same pipeline stages
+(:mod:`opd_store.pipeline._save`); only where they run differs:
+
+1. **Snapshot** (on the caller's thread, inside :func:`~opd_store.opd._rng.preserve_global_rng`):
+   the seed's rules are checked, this process's RNG state, the trainer, optimizer, scheduler and
+   teacher states and the adapter's trainable tensors are captured and every tensor is copied into
+   a staging buffer (:class:`~opd_store.opd._staging.StagingBuffers`: CPU; pinned host memory when
+   the source is on CUDA, followed by one stream synchronisation). Buffers are kept and reused by
+   the next save of the same shapes, so a steady-state snapshot is one ``copy_`` per tensor and no
+   allocation. When it returns, training may change anything: parameters, optimizer state, RNG.
+2. **Write, commit, after-commit hooks** (on the :class:`~opd_store.pipeline._worker.BackgroundWorker`):
+   the payloads stream, the manifest is created, retention runs; background ``random`` draws are
+   routed away from the caller's generator (:mod:`opd_store.runtime._thread_random`).
+
+Guarantees:
+
+* at most one save in flight per checkpointer: a new save waits for the previous one
+  (``when_busy="wait"``) or raises :class:`~opd_store.errors.SaveInFlightError` (``"raise"``);
+* a failure in the background is raised by :meth:`SaveHandle.result`, else by the next
+  :meth:`AsyncCheckpointer.save`, :meth:`~AsyncCheckpointer.wait` or
+  :meth:`~AsyncCheckpointer.close` (as :class:`~opd_store.errors.BackgroundSaveError`), once;
+  it is never only logged;
+* at interpreter exit an in-flight save is given ``exit_timeout_secs`` to commit; past that it is
+  abandoned: the manifest is not created (the step stays uncommitted, invisible to readers) and
+  one line on stderr says so (the worker's exit sequence, :mod:`opd_store.pipeline._worker`). It
+  runs as the interpreter starts to exit, while remote stores still work, and before the upload
+  worker of a tiered store the save goes to is closed;
+* the worker thread has ended before :meth:`AsyncCheckpointer.close` returns and before the
+  interpreter finalizes (the worker's module docstring says why a thread that touched the
+  snapshot's tensors must not outlive the exit hooks).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+from ..errors import BackgroundSaveError, SaveInFlightError
+from ..pipeline import EXIT_STAGE_SAVES, BackgroundTask, BackgroundWorker, run_save
+from ._distributed import current_group
+from ._rng import preserve_global_rng
+from ._save import save_request
+from ._snapshot import snapshot_opd_checkpoint
+from ._staging import StagingBuffers
+
+logger = logging.getLogger("opd_store.opd")
+
+DEFAULT_EXIT_TIMEOUT_SECS = 60.0
+WHEN_BUSY = ("wait", "raise")
+
+
+class SaveHandle:
+    """One asynchronous save: its step, state and result.
+
+    Attributes:
+        step (int): the checkpoint's step (``successful_updates``).
+        blocked_secs (float): seconds the caller was blocked by the snapshot (wall clock).
+        staged_bytes (int): bytes of tensors copied by the snapshot.
+    """
+
+    def __init__(self, step: int, blocked_secs: float, staged_bytes: int, task: BackgroundTask) -> None:
+        self.step = step
+        self.blocked_secs = blocked_secs
+        self.staged_bytes = staged_bytes
+        self.task = task
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed, failed or abandoned)."""
+        return self.task.done()
+
+    @property
+    def url(self) -> str | None:
+        """The committed checkpoint's URL, or ``None`` while in flight or when it failed."""
+        return self.task.value
+
+    def result(self, timeout_secs: float | None = None) -> str:
+        """Wait for the commit; return the checkpoint's URL (as ``save_opd_checkpoint`` does).
+
+        Args:
+            timeout_secs (float | None): seconds to wait; ``None`` waits until it finishes.
+
+        Raises:
+            TimeoutError: still in flight after ``timeout_secs``.
+            Exception: the background failure itself (``CommitConflictError``, ``CommitError``,
+                an ``OSError`` of the backend, :class:`~opd_store.errors.SaveAbandonedError`, or
+                :class:`~opd_store.errors.RetentionError` when the step committed and the
+                retention pass after it failed); it counts as reported, so the next save does not
+                raise it again.
+        """
+        if not self.task.wait(timeout_secs):
+            raise TimeoutError(f"asynchronous save of step {self.step} still in flight after {timeout_secs} s")
+        return self.task.result()
+
+
+class AsyncCheckpointer:
+    """Saves OPD checkpoints asynchronously, at most one in flight.
+
+    Use one per training process, from the training thread::
+
+        with AsyncCheckpointer() as checkpointer:
+            for ...:
+                train_one_update()
+                handle = checkpointer.save(checkpoints_dir=..., model=..., ...)   # returns after the snapshot
+            # close() waits for the last save and raises its failure
+
+    Args:
+        when_busy (str): what :meth:`save` does while a save is in flight: ``"wait"`` (default)
+            for it to finish, or ``"raise"`` :class:`~opd_store.errors.SaveInFlightError`.
+        exit_timeout_secs (float): at interpreter exit, seconds an in-flight save is given to
+            commit before it is abandoned uncommitted (default 60; AWS gives 120 s of spot notice,
+            GCE 30 s, so set it below what the platform leaves).
+        pin_memory (bool | None): stage CUDA tensors in pinned host memory (``None``: when CUDA
+            is available).
+
+    Raises:
+        ValueError: ``when_busy`` is not one of ``"wait"``, ``"raise"``, or ``exit_timeout_secs``
+            is negative.
+    """
+
+    def __init__(
+        self,
+        *,
+        when_busy: str = "wait",
+        exit_timeout_secs: float = DEFAULT_EXIT_TIMEOUT_SECS,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if when_busy not in WHEN_BUSY:
+            raise ValueError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
+        self.when_busy = when_busy
+        self.worker = BackgroundWorker(f"opd-async-save-{id(self):x}", exit_timeout_secs=exit_timeout_secs,
+                                       on_exit=self._report_exit, exit_stage=EXIT_STAGE_SAVES)
+        self.exit_timeout_secs = self.worker.exit_timeout_secs
+        self._staging = StagingBuffers(pin_memory)
+        self._pending: SaveHandle | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> SaveHandle | None:
+        """The save in flight, or ``None``."""
+        pending = self._pending
+        return pending if pending is not None and not pending.done() else None
+
+    def save(self, **save_kwargs: Any) -> SaveHandle:
+        """Snapshot the state now and run the rest of the save in the background.
+
+        Takes exactly the keyword arguments of :func:`~opd_store.opd._save.save_opd_checkpoint`
+        (same rules, same rank obligations: rank 0 only, in single-writer mode). Returns once the
+        snapshot is taken: tensors are copied to host buffers and every other value captured, so
+        training may change the model, optimizer, scheduler, states and RNGs at once without
+        changing what is saved. Every global RNG is left as found (snapshot under
+        ``preserve_global_rng``; background draws routed away from the caller's thread).
+
+        Returns:
+            SaveHandle: ``result(timeout_secs)``, ``done()``, ``url``.
+
+        Raises:
+            SaveInFlightError: a save is in flight and ``when_busy="raise"``.
+            BackgroundSaveError: (an ``OSError``) the previous save failed and nobody saw it yet
+                (its exception is the ``__cause__``); this save is not started.
+            ValueError: a rule of ``save_opd_checkpoint`` is broken (checked now, nothing written),
+                or a process group of several ranks is initialised and no ``rank_rng_states`` are
+                given (asynchronous saves are single-writer);
+                ``UnsafeCheckpointError`` for state weights-only loading cannot restore.
+            RuntimeError: the checkpointer is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("AsyncCheckpointer is closed")
+            if save_kwargs.get("rank_rng_states") is None and current_group() is not None:
+                raise ValueError(
+                    "AsyncCheckpointer saves from one writer: with a torch.distributed process group of "
+                    "several ranks use save_opd_checkpoint on every rank (multi-rank saves), or pass "
+                    "rank_rng_states on rank 0 (single-writer mode)"
+                )
+            self._wait_for_pending(for_what="a new save")
+            started = time.perf_counter()
+            self._staging.begin()
+            with preserve_global_rng():
+                snapshot = snapshot_opd_checkpoint(**save_kwargs, stage=self._staging.stage)
+            self._staging.finish()
+            request = save_request(snapshot)
+            task = self.worker.submit(f"asynchronous save of step {snapshot.step}", snapshot.step,
+                                      lambda: run_save(request, cancelled=self.worker.cancelled))
+            handle = SaveHandle(snapshot.step, time.perf_counter() - started, self._staging.staged_bytes, task)
+            self._pending = handle
+            return handle
+
+    def _wait_for_pending(self, *, for_what: str, timeout_secs: float | None = None) -> SaveHandle | None:
+        pending = self._pending
+        if pending is None:
+            return None
+        if not pending.done():
+            if self.when_busy == "raise" and for_what == "a new save":
+                raise SaveInFlightError(
+                    f"the asynchronous save of step {pending.step} is still in flight; wait for it "
+                    "(handle.result()) before saving again, or use when_busy='wait'"
+                )
+            if not pending.task.wait(timeout_secs):
+                raise TimeoutError(f"asynchronous save of step {pending.step} still in flight after {timeout_secs} s")
+        for task in self.worker.take_unreported():
+            failure = task.failure()
+            raise BackgroundSaveError(
+                f"the asynchronous save of step {task.key} failed in the background (reported at "
+                f"{for_what}): {type(failure).__name__}: {failure}"
+            ) from failure
+        return pending
+
+    def wait(self, timeout_secs: float | None = None) -> str | None:
+        """Wait for the save in flight (if any) and return the last save's committed URL.
+
+        Raises:
+            TimeoutError: still in flight after ``timeout_secs``.
+            BackgroundSaveError: the last save failed and the failure was not reported yet.
+        """
+        with self._lock:
+            pending = self._wait_for_pending(for_what="wait()", timeout_secs=timeout_secs)
+        return None if pending is None else pending.url
+
+    def close(self, timeout_secs: float | None = None) -> str | None:
+        """Wait for the save in flight, then refuse further saves and stop the worker (its thread
+        has ended when this returns, unless the save timed out: the exit sequence ends it then).
+
+        Args:
+            timeout_secs (float | None): seconds to wait; past that the save is abandoned
+                uncommitted (it may still commit if it is inside the manifest create).
+
+        Returns:
+            str | None: the last save's committed URL, or ``None`` when none committed.
+
+        Raises:
+            TimeoutError: still in flight after ``timeout_secs`` (abandoned).
+            BackgroundSaveError: the last save failed (or was abandoned) and the failure was not
+                reported yet.
+        """
+        with self._lock:
+            if self._closed:
+                return None
+            self._closed = True
+            try:
+                pending = self._wait_for_pending(for_what="close()", timeout_secs=timeout_secs)
+            except TimeoutError:
+                self.worker.cancelled.set()
+                raise
+            finally:
+                if self.in_flight is None:
+                    self.worker.close()
+        return None if pending is None else pending.url
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except BackgroundSaveError as failure:
+                logger.error("%s (while handling %r)", failure, exc)
+
+    def _report_exit(self, event: str, tasks: list[BackgroundTask]) -> None:
+        """The worker's exit sequence, told on stderr (nobody is left to raise to)."""
+        pending = self._pending
+        if pending is None or self._closed:
+            return
+        if event == "waiting" and not pending.done():
+            print(f"opd_store: waiting up to {self.exit_timeout_secs:g} s for the asynchronous save of step "
+                  f"{pending.step} to commit", file=sys.stderr, flush=True)
+        elif event == "abandoned" and not pending.done():
+            print(f"opd_store: abandoned the asynchronous save of step {pending.step} after "
+                  f"{self.exit_timeout_secs:g} s; it stays uncommitted", file=sys.stderr, flush=True)
+        elif event == "finished" and pending.done():
+            failure = pending.task.failure()
+            if failure is not None and not pending.task.reported:
+                print(f"opd_store: the asynchronous save of step {pending.step} failed: "
+                      f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+            elif failure is None:
+                print(f"opd_store: asynchronous save of step {pending.step} committed: {pending.url}",
+                      file=sys.stderr, flush=True)
+
+
+__all__ = ["AsyncCheckpointer", "SaveHandle", "StagingBuffers"]

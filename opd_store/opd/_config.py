@@ -1,0 +1,348 @@
+"""The OPD training config: a pydantic schema that knows which of its fields change the math.
+
+``OPDConfig`` has nested sections, loads from YAML, and offers the seed's config contract:
+``fingerprint()`` (SHA-256 of the canonical JSON of the fields that change the math) and
+``as_dict()`` (what the checkpoint writes to ``config.yaml``). The schema also says which fields are
+execution-only, so that ``execution_change`` resumes (:mod:`opd_store.opd._resume`) can tell an
+allowed change from a refused one.
+
+Markings live in pydantic field metadata (``json_schema_extra``), so they sit next to the field they
+describe and show up in the JSON schema:
+
+* ``{"execution_only": True}`` (:data:`EXECUTION_ONLY_KEY`): the field does not change what is
+  computed, only how or where (parallelism, worker counts, inference batch sizes, logging,
+  checkpoint cadence, location and retention, the resume mode itself). A marked section covers every
+  field beneath it. Execution-only fields are left out of the fingerprint.
+* ``{"rollout_limit": True}`` (:data:`ROLLOUT_LIMIT_KEY`): the rollout limit (stopping rule). It
+  changes the math, so it is in the fingerprint, but ``rollout_limit_change`` resumes may change it.
+
+Provenance keys that are execution-only (for example the code revision) are declared by the class
+variable :attr:`OPDConfig.execution_only_provenance`, not by a config field: whether a provenance
+entry may change is a property of the schema, and a run must not be able to widen it from YAML.
+
+This module depends on pydantic and PyYAML only; :mod:`opd_store.opd._resume` reads the markings
+through the duck-typed hooks ``execution_only_paths()``, ``rollout_limit_path()`` and
+``execution_only_provenance`` and never imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticUndefined
+
+EXECUTION_ONLY_KEY = "execution_only"
+"""``json_schema_extra`` key marking a field (or a whole section) execution-only."""
+
+ROLLOUT_LIMIT_KEY = "rollout_limit"
+"""``json_schema_extra`` key marking the rollout limit (stopping rule) field."""
+
+ResumeMode = Literal["exact", "execution_change", "rollout_limit_change", "elastic"]
+"""Resume modes; must equal ``opd_store.opd._resume.RESUME_MODES`` (a test checks it)."""
+
+
+def execution_only(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+    """A pydantic ``Field`` marked execution-only (left out of the fingerprint).
+
+    Args:
+        default (Any): the field's default, as for ``pydantic.Field`` (omit it to use
+            ``default_factory`` or to make the field required).
+        **kwargs: passed to ``pydantic.Field`` (``default_factory``, ``ge``, ``description``...).
+
+    Returns:
+        pydantic.fields.FieldInfo: the field, with ``json_schema_extra={"execution_only": True}``.
+    """
+    return Field(default, json_schema_extra={EXECUTION_ONLY_KEY: True}, **kwargs)
+
+
+def _marks(field: Any) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _marked_paths(model: type[BaseModel], key: str, prefix: str = "") -> list[str]:
+    """Dotted paths of fields whose metadata sets ``key``; a marked section is not descended."""
+    found: list[str] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        if _marks(field).get(key):
+            found.append(path)
+            continue
+        section = _section_type(field.annotation)
+        if section is not None:
+            found.extend(_marked_paths(section, key, f"{path}."))
+    return found
+
+
+def _without_paths(data: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
+    """A deep copy of ``data`` without the dotted ``paths`` (and what is under them)."""
+    pruned = json.loads(json.dumps(data))
+    for path in paths:
+        *parents, leaf = path.split(".")
+        node = pruned
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return pruned
+
+
+class _Section(BaseModel):
+    """Base of every config section: unknown keys are refused, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """Student and teacher models and the student's LoRA adapter (all change the math)."""
+
+    student: str = Field("Qwen/Qwen2.5-1.5B-Instruct", min_length=1, description="student model id")
+    teacher: str = Field("Qwen/Qwen2.5-7B-Instruct", min_length=1, description="teacher model id")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(32.0, gt=0)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: tuple[str, ...] = Field(("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1)
+
+
+class TrainingSection(_Section):
+    """Optimiser, schedule and loss of the distillation updates (all change the math)."""
+
+    seed: int = 0
+    learning_rate: float = Field(1e-5, gt=0)
+    warmup_updates: int = Field(10, ge=0)
+    total_updates: int = Field(1000, ge=1)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm; None disables")
+    loss: Literal["reverse_kl", "forward_kl", "jsd"] = "reverse_kl"
+    queries_per_update: int = Field(8, ge=1)
+    rollouts_per_query: int = Field(4, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingSection:
+        if self.warmup_updates > self.total_updates:
+            raise ValueError(
+                f"warmup_updates ({self.warmup_updates}) exceeds "
+                f"total_updates ({self.total_updates})"
+            )
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        return self
+
+
+class RolloutSection(_Section):
+    """How the student samples rollouts; ``rollout_limit`` is the stopping rule."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(1024, ge=1, description="tokens generated per turn")
+    rollout_limit: int = Field(
+        8,
+        ge=1,
+        description=(
+            "stopping rule: the most turns a rollout runs before it is stopped; validation scores "
+            "depend on it, so changing it on resume resets the validation baseline"
+        ),
+        json_schema_extra={ROLLOUT_LIMIT_KEY: True},
+    )
+
+
+class ExecutionSection(_Section):
+    """Worker counts and inference batch sizes: how the work is spread, not what is computed.
+
+    None of these depends on the world size (which the checkpoint records separately and which may
+    never change on resume).
+    """
+
+    rollout_workers: int = Field(1, ge=1, description="student generation workers per rank")
+    teacher_workers: int = Field(1, ge=1, description="teacher scoring workers per rank")
+    num_workers: int = Field(2, ge=0, description="data-loader worker processes")
+    inference_batch_size: int = Field(32, ge=1, description="student generation batch size")
+    teacher_inference_batch_size: int = Field(16, ge=1, description="teacher scoring batch size")
+
+
+class LoggingSection(_Section):
+    """Where and how often metrics are written."""
+
+    log_every: int = Field(10, ge=1, description="updates between metric logs")
+    log_dir: str = "logs"
+    run_name: str | None = None
+
+
+class CheckpointSection(_Section):
+    """Checkpoint cadence, location, retention and the resume mode."""
+
+    dir: str = Field("checkpoints", min_length=1, description="local path or fsspec URL")
+    every_updates: int = Field(50, ge=1, description="successful updates between checkpoints")
+    keep_last: int | None = Field(3, ge=1, description="newest checkpoints kept; None keeps all")
+    keep_every: int | None = Field(
+        None, ge=1, description="also keep every checkpoint whose step is a multiple of this"
+    )
+    resume_mode: ResumeMode = "exact"
+
+    def retention_policy(self) -> "RetentionPolicy":
+        """The retention policy of this section, for ``save_opd_checkpoint(retention=...)``."""
+        from ..retention import RetentionPolicy
+
+        return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+
+
+class OPDConfig(_Section):
+    """The whole OPD training config.
+
+    Sections ``execution``, ``logging`` and ``checkpoint`` are marked execution-only as a whole;
+    ``rollout.rollout_limit`` is marked as the rollout limit. Everything else changes the math.
+    All fields have defaults, so ``OPDConfig()`` is a valid config.
+
+    Attributes:
+        execution_only_provenance (ClassVar[tuple[str, ...]]): provenance keys that may differ
+            under ``execution_change`` and ``rollout_limit_change`` resumes (provenance entries,
+            like config fields, change only where marked execution-only, for example the code
+            revision). A class variable, so YAML cannot widen it; subclass to change it.
+    """
+
+    execution_only_provenance: ClassVar[tuple[str, ...]] = ("code_revision",)
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    execution: ExecutionSection = execution_only(default_factory=ExecutionSection)
+    logging: LoggingSection = execution_only(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = execution_only(default_factory=CheckpointSection)
+
+    @classmethod
+    def execution_only_paths(cls) -> tuple[str, ...]:
+        """Dotted paths of the execution-only fields and sections, in declaration order.
+
+        A path covers everything beneath it (``"logging"`` covers ``"logging.log_dir"``).
+
+        Returns:
+            tuple[str, ...]: for ``OPDConfig``, ``("execution", "logging", "checkpoint")``.
+        """
+        return tuple(_marked_paths(cls, EXECUTION_ONLY_KEY))
+
+    @classmethod
+    def rollout_limit_path(cls) -> str | None:
+        """Dotted path of the field marked as the rollout limit (stopping rule).
+
+        Returns:
+            str | None: ``"rollout.rollout_limit"`` for ``OPDConfig``; ``None`` if no field is
+            marked.
+
+        Raises:
+            TypeError: more than one field is marked (a schema bug: the resume rule needs one).
+        """
+        paths = _marked_paths(cls, ROLLOUT_LIMIT_KEY)
+        if len(paths) > 1:
+            raise TypeError(f"{cls.__name__} marks several rollout-limit fields: {paths}")
+        return paths[0] if paths else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """All fields as plain JSON types (tuples become lists), in declaration order.
+
+        This is what the checkpoint writes to ``config.yaml`` (the seed's contract).
+
+        Returns:
+            dict[str, Any]: nested dicts of str, int, float, bool, None and lists.
+        """
+        return self.model_dump(mode="json")
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the canonical JSON of the fields that change the math (the seed's contract).
+
+        Canonical JSON: sorted keys, no whitespace, ASCII only. Execution-only fields are left out,
+        so changing them keeps the fingerprint; the rollout limit is included.
+
+        Returns:
+            str: 64 lowercase hex digits.
+        """
+        math_fields = _without_paths(self.as_dict(), self.execution_only_paths())
+        canonical = json.dumps(
+            math_fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        )
+        return hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+    def to_yaml(self) -> str:
+        """The config as YAML text, exactly as the checkpoint's ``config.yaml`` is written.
+
+        Returns:
+            str: ``yaml.safe_dump(self.as_dict(), sort_keys=False)``.
+        """
+        return yaml.safe_dump(self.as_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, source: str | os.PathLike[str]) -> OPDConfig:
+        """Load a config from a YAML file or from YAML text.
+
+        Args:
+            source (str | os.PathLike): a path (a ``PathLike``, or a one-line ``str`` naming an
+                existing file) or YAML text. Missing sections and fields take their defaults.
+
+        Returns:
+            OPDConfig: the validated config (an instance of ``cls``).
+
+        Raises:
+            ValueError: the YAML does not parse, is empty or not a mapping, or fails validation:
+                an unknown key (``extra="forbid"``, so typos are refused rather than ignored) or a
+                bad value. The message names the source and the offending dotted location; the
+                pydantic ``ValidationError`` or ``yaml.YAMLError`` is kept as ``__cause__``.
+            OSError: ``source`` is a ``PathLike`` that cannot be read.
+        """
+        if isinstance(source, os.PathLike):
+            where = os.fspath(source)
+            text = Path(source).read_text(encoding="utf-8")
+        elif isinstance(source, str) and "\n" not in source and source and Path(source).is_file():
+            where = source
+            text = Path(source).read_text(encoding="utf-8")
+        elif isinstance(source, str):
+            where = "<yaml text>"
+            text = source
+        else:
+            raise TypeError(f"from_yaml takes a path or YAML text, not {type(source).__name__}")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"OPD config {where} is not valid YAML: {exc}") from exc
+        if data is None:
+            raise ValueError(f"OPD config {where} is empty")
+        if not isinstance(data, dict):
+            hint = ""
+            if where == "<yaml text>":
+                hint = " (if it was meant as a path, no such file exists)"
+            raise ValueError(
+                f"OPD config {where} must be a YAML mapping, got {type(data).__name__} "
+                f"{data!r:.80}{hint}"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"OPD config {where} is invalid: {exc}") from exc
+
+
+__all__ = [
+    "EXECUTION_ONLY_KEY",
+    "ROLLOUT_LIMIT_KEY",
+    "CheckpointSection",
+    "ExecutionSection",
+    "LoggingSection",
+    "ModelSection",
+    "OPDConfig",
+    "ResumeMode",
+    "RolloutSection",
+    "TrainingSection",
+    "execution_only",
+]

@@ -1,0 +1,260 @@
+"""Resuming a shuffled ``torch.utils.data.DataLoader`` mid-epoch.
+
+What decides which batches a shuffled loader hands out in an epoch is the state of the loader's
+``generator`` when the epoch's iterator is created: ``iter(loader)`` draws the workers' base seed
+from it, and ``RandomSampler`` draws the epoch's permutation from it at the first batch. So the
+exact position of a run in its data order is three values:
+
+* the generator's state at the start of the current epoch (a ``torch.uint8`` tensor),
+* the epoch number,
+* how many batches of that epoch were already handed out.
+
+:class:`LoaderPosition` keeps them; its :meth:`~LoaderPosition.state_dict` is plain ints and one
+tensor, so it goes into ``trainer_state`` as is and loads under ``torch.load(weights_only=True)``.
+The recipe (docs/resume.md, "Data order")::
+
+    generator = torch.Generator().manual_seed(seed)
+    loader = DataLoader(dataset, batch_size=8, shuffle=True, generator=generator)
+    position = LoaderPosition(generator)
+    if resuming:
+        trainer_state = load_opd_checkpoint(...)
+        position.load_state_dict(trainer_state["data_position"])
+    for epoch in range(position.epoch, epochs):
+        for batch in position.iterate(loader, epoch):
+            ...  # train on the batch
+            if time_to_save:
+                trainer_state["data_position"] = position.state_dict()
+                save_opd_checkpoint(..., trainer_state=trainer_state)
+
+A loader without its own ``generator`` draws its permutation from the global torch RNG at the
+first batch of each epoch, a state no checkpoint taken mid-epoch holds: :meth:`LoaderPosition.iterate`
+refuses such a loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ._rng import preserve_global_rng
+
+STATE_KEYS = ("epoch", "batches_done", "epoch_start_generator_state")
+
+
+def _checked_position(state: Mapping[str, Any], keys: tuple[str, ...], what: str,
+                      generator: torch.Generator) -> tuple[int, int, torch.Tensor]:
+    """``(epoch, counter, epoch-start generator state)`` of a saved position whose ``keys`` are
+    ``(epoch, <counter>, epoch_start_generator_state)``; ``what`` names it in errors.
+
+    Raises:
+        ValueError: a key is missing, a counter is not a non-negative int, or the generator state
+            is not a ``torch.uint8`` tensor of ``generator``'s state size.
+    """
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{what} is missing {missing}")
+    epoch_key, counter_key, start_key = keys
+    epoch, counter, start = state[epoch_key], state[counter_key], state[start_key]
+    for name, value in ((epoch_key, epoch), (counter_key, counter)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{what} {name} must be a non-negative int, got {value!r}")
+    current = generator.get_state()
+    if not isinstance(start, torch.Tensor) or start.dtype != torch.uint8 or start.shape != current.shape:
+        raise ValueError(f"{what} {start_key} must be a torch.uint8 tensor of shape {tuple(current.shape)} "
+                         f"(this generator's state), got {start!r:.80}")
+    return epoch, counter, start
+
+
+class LoaderPosition:
+    """Where a run is in the data order of a shuffled ``DataLoader``, saveable in trainer state.
+
+    Args:
+        generator (torch.Generator): the generator passed to the ``DataLoader``
+            (``DataLoader(..., shuffle=True, generator=generator)``); a CPU generator.
+
+    Attributes:
+        epoch (int): the epoch in progress (0 before the first).
+        batches_done (int): batches of ``epoch`` handed out so far.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"LoaderPosition needs the loader's torch.Generator, got {type(generator).__name__}")
+        self.generator = generator
+        self.epoch = 0
+        self.batches_done = 0
+        self._epoch_start_state: torch.Tensor | None = None
+        self._resume_pending = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position as plain values for ``trainer_state``.
+
+        Returns:
+            dict: ``epoch`` (int), ``batches_done`` (int) and ``epoch_start_generator_state``
+            (``torch.uint8`` tensor, the generator's state before the epoch's iterator was made;
+            the current state when no epoch has started).
+        """
+        start = self._epoch_start_state if self._epoch_start_state is not None else self.generator.get_state()
+        return {
+            "epoch": int(self.epoch),
+            "batches_done": int(self.batches_done),
+            "epoch_start_generator_state": start.clone(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved position; the next :meth:`iterate` of ``state["epoch"]`` continues it.
+
+        Args:
+            state (Mapping): from :meth:`state_dict` (after a checkpoint round trip).
+
+        Raises:
+            ValueError: a key is missing, a counter is not a non-negative int, or the generator
+                state is not a ``torch.uint8`` tensor of this generator's state size.
+        """
+        self.epoch, self.batches_done, start = _checked_position(state, STATE_KEYS, "loader position", self.generator)
+        self._epoch_start_state = start.clone()
+        self._resume_pending = True
+
+    def iterate(self, loader: Any, epoch: int) -> Iterator[Any]:
+        """Yield ``loader``'s batches of ``epoch``, continuing a loaded position.
+
+        A new epoch records the generator's state, then iterates the loader. The epoch of a loaded
+        position sets the generator back to that epoch's start, creates the iterator (the same
+        draws as the interrupted run), and skips the batches already handed out. Skipped batches
+        are fetched (the loader has no other way to advance) with every global RNG snapshotted and
+        restored, so dataset code that draws random numbers does not move the restored streams.
+        ``batches_done`` counts a batch as soon as it is handed out: save after training on it.
+
+        Args:
+            loader (torch.utils.data.DataLoader): built with ``generator=`` this position's
+                generator; ``persistent_workers`` off (persistent workers keep RNG state no
+                checkpoint holds).
+            epoch (int): the epoch to iterate, ``>= self.epoch``.
+
+        Yields:
+            Any: the loader's batches.
+
+        Raises:
+            ValueError: the loader has another (or no) generator, uses persistent workers, or
+                ``epoch`` is before the position's epoch.
+        """
+        if getattr(loader, "generator", None) is not self.generator:
+            raise ValueError(
+                "the DataLoader must be built with generator= this LoaderPosition's generator: a loader "
+                "without one shuffles from the global torch RNG, which a mid-epoch checkpoint cannot replay"
+            )
+        if getattr(loader, "persistent_workers", False):
+            raise ValueError("LoaderPosition does not support persistent_workers=True (worker RNG state is not saved)")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < self.epoch:
+            raise ValueError(f"epoch {epoch!r} is before the loader position's epoch {self.epoch}")
+        skip = 0
+        if self._resume_pending and epoch == self.epoch:
+            assert self._epoch_start_state is not None
+            self.generator.set_state(self._epoch_start_state)
+            skip = self.batches_done
+        else:
+            self.epoch = epoch
+            self._epoch_start_state = self.generator.get_state()
+            self.batches_done = 0
+        self._resume_pending = False
+        iterator = iter(loader)
+        if skip:
+            with preserve_global_rng():
+                for _ in range(skip):
+                    if next(iterator, _END) is _END:
+                        return
+        for batch in iterator:
+            self.batches_done += 1
+            yield batch
+
+
+_END = object()
+
+GLOBAL_STATE_KEYS = ("epoch", "samples_done", "epoch_start_generator_state")
+
+
+class GlobalSamplePosition:
+    """Where a multi-rank run is in its data order, as a global sample index (elastic-safe).
+
+    Each epoch's order is one permutation of ``range(dataset_size)`` drawn from ``generator`` when
+    the epoch starts. Every step hands out the next ``world_size * batch_size`` samples of that
+    order: rank ``r`` takes ``batch_size`` of them starting at ``samples_done + r * batch_size``;
+    then ``samples_done`` (the same on every rank: replicated state, saved once) advances by
+    ``world_size * batch_size``. Resumed at another world size (``resume_mode: elastic``), the
+    position is the same global index and the rest of the epoch is split over the new ranks: no
+    sample is skipped or repeated. The last step of an epoch hands out what remains (a rank may
+    get a short or an empty batch, so every rank takes the same number of steps).
+
+    Args:
+        generator (torch.Generator): a CPU generator seeded the same on every rank.
+        dataset_size (int): samples in the dataset, ``> 0``.
+        batch_size (int): samples per rank per step, ``> 0``.
+        rank (int): this rank, ``0 <= rank < world_size``.
+        world_size (int): ranks of this run.
+
+    Attributes:
+        epoch (int): the epoch in progress.
+        samples_done (int): samples of the epoch's order handed out to all ranks together.
+    """
+
+    def __init__(self, generator: torch.Generator, *, dataset_size: int, batch_size: int, rank: int,
+                 world_size: int) -> None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"GlobalSamplePosition needs a torch.Generator, got {type(generator).__name__}")
+        if dataset_size < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need dataset_size, batch_size, world_size >= 1 and 0 <= rank < world_size, got "
+                             f"{dataset_size}, {batch_size}, {world_size}, rank {rank}")
+        self.generator = generator
+        self.dataset_size, self.batch_size = dataset_size, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.samples_done = 0
+        self._epoch_start_state: torch.Tensor | None = None
+        self._resume_pending = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """``epoch`` (int), ``samples_done`` (int, global) and ``epoch_start_generator_state``
+        (``torch.uint8`` tensor); the same on every rank."""
+        start = self._epoch_start_state if self._epoch_start_state is not None else self.generator.get_state()
+        return {"epoch": int(self.epoch), "samples_done": int(self.samples_done),
+                "epoch_start_generator_state": start.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a saved position (saved at any world size); the next :meth:`iterate` continues it.
+
+        Raises:
+            ValueError: a key is missing, a counter is not a non-negative int, or the generator
+                state is not a ``torch.uint8`` tensor of this generator's state size.
+        """
+        self.epoch, self.samples_done, start = _checked_position(state, GLOBAL_STATE_KEYS, "sample position",
+                                                                 self.generator)
+        self._epoch_start_state = start.clone()
+        self._resume_pending = True
+
+    def iterate(self, epoch: int) -> Iterator[list[int]]:
+        """Yield this rank's sample indices of ``epoch``, one list per step, continuing a loaded
+        position. A step counts as handed out when it is yielded: save after training on it.
+
+        Raises:
+            ValueError: ``epoch`` is before the position's epoch.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < self.epoch:
+            raise ValueError(f"epoch {epoch!r} is before the sample position's epoch {self.epoch}")
+        if self._resume_pending and epoch == self.epoch:
+            assert self._epoch_start_state is not None
+            self.generator.set_state(self._epoch_start_state)
+        else:
+            self.epoch, self.samples_done = epoch, 0
+            self._epoch_start_state = self.generator.get_state()
+        self._resume_pending = False
+        order = torch.randperm(self.dataset_size, generator=self.generator).tolist()
+        step = self.world_size * self.batch_size
+        while self.samples_done < self.dataset_size:
+            start = self.samples_done + self.rank * self.batch_size
+            self.samples_done = min(self.samples_done + step, self.dataset_size)
+            yield order[start:min(start + self.batch_size, self.samples_done)]
+
+
+__all__ = ["GlobalSamplePosition", "LoaderPosition"]

@@ -1,0 +1,155 @@
+"""OPD checkpoint names: the payload layout, checkpoint references, and the checks every load shares.
+
+One checkpoint per successful update count, ``step-NNNNNN`` under the checkpoints directory, with
+the seed's payload names inside the committed attempt:
+
+==========================  ====================================================================
+``adapter/...``             ``model.save_pretrained`` output (the LoRA adapter), file by file
+``processor/...``           ``processor.save_pretrained`` output, when a processor is given
+``rng.pt``                  this process's RNG state (world size 1), or
+``rng-rank-XX.pt``          one per rank (world size > 1)
+``training_state.pt``       schema ``opd_checkpoint_v1`` (one rank) or ``..._v2`` (several):
+                            ``trainer``, ``optimizer``, ``scheduler``, ``config_fingerprint``,
+                            ``provenance_fingerprints``, ``world_size``, ``teacher``
+``config.yaml``             ``yaml.safe_dump(config.as_dict(), sort_keys=False)``
+==========================  ====================================================================
+
+The manifest's metadata repeats the trainer counters and fingerprints (readable without torch) and
+names the processor class. The checkpoint exists exactly when its manifest does (the store's
+commit), which replaces the seed's ``COMPLETE`` marker plus directory rename; seed-layout
+directories (``COMPLETE`` marker, no manifest) still load with the same calls.
+
+Where a checkpoint is named, these are accepted: a local path or fsspec URL of the step prefix
+(``/runs/a/step-000042``, ``s3://bucket/run/step-000042``), or a ``(store, step)`` pair (a
+:class:`~opd_store.store._checkpoint_store.CheckpointStore` or a :class:`~opd_store.tiered._store.TieredStore`). A
+checkpoints directory is a local path, an fsspec URL or a store.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Union
+
+from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
+from ..format import parse_step_dirname, step_dirname
+from ..store import COMPLETE, LEGACY, BaseStore, CheckpointStore, VerifyReport, split_checkpoint_url
+
+SCHEMA_V1 = "opd_checkpoint_v1"
+SCHEMA_V2 = "opd_checkpoint_v2"
+SCHEMAS = (SCHEMA_V1, SCHEMA_V2)
+SCHEMA_SHARDED = "opd_sharded_v1"  # opd_store.opd._sharded: DCP files, no training_state.pt
+TRAINING_STATE = "training_state.pt"
+CONFIG_YAML = "config.yaml"
+RNG_SINGLE = "rng.pt"
+ADAPTER_DIR = "adapter"
+PROCESSOR_DIR = "processor"
+REQUIRED_TRAINER_KEYS = ("attempted_updates", "successful_updates", "query_update")
+FORBIDDEN_TRAINER_KEYS = ("rollouts", "failure_queue")
+VALIDATION_KEYS = ("validation_baseline", "last_validation_artifact", "validation_baseline_step")
+PAYLOAD_KEYS = (
+    "trainer", "optimizer", "scheduler", "config_fingerprint", "provenance_fingerprints", "world_size", "teacher",
+)
+PROCESSOR_MARKERS = ("tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+
+CheckpointRef = Union[str, os.PathLike, "tuple[BaseStore, int]"]
+
+
+def rng_payload_name(rank: int, world_size: int) -> str:
+    """Payload name of ``rank``'s RNG state: ``rng.pt`` for one rank, else ``rng-rank-XX.pt`` (seed)."""
+    return RNG_SINGLE if world_size == 1 else f"rng-rank-{rank:02d}.pt"
+
+
+def resolve_checkpoint(
+    checkpoint: CheckpointRef, storage_options: dict[str, Any] | None = None
+) -> tuple[BaseStore, int]:
+    """Turn a checkpoint reference into ``(store, step)``.
+
+    Args:
+        checkpoint (str | os.PathLike | tuple[BaseStore, int]): the step prefix's local path
+            or URL (as returned by :func:`save_opd_checkpoint` and
+            :func:`latest_complete_checkpoint`), or a store and a step.
+        storage_options (dict | None): fsspec options for a URL (ignored for a store).
+
+    Raises:
+        ValueError: the path does not end in a canonical ``step-NNNNNN`` name, or the step is
+            not a non-negative int.
+        TypeError: a bare store (it names no step).
+    """
+    if isinstance(checkpoint, tuple) and len(checkpoint) == 2 and isinstance(checkpoint[0], BaseStore):
+        store, step = checkpoint
+        step_dirname(step)  # validates
+        return store, step
+    if isinstance(checkpoint, BaseStore):
+        raise TypeError("a store names no checkpoint: pass (store, step) or the step's URL")
+    text = os.fspath(checkpoint)
+    if "://" not in text:
+        # A local path: made absolute first, so a bare "step-000042" (in the working directory)
+        # names its parent too (split_checkpoint_url refuses a path without a parent).
+        path = Path(os.path.abspath(text))
+        step = parse_step_dirname(path.name)
+        if step is None:
+            raise ValueError(f"not a checkpoint path (expected .../step-NNNNNN): {text}")
+        return CheckpointStore(str(path.parent), storage_options=storage_options), step
+    return split_checkpoint_url(checkpoint, storage_options)
+
+
+def require_complete(store: BaseStore, step: int) -> VerifyReport:
+    """The step's report, or raise when it is not complete (manifest-committed or seed marker)."""
+    report = store.verify(step)
+    if report.status not in (COMPLETE, LEGACY):
+        reasons = "; ".join(problem.detail for problem in report.problems) or report.status
+        raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} ({report.status}: {reasons})")
+    return report
+
+
+def check_pickle_opt_in(store: BaseStore, allow_pickle: bool, url: str) -> None:
+    """Refuse ``allow_pickle`` for a store that is not a local directory (a bucket checkpoint
+    never runs code on load).
+
+    Raises:
+        UnsafeCheckpointError: ``allow_pickle`` for a remote store.
+    """
+    if allow_pickle and "://" in store.url:
+        raise UnsafeCheckpointError(
+            f"{url}: allow_pickle applies only to checkpoints in a local directory; payloads from "
+            f"{store.url} are only ever loaded weights-only (a bucket checkpoint never runs code). "
+            "Load the old checkpoint from its local directory, or migrate it after re-saving."
+        )
+
+
+def check_world_size(world_size: Any) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    return world_size
+
+
+def check_rank(rank: Any, world_size: Any) -> None:
+    check_world_size(world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+
+
+__all__ = [
+    "ADAPTER_DIR",
+    "CONFIG_YAML",
+    "CheckpointRef",
+    "FORBIDDEN_TRAINER_KEYS",
+    "PAYLOAD_KEYS",
+    "PROCESSOR_DIR",
+    "PROCESSOR_MARKERS",
+    "SCHEMA_SHARDED",
+    "REQUIRED_TRAINER_KEYS",
+    "RNG_SINGLE",
+    "SCHEMAS",
+    "SCHEMA_V1",
+    "SCHEMA_V2",
+    "TRAINING_STATE",
+    "VALIDATION_KEYS",
+    "check_pickle_opt_in",
+    "check_rank",
+    "check_world_size",
+    "require_complete",
+    "resolve_checkpoint",
+    "rng_payload_name",
+]

@@ -1,0 +1,250 @@
+"""Saving OPD checkpoints of a sharded student (FSDP2) through DCP: the seed's rules, DCP's layout.
+
+:func:`save_sharded_opd_checkpoint` is the sibling of
+:func:`~opd_store.opd._save.save_opd_checkpoint` for a student whose parameters and optimizer state
+are sharded over the ranks (``torch.distributed.fsdp.fully_shard``, full-parameter or PEFT LoRA):
+no rank holds the whole state, so every rank writes its own shards through DCP
+(:mod:`opd_store.dcp`) and one manifest commits them. The same rules apply (trainer keys, no
+rollouts or failure queue, the teacher's update count, plain YAML config, weights-only loadable
+state, a committed step refused), checked on every rank and agreed in one collective before
+anything is written, so no rank waits alone when another refuses.
+
+What one sharded checkpoint holds (DCP keys; DCP's metadata gives every key's shape and chunks)::
+
+    model.<parameter name>         the student's trainable parameters (a LoRA student: its adapter;
+                                   a full-parameter student: its whole state dict), sharded
+    optim.state.<name>.<key>       the optimizer's state per parameter (DCP's FQN-keyed form), sharded
+    optim.param_groups...          its param groups
+    opd.training_state             bytes: torch.save of {schema, trainer, scheduler, teacher,
+                                   config_fingerprint, provenance_fingerprints, world_size} (rank 0's)
+    rank_state.rank-00003          bytes: torch.save of {rng, extra}: rank 3's RNG state and its
+                                   own extra state (keyed by rank: DCP deduplicates equal keys)
+
+plus ``config.yaml`` and the processor's files (``processor/...``) as payloads of the same attempt,
+and the manifest's metadata (counters, fingerprints, ``world_size``, ``mesh_shape``) readable
+without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import dcp
+from ..errors import DistributedSaveError
+from ..format import torch_save
+from ..pipeline import SaveRequest, after_commit, describe_failure, failure_text
+from ..retention import RetentionPolicy, RunLineage
+from ..store import BaseStore, as_store
+from ._distributed import RankGroup
+from ._names import CONFIG_YAML, PROCESSOR_DIR, SCHEMA_SHARDED
+from ._rng import capture_rng_state, preserve_global_rng
+from ._safe_load import sanitize_state
+from ._save import stream_pretrained
+from ._snapshot import check_provenance, check_trainer_state, config_record, manifest_metadata
+
+logger = logging.getLogger("opd_store.opd")
+
+MODEL_KEY, OPTIM_KEY, OPD_KEY, RANK_STATE_KEY = "model", "optim", "opd", "rank_state"
+TRAINING_STATE_KEY = "training_state"
+
+
+def rank_state_key(rank: int) -> str:
+    """``rank-00003``: the key of a rank's own state under ``rank_state``."""
+    return f"rank-{rank:05d}"
+
+
+def saves_trainable_only(model: torch.nn.Module) -> bool:
+    """True when the student has frozen parameters (a LoRA student): then only its trainable
+    parameters are checkpointed (the frozen base is rebuilt from its own weights, as the seed's
+    adapter-only save assumes); otherwise the whole model state dict is."""
+    return any(not param.requires_grad for param in model.parameters())
+
+
+def student_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``(model, optimizer)`` state dicts in DCP's form (``get_state_dict``: DTensor shards of a
+    sharded student, FQN-keyed optimizer state), the model's filtered by :func:`saves_trainable_only`."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if saves_trainable_only(model):
+        trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+        model_sd = {key: value for key, value in model_sd.items() if key in trainable}
+    return model_sd, optim_sd
+
+
+def group_of(process_group: Any) -> RankGroup | None:
+    """The saving/loading group (``None``: one process, no collectives)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ValueError("a process_group was given but torch.distributed is not initialised")
+        return None
+    return RankGroup.of(process_group)
+
+
+def _blob(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch_save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _prepare(*, store: BaseStore, optimizer, scheduler, trainer_state, config, provenance_fingerprints,
+             teacher_state, processor, rank_state, lineage, retention, own_rng, world_size: int) -> dict[str, Any]:
+    """Check the seed's rules and build this rank's blobs and the manifest metadata (no I/O)."""
+    step = check_trainer_state(trainer_state, teacher_state)
+    provenance = check_provenance(provenance_fingerprints)
+    fingerprint, config_yaml = config_record(config)
+    trainer = sanitize_state(trainer_state, path="trainer_state")
+    training = {
+        "schema": SCHEMA_SHARDED,
+        "trainer": trainer,
+        "scheduler": sanitize_state(scheduler.state_dict(), path="scheduler.state_dict()"),
+        "teacher": sanitize_state(teacher_state, path="teacher_state"),
+        "config_fingerprint": fingerprint,
+        "provenance_fingerprints": provenance,
+        "world_size": world_size,
+        "param_group_count": len(optimizer.param_groups),
+    }
+    rank_blob = _blob({"rng": sanitize_state(own_rng, path="rng"),
+                       "extra": sanitize_state(rank_state, path="rank_state")})
+    metadata = manifest_metadata(schema=SCHEMA_SHARDED, trainer_state=trainer, step=step, fingerprint=fingerprint,
+                                 provenance=provenance, world_size=world_size, processor=processor, lineage=lineage)
+    if retention is not None and not retention.keeps_all:
+        store.check_save_retention(retention)
+    training_blob = _blob(training)
+    return {"step": step, "training_blob": training_blob, "rank_blob": rank_blob, "metadata": metadata,
+            "config_yaml": config_yaml, "digest": hashlib.sha256(config_yaml).hexdigest()[:16]}
+
+
+def _agree(group: RankGroup | None, prepared: dict | None, error: BaseException | None, url: str) -> None:
+    """Every rank learns whether every rank is ready to save the same step (one collective)."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    report = (None, None, describe_failure(error)) if prepared is None else \
+        (prepared["step"], prepared["digest"], describe_failure(error))
+    reports = group.all_gather(report)
+    failures = {rank: r[2] for rank, r in enumerate(reports) if r[2] is not None}
+    if not failures and len({(r[0], r[1]) for r in reports}) > 1:
+        seen = ", ".join(f"rank {rank}: step {r[0]}" for rank, r in enumerate(reports))
+        failures = {0: ("ValueError", f"ranks disagree on the step or the config ({seen})", False)}
+    if failures:
+        raise DistributedSaveError.from_failures(
+            f"{url}: not saved: {failure_text(failures)}",
+            {rank: f"{name}: {message}" for rank, (name, message, _c) in failures.items()}) from error
+
+
+def save_sharded_opd_checkpoint(
+    *,
+    checkpoints_dir: str | os.PathLike | BaseStore,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    trainer_state: dict,
+    config: Any,
+    provenance_fingerprints: dict[str, str],
+    teacher_state: dict,
+    processor: Any = None,
+    rank_state: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
+    retention: RetentionPolicy | None = None,
+    lineage: RunLineage | None = None,
+    process_group: Any = None,
+) -> str:
+    """Commit one OPD checkpoint of a sharded (or replicated) student through DCP.
+
+    Rank obligations: every rank of ``process_group`` (default: the default group) calls this with
+    the same step, after the update ended on every rank; the trainer, scheduler and teacher state
+    saved are rank 0's, the RNG state and ``rank_state`` each rank's own. Without a process group,
+    one process saves alone.
+
+    Args:
+        checkpoints_dir (str | os.PathLike | BaseStore): where (plain or tiered store, or URL).
+        model (torch.nn.Module): the student, sharded with ``fully_shard`` or not.
+        optimizer (torch.optim.Optimizer): over the student's (sharded) parameters.
+        scheduler (Any): LR scheduler with ``state_dict()``.
+        trainer_state, config, provenance_fingerprints, teacher_state: as
+            :func:`~opd_store.opd._save.save_opd_checkpoint` (same rules).
+        processor (Any | None): saved with ``save_pretrained`` as ``processor/...`` (rank 0).
+        rank_state (dict | None): this rank's own extra state (tensors and plain values), restored
+            to the same rank by :func:`~opd_store.opd._sharded_load.load_sharded_opd_checkpoint`.
+            Replicated state (a :class:`~opd_store.opd._data.GlobalSamplePosition`) goes into
+            ``trainer_state``.
+        storage_options (dict | None): fsspec options for a URL.
+        retention (RetentionPolicy | None): applied by rank 0 once the step is durable.
+        lineage (RunLineage | None): recorded in the manifest.
+        process_group: the ranks saving together (DCP's ``process_group``).
+
+    Returns:
+        str: the committed checkpoint's URL, the same on every rank.
+
+    Raises:
+        ValueError: (one process) a rule above is broken; UnsafeCheckpointError for unloadable state.
+        DistributedSaveError: (a process group) any rank's checks or writes failed, on every rank,
+            naming each failing rank; nothing committed.
+        DistributedCommitConflictError / CommitConflictError: the step is already committed.
+        RetentionError: (rank 0) the retention pass after the commit failed; the step is committed.
+    """
+    group = group_of(process_group)
+    world_size = 1 if group is None else group.world_size
+    rank = 0 if group is None else group.rank
+    store = as_store(checkpoints_dir, storage_options)
+    with preserve_global_rng():
+        own_rng = capture_rng_state()
+        prepared, error = None, None
+        try:
+            prepared = _prepare(store=store, optimizer=optimizer, scheduler=scheduler, trainer_state=trainer_state,
+                                config=config, provenance_fingerprints=provenance_fingerprints,
+                                teacher_state=teacher_state, processor=processor, rank_state=rank_state,
+                                lineage=lineage, retention=retention, own_rng=own_rng, world_size=world_size)
+            model_sd, optim_sd = student_state_dicts(model, optimizer)
+        except Exception as exc:  # noqa: BLE001 - agreed with every rank below
+            error = exc
+        _agree(group, prepared, error, store.url)
+        step = prepared["step"]
+        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd,
+                                 RANK_STATE_KEY: {rank_state_key(rank): prepared["rank_blob"]}}
+        if rank == 0:
+            state[OPD_KEY] = {TRAINING_STATE_KEY: prepared["training_blob"]}
+
+        def extras(txn) -> None:
+            txn.write_bytes(CONFIG_YAML, prepared["config_yaml"])
+            if processor is not None:
+                with tempfile.TemporaryDirectory(prefix="opd-processor-") as tmp:
+                    stream_pretrained(txn, processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
+
+        url = dcp.save(state, store, step, process_group=process_group, metadata=prepared["metadata"],
+                           extra_payloads=extras)
+    logger.info("committed sharded OPD checkpoint %s (world size %d, rank %d)", url, world_size, rank)
+    if rank == 0 and retention is not None and not retention.keeps_all:
+        after_commit(SaveRequest(store=store, step=step, world_size=world_size, metadata=prepared["metadata"],
+                                 write=_no_payloads, retention=retention, lineage=lineage), url)
+    return url
+
+
+def _no_payloads(txn, shared: bool) -> None:  # the retention stage needs no write stage
+    raise AssertionError("the sharded save writes through DCP, not through SaveRequest.write")
+
+
+__all__ = [
+    "MODEL_KEY",
+    "OPD_KEY",
+    "OPTIM_KEY",
+    "RANK_STATE_KEY",
+    "SCHEMA_SHARDED",
+    "TRAINING_STATE_KEY",
+    "group_of",
+    "rank_state_key",
+    "save_sharded_opd_checkpoint",
+    "saves_trainable_only",
+    "student_state_dicts",
+]

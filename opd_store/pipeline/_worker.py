@@ -1,0 +1,331 @@
+"""The one background worker: asynchronous saves and tier uploads run on it.
+
+A :class:`BackgroundWorker` owns one thread that runs submitted tasks in order. It gives every
+background stage of a save the same guarantees:
+
+* **Deferred failure.** A task's exception is kept in its :class:`BackgroundTask`; the owner raises
+  it at its next sync point (the next save, ``flush``, ``close``, ``result``) through
+  :meth:`BackgroundWorker.take_unreported`, once. It is never only logged.
+* **RNG isolation.** Each task runs inside :func:`~opd_store.runtime._thread_random.route_background_random`:
+  the worker's and fsspec's I/O thread's draws from Python's ``random`` (botocore and gcsfs retry
+  back-offs) go to a private generator, so the training thread's stream is the one it would have
+  had without the save (exact resume).
+* **What a task holds is freed on the worker thread.** Once a task has run, its callable (and so
+  the snapshot it closes over: staged tensors, parameters) is dropped on the worker thread, while
+  the interpreter is whole (see *Why threads are joined* below); a failure keeps its traceback as
+  text (a note on the exception), not as frames that would keep the snapshot alive.
+* **Exit deadline.** When the interpreter starts to exit, every worker runs its exit sequence
+  (:meth:`BackgroundWorker.finish_at_exit`), and no worker thread is alive afterwards.
+
+Exit sequence of one worker, in order:
+
+1. New tasks are refused.
+2. If tasks are queued or running, the owner's ``on_exit("waiting", tasks)`` is called and the
+   worker waits up to ``exit_timeout_secs`` for all of them.
+3. If they are not done by then, :attr:`BackgroundWorker.cancelled` is set: tasks not started are
+   dropped (abandoned) and the running one stops at its next payload write or before its commit
+   (transactions and copies watch that event), leaving its step uncommitted; the owner's
+   ``on_exit("abandoned", tasks)`` is called.
+4. The thread is told to stop and is joined. A task that does not stop within half of
+   ``exit_join_secs`` of its cancellation (a thread waiting inside one backend request) gets
+   :class:`~opd_store.errors.SaveAbandonedError` raised in it at its next Python instruction
+   (``PyThreadState_SetAsyncExc``; a thread waiting on fsspec's I/O loop runs one every second),
+   so it leaves through the ordinary failure path (an attempt's payloads are discarded, nothing is
+   committed), and is joined for the other half. A thread blocked where no Python code runs (a
+   lock never released) cannot be stopped: it is named on stderr.
+5. The owner's ``on_exit("finished", tasks)`` reports what committed or failed (``tasks`` may be
+   empty: the owner may report a task that finished before exit).
+
+All workers finish in one exit routine, in ascending ``exit_stage`` and then in creation order:
+asynchronous saves (:data:`EXIT_STAGE_SAVES`) before tier uploads (:data:`EXIT_STAGE_UPLOADS`),
+because a save that commits into a tiered store at exit queues its upload then, which the upload
+worker must still accept and run. The routine is registered with
+:func:`opd_store.runtime.register_exit_hook` when the first worker thread starts: it runs when the
+interpreter starts to exit, before ``atexit`` hooks, while ``concurrent.futures`` and asyncio's
+executors still work (an S3 request at exit still opens a client; from an ``atexit`` hook it
+failed and nothing committed on S3).
+
+Why threads are joined (not only their tasks waited for): once ``Py_FinalizeEx`` has run the exit
+hooks, a daemon thread that takes the GIL is ended with ``pthread_exit`` (CPython <= 3.13,
+``take_gil``; the C-API docs of ``PyEval_RestoreThread``: "calling this function from a thread when
+the runtime is finalizing will terminate the thread"). When the GIL is re-taken inside torch's C++
+(the ``pybind11::gil_scoped_release`` with which ``THPVariable_clear`` frees every tensor, or those
+around ``torch.save``'s storage writes), the unwinding meets a ``noexcept`` frame and C++ calls
+``std::terminate``: "terminate called without an active exception", SIGABRT, after the save had
+committed. A thread that reported its task done and then freed the task's snapshot raced the
+interpreter's finalization exactly so (``tests/spot/test_exit_paths.py``).
+
+The thread is a daemon: under the ``atexit`` fallback of :mod:`opd_store.runtime._exit_hooks` (Pythons
+without ``threading._register_atexit``) the interpreter joins non-daemon threads before the
+routine runs, so an idle non-daemon worker would keep the process alive forever.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import itertools
+import logging
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from ..errors import SaveAbandonedError
+from ..runtime import register_exit_hook, route_background_random
+from ._task import BackgroundTask
+
+logger = logging.getLogger("opd_store.pipeline")
+
+ExitReport = Callable[[str, list["BackgroundTask"]], None]
+"""``on_exit(event, tasks)``: ``event`` is ``waiting``, ``abandoned`` or ``finished``."""
+
+EXIT_STAGE_SAVES = 0
+"""Exit stage of workers that run saves (a save may queue a tier upload when it commits)."""
+EXIT_STAGE_UPLOADS = 1
+"""Exit stage of workers that upload committed steps: finished after every save worker."""
+
+
+class _StoppedAtExit(SaveAbandonedError):
+    """Raised in a worker thread whose task overran the exit deadline (see the module docstring)."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(args or ("stopped by the exit sequence: the exit deadline passed; nothing more is "
+                                    "committed by this task",)))
+
+
+_live: "weakref.WeakSet[BackgroundWorker]" = weakref.WeakSet()  # threads not known to have ended
+_created = itertools.count()  # creation order, for the exit routine
+_exit_hook = threading.Lock()
+_exit_hook_registered = False
+
+
+def _register_exit_routine() -> None:
+    """Register :func:`finish_all_at_exit` once (see the module docstring)."""
+    global _exit_hook_registered
+    with _exit_hook:
+        if not _exit_hook_registered:
+            register_exit_hook(finish_all_at_exit)
+            _exit_hook_registered = True
+
+
+class BackgroundWorker:
+    """One thread running submitted tasks in order (see the module docstring).
+
+    Args:
+        name (str): the thread's name.
+        exit_timeout_secs (float): at interpreter exit, seconds queued and running tasks are
+            given to finish before they are abandoned.
+        exit_join_secs (float | None): seconds the thread is then given to stop (default: the
+            exit deadline again, at most 10 s).
+        on_exit (ExitReport | None): reports the exit sequence's steps (the owner's messages).
+        exit_stage (int): workers finish at exit in ascending stage, then in creation order; a
+            worker whose tasks submit tasks to another worker needs a lower stage than it
+            (:data:`EXIT_STAGE_SAVES`, the default, or :data:`EXIT_STAGE_UPLOADS`).
+
+    Raises:
+        ValueError: a negative ``exit_timeout_secs``.
+    """
+
+    def __init__(self, name: str, *, exit_timeout_secs: float, exit_join_secs: float | None = None,
+                 on_exit: ExitReport | None = None, exit_stage: int = EXIT_STAGE_SAVES) -> None:
+        if exit_timeout_secs < 0:
+            raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
+        self.name = name
+        self.exit_timeout_secs = float(exit_timeout_secs)
+        self.exit_join_secs = min(10.0, max(1.0, self.exit_timeout_secs)) if exit_join_secs is None else exit_join_secs
+        self.on_exit = on_exit
+        self.exit_order = (exit_stage, next(_created))
+        self.cancelled = threading.Event()
+        self._cond = threading.Condition()
+        self._queue: collections.deque[BackgroundTask] = collections.deque()
+        self._running: BackgroundTask | None = None
+        self._failed: list[BackgroundTask] = []  # finished with a failure, maybe not reported yet
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._exited = False  # the exit sequence ran
+        _live.add(self)
+
+    # -- submitting --------------------------------------------------------------------------
+    def submit(self, label: str, key: Any, run: Callable[[], Any]) -> BackgroundTask:
+        """Queue ``run()`` (on the worker thread, with ``random`` routed away from the caller).
+
+        Raises:
+            ValueError: the worker is closed.
+        """
+        task = BackgroundTask(label, key, run)
+        with self._cond:
+            if self._closed:
+                raise ValueError(f"background worker {self.name} is closed")
+            self._queue.append(task)
+            if self._thread is None or not self._thread.is_alive():
+                _register_exit_routine()
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+                _live.add(self)
+            self._cond.notify_all()
+        return task
+
+    def _loop(self) -> None:
+        try:
+            while self._run_next():
+                pass
+        except _StoppedAtExit:
+            # Raised into this thread by the exit sequence just as its task ended (outside the
+            # task's own handler): the worker is stopping; finish_at_exit settles what is left.
+            pass
+
+    def _run_next(self) -> bool:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                return False
+            task = self._queue.popleft()
+            self._running = task
+        if self.cancelled.is_set():
+            task.abandon("the exit deadline passed")
+        else:
+            with route_background_random():
+                task.execute()
+        with self._cond:
+            self._running = None
+            if task.failure() is not None:
+                self._failed.append(task)
+            self._cond.notify_all()
+        return True
+
+    # -- state ---------------------------------------------------------------------------------
+    def pending(self) -> list[BackgroundTask]:
+        """Tasks running or queued, in order."""
+        with self._cond:
+            return ([self._running] if self._running is not None else []) + list(self._queue)
+
+    def wait_until(self, condition: Callable[[], bool], timeout_secs: float | None = None) -> bool:
+        """Wait until ``condition()`` holds, re-checked each time a task finishes; False on timeout.
+        ``condition`` runs with the worker's lock held, so it must not block or call back in."""
+        deadline = None if timeout_secs is None else time.monotonic() + timeout_secs
+        with self._cond:
+            while not condition():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def idle(self) -> bool:
+        """True when nothing is queued or running (call with or without the lock)."""
+        return not self._queue and self._running is None
+
+    def wait_idle(self, timeout_secs: float | None = None) -> None:
+        """Block until nothing is queued or running.
+
+        Raises:
+            TimeoutError: tasks still pending after ``timeout_secs`` (named).
+        """
+        if not self.wait_until(self.idle, timeout_secs):
+            raise TimeoutError(f"{', '.join(t.label for t in self.pending())} still running after {timeout_secs} s")
+
+    def take_unreported(self) -> list[BackgroundTask]:
+        """Finished tasks that failed and whose failure no caller saw yet, oldest first; each is
+        marked reported (the caller raises them now)."""
+        with self._cond:
+            failed = [task for task in self._failed if not task.reported]
+            self._failed = []
+        for task in failed:
+            task.mark_reported()
+        return failed
+
+    # -- stopping --------------------------------------------------------------------------------
+    def close(self, timeout_secs: float | None = None) -> None:
+        """Wait for queued tasks (see :meth:`wait_idle`), then stop the thread and join it: when
+        this returns without an error, the thread has ended. New tasks are refused afterwards.
+        Safe to call twice.
+
+        Raises:
+            TimeoutError: tasks still pending after ``timeout_secs``; the thread stops once they
+                finish, and the exit sequence joins it if the interpreter exits first.
+        """
+        try:
+            self.wait_idle(timeout_secs)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+                thread = self._thread
+            if thread is not None and thread is not threading.current_thread() and self.idle():
+                thread.join()  # idle and told to stop: it returns at once
+            if thread is None or not thread.is_alive():
+                _live.discard(self)
+
+    def finish_at_exit(self) -> None:
+        """The exit sequence (module docstring): wait, cancel, stop and join, report. Runs once."""
+        with self._cond:
+            if self._exited or (self._closed and (self._thread is None or not self._thread.is_alive())):
+                self._exited = True
+                return
+            self._exited = self._closed = True
+            tasks = ([self._running] if self._running is not None else []) + list(self._queue)
+            self._cond.notify_all()
+        if tasks and self.on_exit is not None:
+            self.on_exit("waiting", tasks)
+        if not self.wait_until(self.idle, self.exit_timeout_secs):
+            unfinished = [task for task in tasks if not task.done()]
+            self.cancelled.set()
+            if self.on_exit is not None:
+                self.on_exit("abandoned", unfinished)
+        self._stop_thread()
+        if self.on_exit is not None:
+            self.on_exit("finished", tasks)
+
+    def _stop_thread(self) -> None:
+        """Step 4 of the exit sequence: join the thread, raising :class:`_StoppedAtExit` in a task
+        that ignores the cancellation."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._cond.notify_all()
+        thread.join(self.exit_join_secs / 2 if self.cancelled.is_set() else self.exit_join_secs)
+        if thread.is_alive() and self.cancelled.is_set():
+            # Under the lock: the thread cannot leave _loop meanwhile, so the exception lands in the
+            # task (its failure) or in _loop's handler, never in threading's own code.
+            with self._cond:
+                if self._running is not None and not self._running.done() and thread.ident is not None:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                               ctypes.py_object(_StoppedAtExit))
+            thread.join(self.exit_join_secs / 2)
+        if thread.is_alive():
+            print(f"opd_store: background thread {thread.name} is still inside a backend call at exit; "
+                  "its step stays uncommitted", file=sys.stderr, flush=True)
+            return
+        _live.discard(self)
+        with self._cond:  # the thread ended: settle what a stray stop left behind
+            left = ([self._running] if self._running is not None else []) + list(self._queue)
+            self._running = None
+            self._queue.clear()
+            self._cond.notify_all()
+        for task in left:
+            task.settle(_StoppedAtExit())
+
+
+def finish_all_at_exit() -> None:
+    """The one exit routine: every live worker's exit sequence, in ``exit_order`` (module
+    docstring). A worker made while it runs is finished too. Errors go to stderr: nobody is left to
+    raise to."""
+    finished: set[BackgroundWorker] = set()
+    while True:
+        workers = sorted((w for w in list(_live) if w not in finished), key=lambda w: w.exit_order)
+        if not workers:
+            return
+        worker = workers[0]
+        finished.add(worker)
+        try:
+            worker.finish_at_exit()
+        except Exception as exc:  # noqa: BLE001 - nobody is left to raise to at exit
+            print(f"opd_store: at exit, background worker {worker.name}: {exc!r}", file=sys.stderr, flush=True)
+
+
+__all__ = ["EXIT_STAGE_SAVES", "EXIT_STAGE_UPLOADS", "BackgroundTask", "BackgroundWorker", "ExitReport",
+           "finish_all_at_exit"]

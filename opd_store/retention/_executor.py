@@ -1,0 +1,219 @@
+"""The one retention executor: plan a policy over a store, then delete what the plan does not keep.
+
+The decisions are made by the pure :func:`opd_store.retention._policy.plan_retention`; this module only
+gathers its input from a store (one listing, the pins, and with ``deep`` the checksums of the
+newest steps) and executes the plan. Every way to ask for retention ends here: a save's
+``retention=`` (after its commit, or after its upload on a tiered store), a tiered store's
+``bucket_retention`` and local retention, and ``opd-store gc``. Every step deletion goes through
+:meth:`CheckpointStore.delete <opd_store.store._checkpoint_store.CheckpointStore.delete>` (manifest first, then
+payloads), so a crash mid-delete leaves an ``uncommitted`` step, never one that looks complete but
+is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..errors import RetentionError
+from ..runtime import kill_points
+from ..storage import describe
+from ..store import COMPLETE, CORRUPT, CheckpointInfo, CheckpointStore, pinned_steps
+from ._policy import RetentionPlan, RetentionPolicy, RunLineage, StepRecord, plan_retention
+
+if TYPE_CHECKING:
+    from ._gc import Orphan, StaleUpload
+
+logger = logging.getLogger("opd_store.retention")
+
+
+@dataclasses.dataclass
+class GcReport:
+    """What a retention or gc pass decided and did on one store.
+
+    Attributes:
+        plan (RetentionPlan): the retention plan.
+        sizes (dict[int, int]): bytes of each step in the plan.
+        orphans (list[Orphan]): orphans found (deleted unless ``dry_run``).
+        uploads (list[StaleUpload]): stale multipart uploads (aborted unless ``dry_run``).
+        deleted_steps (list[int]): steps actually deleted.
+        dry_run (bool): nothing was deleted.
+        store (CheckpointStore | None): the store the pass ran on.
+        policy (RetentionPolicy | None): the policy it applied.
+    """
+
+    plan: RetentionPlan
+    sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    orphans: "list[Orphan]" = dataclasses.field(default_factory=list)
+    uploads: "list[StaleUpload]" = dataclasses.field(default_factory=list)
+    deleted_steps: list[int] = dataclasses.field(default_factory=list)
+    dry_run: bool = True
+    store: CheckpointStore | None = dataclasses.field(default=None, repr=False)
+    policy: RetentionPolicy | None = None
+
+    @property
+    def url(self) -> str:
+        """The URL of the store the pass ran on."""
+        return self.store.url if self.store is not None else ""
+
+    @property
+    def freed_bytes(self) -> int:
+        """Bytes the steps and orphans to delete occupy (multipart parts are not counted)."""
+        return self.plan.freed_bytes + sum(orphan.size_bytes for orphan in self.orphans)
+
+
+def step_records(infos: Iterable[CheckpointInfo]) -> list[StepRecord]:
+    """Retention input from :meth:`CheckpointStore.checkpoints` output (no I/O)."""
+    records = []
+    for info in infos:
+        metadata = info.metadata
+        run_id, parent = metadata.get("run_id"), metadata.get("parent_step")
+        run_id = run_id if isinstance(run_id, str) else None
+        parent = parent if isinstance(parent, int) and not isinstance(parent, bool) else None
+        records.append(StepRecord(info.step, info.status, info.total_size_bytes, run_id, parent))
+    return records
+
+
+def _deep_checked(store: CheckpointStore, records: list[StepRecord], policy: RetentionPolicy) -> list[StepRecord]:
+    """Recompute the CRC32C of complete steps, newest first, until ``keep_last`` pass; mark the
+    failures ``corrupt`` so they neither count toward keep-last nor get deleted (a same-size
+    corruption is invisible to a listing, and would otherwise push the last good step out)."""
+    wanted = policy.keep_last or 1
+    good = 0
+    out = {record.step: record for record in records}
+    for record in sorted(records, key=lambda r: r.step, reverse=True):
+        if good >= wanted:
+            break
+        if record.status != COMPLETE:
+            continue
+        report = store.verify(record.step, deep=True)
+        if report.ok:
+            good += 1
+        else:
+            logger.warning("retention: step %d fails deep verification: %s", record.step,
+                           "; ".join(p.detail for p in report.problems))
+            out[record.step] = dataclasses.replace(record, status=CORRUPT)
+    return [out[step] for step in sorted(out)]
+
+
+def plan_store_retention(
+    store: CheckpointStore,
+    policy: RetentionPolicy,
+    *,
+    just_committed: int | None = None,
+    current_run: tuple[str, int | None] | None = None,
+    not_durable: Iterable[int] = (),
+    deep: bool = False,
+) -> tuple[RetentionPlan, dict[int, int]]:
+    """List ``store`` and plan ``policy`` over it (reads only).
+
+    Args:
+        store (CheckpointStore): the store (one tier).
+        policy (RetentionPolicy): the policy.
+        just_committed (int | None): a step the caller just committed (kept).
+        current_run (tuple[str, int | None] | None): ``(run_id, parent_step)`` of the calling run.
+        not_durable (Iterable[int]): steps not durable yet (kept).
+        deep (bool): recompute checksums of the newest complete steps (see :func:`_deep_checked`).
+
+    Returns:
+        tuple[RetentionPlan, dict[int, int]]: the plan and each step's size in bytes.
+    """
+    records = step_records(store.checkpoints())
+    if deep:
+        records = _deep_checked(store, records, policy)
+    plan = plan_retention(records, policy, pinned=pinned_steps(store), just_committed=just_committed,
+                          current_run=current_run, not_durable=not_durable)
+    return plan, {record.step: record.size_bytes for record in records}
+
+
+def execute_plan(store: CheckpointStore, plan: RetentionPlan) -> list[int]:
+    """Delete the plan's steps, oldest first, each manifest first (:meth:`CheckpointStore.delete`).
+
+    Pins are read again just before deleting, so a step pinned after the plan was made survives.
+
+    Returns:
+        list[int]: the steps deleted.
+
+    Raises:
+        OSError: a backend failure; steps deleted before it stay deleted, the failing one is left
+            ``uncommitted`` at worst (its manifest is deleted first) and gc removes the rest later.
+    """
+    pinned = pinned_steps(store) if plan.delete else set()
+    deleted = []
+    for step in plan.delete:
+        if step in pinned:
+            logger.info("retention: step %d was pinned after planning; kept", step)
+            continue
+        kill_points.reach("retention_pass", step=step)  # test-only (the soak); nothing when not armed
+        store.delete(step)
+        logger.info("retention: deleted %s", store.step_url(step))
+        deleted.append(step)
+    return deleted
+
+
+def apply_retention(
+    store: CheckpointStore,
+    policy: RetentionPolicy,
+    *,
+    just_committed: int | None = None,
+    current_run: tuple[str, int | None] | None = None,
+    not_durable: Iterable[int] = (),
+    deep: bool = False,
+    dry_run: bool = False,
+) -> GcReport:
+    """Plan ``policy`` over ``store`` and delete what it does not keep (see :func:`plan_store_retention`).
+
+    Raises:
+        OSError: a backend failure while listing or deleting (see :func:`execute_plan`).
+    """
+    plan, sizes = plan_store_retention(store, policy, just_committed=just_committed, current_run=current_run,
+                                       not_durable=not_durable, deep=deep)
+    report = GcReport(plan=plan, sizes=sizes, dry_run=dry_run, store=store, policy=policy)
+    if not dry_run:
+        report.deleted_steps = execute_plan(store, plan)
+    return report
+
+
+def retention_after_commit(
+    policy: RetentionPolicy, step: int, *, lineage: RunLineage | None = None, url: str | None = None
+):
+    """The after-commit retention hook of a save of ``step``: ``hook(durable_store)``, run by
+    :meth:`BaseStore.when_durable <opd_store.store._api.BaseStore.when_durable>` once the step is
+    durable (at once on a plain store, after the upload on a tiered one, against the bucket).
+
+    ``step`` (just committed) and ``lineage.parent_step`` (until the run has a second checkpoint)
+    are protected. A pass that cannot run or fails part-way raises :class:`RetentionError` (the
+    checkpoint stays committed; ``BaseException`` such as a kill propagates as it is).
+
+    Args:
+        policy (RetentionPolicy): what to keep.
+        step (int): the step just committed.
+        lineage (RunLineage | None): the saving run's id and resume parent.
+        url (str | None): the committed checkpoint's URL, named in the error.
+    """
+    current = (lineage.run_id, lineage.parent_step) if lineage is not None else None
+
+    def hook(durable_store: CheckpointStore) -> GcReport:
+        try:
+            return apply_retention(durable_store, policy, just_committed=step, current_run=current)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as a RetentionError
+            raise RetentionError.after(
+                f"retention {policy!r} after committing step {step} at {durable_store.url} failed "
+                f"({describe(exc)}); step {step} is committed{f' at {url}' if url else ''} and nothing "
+                "committed was lost; the next pass or `opd-store gc` finishes the job",
+                url=url,
+            ) from exc
+
+    return hook
+
+
+__all__ = [
+    "GcReport",
+    "apply_retention",
+    "execute_plan",
+    "plan_store_retention",
+    "retention_after_commit",
+    "step_records",
+]

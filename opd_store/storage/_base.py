@@ -1,0 +1,418 @@
+"""The storage seam: the few verbs opd_store needs from a backend, declared abstract.
+
+Everything above this package speaks in paths relative to the store root
+(``step-000001/manifest.json``) and never touches a backend client. :class:`Storage` declares the
+verbs with :mod:`abc`, so a backend that forgets one fails when it is constructed (``TypeError``
+naming the missing verbs), not when a commit first needs it:
+
+==========================  =========================================================================
+reads                       :meth:`~Storage.list_children`, :meth:`~Storage.list_tree`,
+                            :meth:`~Storage.size`, :meth:`~Storage.read_bytes`
+writes, overwrite mode      :meth:`~Storage.open_write` (a streaming writer; published by
+                            :meth:`~Storage.finish_write`, discarded by :meth:`~Storage.abort_write`)
+writes, create-only mode    :meth:`~Storage.create_exclusive` (the commit point of every checkpoint)
+deletes                     :meth:`~Storage.delete`, :meth:`~Storage.delete_tree`
+multipart uploads           :meth:`~Storage.list_uploads`, :meth:`~Storage.abort_upload` (a backend
+                            without them says so with :class:`~opd_store.storage._fsspec.NoMultipartUploads`)
+==========================  =========================================================================
+
+The other verbs have defaults built on these. Every verb that can decide a checkpoint's state
+(list, size, read) must answer from the backend as it is now (see
+:class:`~opd_store.storage._fsspec.FsspecStorage`). ``tests/core/test_storage_conformance.py``
+checks every verb of every backend against the backend's own client.
+
+Two more things every backend answers, both on the *store's* clock (never the caller's):
+:meth:`~Storage.list_tree_modified` (each object's modification time as the backend records it)
+and :meth:`~Storage.clock_secs` (the backend's notion of now). Garbage collection compares the
+two (:mod:`opd_store.retention._gc`). :meth:`~Storage.check_reachable` proves, in bounded time, that the
+store can be used the way a read or a save will use it (:mod:`opd_store.storage._reachability`).
+"""
+
+from __future__ import annotations
+
+import abc
+import io
+import logging
+import posixpath
+import threading
+import time
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable
+
+from ._client_options import ClientTimeouts
+from .transfers import PartPool, TransferSettings, transfer_pools
+
+if TYPE_CHECKING:
+    from .transfers import Completion
+
+logger = logging.getLogger("opd_store.storage")
+
+
+class Storage(abc.ABC):
+    """One backend rooted at a prefix.
+
+    Args:
+        fs (Any | Callable[[], Any]): the backend client (an ``fsspec.AbstractFileSystem`` for
+            every backend here), or a function that builds it on first use: a client whose
+            construction does I/O (gcsfs looks for credentials, which can take tens of seconds
+            off-cloud) is then built inside the bounded reachability check, not by a constructor.
+        root (str): the root in the client's own path spelling; a trailing ``/`` is dropped.
+        url_root (str): the root as a URL (a plain absolute path for local stores).
+        timeouts (ClientTimeouts | None): the client's connect and read timeouts, named in errors
+            (:mod:`opd_store.storage._client_options`); the defaults when not given.
+
+    Attributes:
+        commit_primitive (str): one line naming how :meth:`create_exclusive` is create-only.
+        atomic_create (bool): :meth:`create_exclusive` is atomic (two racing creates: one wins).
+        write_slice_bytes (int): the largest single ``write()`` a payload writer hands this
+            backend's writer (zero-copy slices of larger buffers).
+        bucketed (bool): the root's first component is a bucket.
+        endpoint (str | None): the endpoint requests go to, named in errors when a failure does
+            not name one itself.
+        credential_sources (str | None): where the client looks for credentials, named when it
+            finds none.
+        transfers (TransferSettings): part size and parts in flight of parallel transfers.
+    """
+
+    commit_primitive = "none"
+    atomic_create = False
+    # fsspec's buffered files copy each whole write() into their part buffer before uploading: one
+    # 1 GiB tensor would cost ~3 GiB of RSS. 8 MiB slices keep it to one part.
+    write_slice_bytes = 8 << 20
+    bucketed = False
+    endpoint: str | None = None
+    credential_sources: str | None = None
+
+    transfers = TransferSettings()  # storage options part_size_bytes and parts_in_flight
+
+    def __init__(self, fs: Any | Callable[[], Any], root: str, url_root: str, *,
+                 timeouts: ClientTimeouts | None = None) -> None:
+        self._fs_factory = fs if callable(fs) else None
+        self._fs = None if callable(fs) else fs
+        self._fs_lock = threading.Lock()
+        self.timeouts = timeouts or ClientTimeouts()
+        self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
+        self._part_pool, self._read_pool = transfer_pools(self.transfers)  # not use_transfers: wrappers forward it
+        self.root = root.rstrip("/") or "/"
+        stripped = url_root.rstrip("/")
+        # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
+        self.url_root = stripped if stripped and not stripped.endswith(":") else url_root
+
+    @classmethod
+    def with_client_timeouts(cls, options: dict[str, Any], timeouts: ClientTimeouts
+                             ) -> tuple[dict[str, Any], ClientTimeouts, Callable[[Any], None]]:
+        """The client options of this backend with opd_store's timeouts applied (before the client
+        is built; :mod:`opd_store.storage._client_options`). The default changes nothing.
+
+        Returns:
+            tuple[dict, ClientTimeouts, Callable]: the options, the timeouts really in force, and
+            what to do to the client once it is built.
+
+        Raises:
+            ValueError: a backend option out of range (the message names it).
+        """
+        return options, timeouts, _unchanged
+
+    @property
+    def fs(self) -> Any:
+        """The backend client, built on first use (see the ``fs`` argument)."""
+        fs = self._fs
+        if fs is None:
+            with self._fs_lock:
+                if self._fs is None:
+                    self._fs = self._fs_factory()
+                fs = self._fs
+        return fs
+
+    @fs.setter
+    def fs(self, value: Any) -> None:
+        self._fs = value
+
+    def use_transfers(self, settings: TransferSettings) -> None:
+        """Move payloads with ``settings`` from now on (before the first transfer), with new pools
+        of ``parts_in_flight`` buffers of ``part_size_bytes`` (allocated on first use): one for
+        uploads, one for :meth:`open_read_stream` readers (a reader never waits for an upload)."""
+        self.transfers = settings
+        self._part_pool, self._read_pool = transfer_pools(settings)
+
+    def part_pool(self) -> PartPool:
+        """This store's reused upload part buffers (:meth:`use_transfers`)."""
+        return self._part_pool
+
+    def read_pool(self) -> PartPool:
+        """This store's reused buffers of copy readers (:meth:`use_transfers`)."""
+        return self._read_pool
+
+    # -- names -------------------------------------------------------------------------------
+    def path(self, rel: str = "") -> str:
+        """The backend path of ``rel`` (relative to the root)."""
+        if not rel:
+            return self.root
+        return self.root + rel if self.root.endswith("/") else f"{self.root}/{rel}"
+
+    def url(self, rel: str = "") -> str:
+        """URL of ``rel``, spelled like :attr:`url_root`."""
+        if not rel:
+            return self.url_root
+        return self.url_root + rel if self.url_root.endswith("/") else f"{self.url_root}/{rel}"
+
+    def describe(self) -> str:
+        return f"{type(self).__name__}({self.url_root})"
+
+    def explain(self, exc: BaseException) -> str:
+        """The cause of a backend failure in words, naming this store's endpoint and timeouts
+        (:func:`opd_store.storage._backend_errors.explain`)."""
+        from ._backend_errors import explain
+
+        return explain(exc, endpoint=self.endpoint, connect_timeout_secs=self.timeouts.connect_timeout_secs,
+                       read_timeout_secs=self.timeouts.read_timeout_secs,
+                       credential_sources=self.credential_sources)
+
+    __repr__ = describe
+
+    # -- reads (abstract; always fresh) --------------------------------------------------------
+    @abc.abstractmethod
+    def list_children(self, rel: str = "") -> tuple[list[str], dict[str, int]]:
+        """Immediate children of ``rel``: (sub-prefix names, {object name: size_bytes}).
+
+        One delimiter listing (paginated by the backend). A missing prefix lists as empty.
+        """
+
+    @abc.abstractmethod
+    def list_tree(self, rel: str = "") -> dict[str, int]:
+        """Every object below ``rel``, recursively: {path relative to ``rel``: size_bytes}.
+
+        One flat listing (no per-object request). A missing prefix lists as empty.
+        """
+
+    @abc.abstractmethod
+    def list_tree_modified(self, rel: str = "") -> dict[str, tuple[int, float | None]]:
+        """Every object below ``rel`` with its size and modification time, from one flat listing:
+        ``{path relative to rel: (size_bytes, modified_secs)}``.
+
+        ``modified_secs`` is seconds since the epoch as the *backend* recorded it (S3
+        ``LastModified``, GCS ``updated``, the local file's mtime): the store's clock, comparable
+        with :meth:`clock_secs` and never with the writer's. ``None`` where the backend reports
+        no time. A missing prefix lists as empty.
+        """
+
+    def clock_secs(self) -> float:
+        """The store's notion of now, in seconds since the epoch (the clock that stamps
+        :meth:`list_tree_modified`). The default is this machine's clock, which is what stamps
+        local files and the memory store.
+
+        Raises:
+            OSError: the backend could not be asked (a remote store's clock is read from a response).
+        """
+        return time.time()
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int | None:
+        """Size in bytes of the object ``rel``, or ``None`` when it does not exist (or is a prefix)."""
+
+    @abc.abstractmethod
+    def read_bytes(self, rel: str, *, small: bool = False, max_bytes: int | None = None) -> bytes:
+        """The whole object ``rel``, or its first ``max_bytes + 1`` bytes.
+
+        Args:
+            rel (str): object path relative to the root.
+            small (bool): the object is known to be small (a manifest): a backend that would first
+                ask for its size to plan a parallel download skips that request.
+            max_bytes (int | None): fetch at most ``max_bytes + 1`` bytes (one ranged request), so
+                a caller with a size limit sees that the object is over it without fetching it all.
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+
+    # -- writes (abstract) ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def open_write(self, rel: str) -> BinaryIO:
+        """A new binary writer for the object ``rel`` (overwrite mode); the object appears when
+        :meth:`finish_write` publishes it. Callers discard it with :meth:`abort_write` instead
+        when anything went wrong."""
+
+    @abc.abstractmethod
+    def create_exclusive(self, rel: str, data: bytes) -> None:
+        """Create the small object ``rel`` holding ``data`` only if it does not exist (create-only
+        mode: the commit point of a checkpoint, and of a pin).
+
+        Raises:
+            OSError: the create failed; :func:`~opd_store.storage._backend_errors.classify` gives
+                ``LOST_RACE`` when the object exists (or another create of it is in flight) and
+                anything else for an outcome that is unknown until the object is read back.
+            UnsupportedBackendError: the backend has no create-only write.
+        """
+
+    @abc.abstractmethod
+    def delete(self, rel: str) -> None:
+        """Delete the object ``rel``; a missing object is not an error."""
+
+    @abc.abstractmethod
+    def delete_tree(self, rel: str) -> None:
+        """Delete every object below ``rel``; a missing prefix is not an error."""
+
+    # -- multipart uploads (abstract) ----------------------------------------------------------
+    @abc.abstractmethod
+    def list_uploads(self) -> list[tuple[str, str, float]]:
+        """Unfinished multipart uploads under the root: ``(rel, upload_id, initiated_secs)``.
+
+        They are invisible to listings but billed (S3), so garbage collection aborts old ones.
+        """
+
+    @abc.abstractmethod
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        """Abort one unfinished multipart upload from :meth:`list_uploads`."""
+
+    def newest_part_secs(self, rel: str, upload_id: str) -> float | None:
+        """When the newest part of an unfinished multipart upload was stored (the store's clock),
+        or ``None`` when it has no part yet; ``None`` on backends without multipart uploads."""
+        return None
+
+    # -- defaults built on the verbs above -----------------------------------------------------
+    def refresh(self) -> None:
+        """Drop whatever the backend client cached (listings, sizes); nothing by default."""
+
+    def finish_write(self, handle: BinaryIO, rel: str) -> None:
+        """Publish a writer from :meth:`open_write` (durably, where the backend needs a flush)."""
+        handle.close()
+
+    def start_finish(self, handle: BinaryIO, rel: str) -> "Completion":
+        """Start publishing a writer from :meth:`open_write`; the completion says when it landed.
+
+        The default publishes now (:meth:`finish_write`; its failure is raised here). Backends
+        that upload in parallel (S3) return at once while the last parts still move, so the next
+        payload of a save can stream meanwhile.
+        """
+        from .transfers import Completion
+
+        return Completion.now(lambda: self.finish_write(handle, rel))
+
+    def abort_write(self, handle: BinaryIO, rel: str) -> None:
+        """Throw away a writer from :meth:`open_write` without publishing it (best effort)."""
+        discard = getattr(handle, "discard", None)
+        try:
+            if discard is not None:
+                discard()
+                # fsspec buffered files upload on close() and close themselves at garbage
+                # collection; a discarded writer must never publish its partial bytes.
+                handle.closed = True
+            else:
+                handle.close()
+                self.delete(rel)
+        except Exception:  # noqa: BLE001 - cleanup of an already failing save
+            logger.warning("could not discard partial object %s", self.url(rel), exc_info=True)
+
+    def sync_prefix(self, rel: str) -> None:
+        """Make the names of objects written under ``rel`` durable (local: fsync the directories);
+        nothing to do on backends whose writes are durable when published."""
+
+    def open_read(self, rel: str) -> BinaryIO:
+        """A binary reader of the object ``rel`` (for copies; backends that can stream override it).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        return io.BytesIO(self.read_bytes(rel))
+
+    def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
+        """A forward-only reader of the ``size_bytes`` expected of ``rel`` (a manifest's size) in
+        bounded memory, for copies. The default is :meth:`open_read`; S3 and GCS keep
+        ``parts_in_flight`` ranges in flight (:class:`~opd_store.storage.transfers._range_stream.RangeStream`).
+        No checksum is checked: the caller compares what it reads with the manifest.
+
+        Raises:
+            FileNotFoundError: no such object (here, or at the reader's first read).
+            IntegrityError: (reads of ranges) a short range, or an object of another size.
+        """
+        return self.open_read(rel)
+
+    def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
+        """A seekable reader of the whole object ``rel`` with its measured size and CRC32C.
+
+        The default fetches the object whole (one request where the backend allows) and serves it
+        from memory; the CRC is computed over exactly the bytes the reader returns. Remote backends
+        read in parallel ranges of the ``size_bytes`` expected (the manifest's), into one buffer.
+
+        Args:
+            rel (str): the object.
+            size_bytes (int | None): the size the caller expects; a backend may plan its reads by
+                it, and reports the object's real size when it differs (the reader then holds
+                nothing to trust).
+
+        Returns:
+            tuple[BinaryIO, int, str]: (reader positioned at 0, size_bytes, crc32c as 8 hex digits).
+
+        Raises:
+            FileNotFoundError: no such object.
+        """
+        from ..format import crc32c_hex
+
+        data = self.read_bytes(rel)
+        return io.BytesIO(data), len(data), crc32c_hex(data)
+
+    def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
+        """Fail fast when the store cannot be used, within ``timeout_secs`` whatever the backend does.
+
+        See :func:`opd_store.storage._reachability.check_storage`.
+
+        Args:
+            write (bool): prove a save can write here too (a probe object is created and deleted;
+                a missing local root is created); ``False`` for read-only use.
+            timeout_secs (float | None): the bound; the store's ``connect_timeout_secs`` by default.
+
+        Raises:
+            StoreUnreachableError: naming the store URL, the operation and the cause.
+            StoreNotFoundError: ``write`` is false and a local root does not exist.
+        """
+        from ._reachability import check_storage
+
+        check_storage(self, write=write, timeout_secs=timeout_secs or self.timeouts.connect_timeout_secs)
+
+    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
+        """The read half of :meth:`check_reachable`: authenticate and list the root once. Backends
+        whose client would retry for longer than ``timeout_secs`` override it with a bounded probe.
+
+        Args:
+            timeout_secs (float): the check's bound (for the requests' own timeouts).
+            stage (dict[str, str]): ``stage["operation"]`` is set to the operation under way
+                (``list the store``), which the check names if it fails or runs out of time.
+
+        Raises:
+            Exception: whatever the backend raised (the check names the cause).
+        """
+        stage["operation"] = "list the store"
+        self.list_children("")
+
+    def probe_write(self, stage: dict[str, str]) -> None:
+        """The write half of :meth:`check_reachable`: create a probe object under a reserved name
+        with the create-only write every commit uses, then delete it (a save's cleanup and
+        retention delete too). The name (:func:`opd_store.format._names.probe_name`) is no step and no
+        attempt: no listing, ``ls`` or ``gc`` sees it, and one left behind by a killed check is
+        harmless.
+
+        Args:
+            stage (dict[str, str]): as for :meth:`probe_read`.
+
+        Raises:
+            Exception: whatever the backend raised (the check names the cause).
+        """
+        from ..format import probe_name
+        from ._reachability import PROBE_BYTES
+
+        name = probe_name()
+        stage["operation"] = "write a probe object"
+        self.create_exclusive(name, PROBE_BYTES)
+        stage["operation"] = "delete the probe object"
+        self.delete(name)
+
+
+def _unchanged(fs: Any) -> None:
+    """Nothing to set on a client once built."""
+
+
+def join(*parts: str) -> str:
+    """Join relative key parts with ``/`` (never ``os.path.join``: keys are not local paths)."""
+    return posixpath.join(*[p for p in parts if p])
+
+
+__all__ = ["Storage", "join"]

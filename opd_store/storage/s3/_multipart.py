@@ -1,0 +1,154 @@
+"""Parallel S3 uploads over s3fs's asynchronous API: the multipart requests of
+:class:`~opd_store.storage.transfers._part_writer.PartWriter`.
+
+s3fs's file writer uploads a multipart upload one part at a time (its source: "TODO: concurrent
+here"). ``Storage.open_write`` (a :class:`~opd_store.storage.transfers._part_writer.PartWriter` over
+:class:`S3Multipart`) uploads a payload as an S3 multipart upload whose parts go up while the
+caller keeps writing, up to ``parts_in_flight`` at once, on s3fs's own event loop and client (its
+credentials, endpoint, timeouts and botocore's retries, which back off on ``503 SlowDown``);
+the reads are :mod:`opd_store.storage.s3._reads`. A payload of at most one part is
+one ``PutObject``. If any request fails after the client's retries, the whole multipart upload is
+aborted once the parts in flight have settled (no upload is left open on the server).
+
+Each body carries its CRC32C (``ChecksumCRC32C``; the upload is created with
+``ChecksumAlgorithm=CRC32C`` and completed with every part's checksum, as S3's "Checking object
+integrity" documentation asks of multipart uploads with checksums): the server refuses a part whose
+bytes differ from the part buffer's (``BadDigest``), and botocore, given the checksum, does not read
+the body to compute one of its own (a client configured with
+``request_checksum_calculation=when_required`` sends none, as botocore would not). The body is a
+:class:`~opd_store.storage.transfers._upload_bodies.PartBody` over the part buffer: sent as views of the
+buffer, each taken by the connection within the store's ``read_timeout_secs`` (an endpoint that
+stops reading a body fails the attempt instead of holding the save).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Any
+
+from ...format import crc32c_base64
+from .._backend_errors import Meaning, classify
+from ..transfers import PartBody, named_error
+
+logger = logging.getLogger("opd_store.storage")
+
+
+class S3Multipart:
+    """One S3 object's multipart upload (a :class:`~opd_store.storage.transfers._part_writer.Multipart`).
+
+    Args:
+        fs: the store's ``s3fs.S3FileSystem``.
+        bucket (str), key (str): the object.
+        url (str): the object's URL (for messages).
+        send_timeout_secs (float | None): the longest wait for a connection to take one chunk of a
+            body (the store's ``read_timeout_secs``).
+    """
+
+    def __init__(self, fs, bucket: str, key: str, url: str, *, send_timeout_secs: float | None = None) -> None:
+        self._fs = fs
+        self._send_timeout_secs = send_timeout_secs
+        self._bucket = bucket
+        self._key = key
+        self.url = url
+        self.loop = fs.loop
+        self._upload_id: concurrent.futures.Future | None = None
+        self._created_again = False
+        self._checksums: bool | None = None
+
+    def start(self) -> None:
+        """``CreateMultipartUpload``, waited for (one short request): a refused upload is raised by
+        the write that filled the first part, and an upload is open on the server once a part was
+        handed over."""
+        self._upload_id = asyncio.run_coroutine_threadsafe(self._create(), self.loop)
+        self._upload_id.result()
+
+    async def _create(self) -> str:
+        """``CreateMultipartUpload``. A create whose reply was lost may have opened an upload that
+        the client's retry does not return (the retry opens another): when the client retried, or
+        the create failed, the uploads of this key other than the one in use are aborted once the
+        payload is settled (:meth:`_abort_others`); the key is unique to the save attempt, so each
+        of them is this writer's."""
+        algorithm = {"ChecksumAlgorithm": "CRC32C"} if await self._send_checksums() else {}
+        try:
+            answer = await self._fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                             **algorithm)
+        except Exception as exc:  # noqa: BLE001 - named below
+            await self._abort_others(None)
+            raise named_error(self.url, "CreateMultipartUpload", exc)  # noqa: B904 - the cause is set
+        self._created_again = bool((answer.get("ResponseMetadata") or {}).get("RetryAttempts"))
+        return answer["UploadId"]
+
+    async def _send_checksums(self) -> bool:
+        """Whether bodies carry their CRC32C: unless the client is configured to send checksums only
+        where an operation requires them (botocore's ``request_checksum_calculation=when_required``,
+        also ``AWS_REQUEST_CHECKSUM_CALCULATION``), the setting S3-compatible servers that refuse
+        checksum headers ask for."""
+        if self._checksums is None:
+            client = await self._fs.set_session()
+            setting = getattr(client.meta.config, "request_checksum_calculation", None)
+            self._checksums = setting != "when_required"
+        return self._checksums
+
+    async def _checksum(self, body: bytearray | memoryview) -> dict[str, str]:
+        return {"ChecksumCRC32C": crc32c_base64(body)} if await self._send_checksums() else {}
+
+    async def _abort_others(self, upload_id: str | None) -> None:
+        """Abort every open upload of this key but ``upload_id`` (best effort: what is left is a
+        stale upload that ``opd-store gc`` removes)."""
+        try:
+            listing = await self._fs._call_s3("list_multipart_uploads", Bucket=self._bucket, Prefix=self._key)
+            for upload in listing.get("Uploads") or []:
+                if upload.get("Key") == self._key and upload.get("UploadId") != upload_id:
+                    await self._fs._call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                            UploadId=upload["UploadId"])
+        except Exception:  # noqa: BLE001 - the payload's own outcome is what the caller gets
+            logger.warning("could not abort the duplicate uploads of %s", self.url, exc_info=True)
+
+    async def _send(self, request: str, operation: str, body: bytearray | memoryview, **kwargs: Any) -> dict:
+        reader = PartBody(body, send_timeout_secs=self._send_timeout_secs)
+        try:
+            return await self._fs._call_s3(operation, Bucket=self._bucket, Key=self._key, Body=reader, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise named_error(self.url, request, exc)  # noqa: B904 - the cause is set by named_error
+        finally:
+            reader.close()
+
+    async def put(self, body: bytearray | memoryview) -> None:
+        await self._send("PutObject", "put_object", body, **await self._checksum(body))
+
+    async def upload_part(self, number: int, body: bytearray | memoryview) -> dict[str, Any]:
+        upload_id = await asyncio.wrap_future(self._upload_id)
+        checksum = await self._checksum(body)
+        answer = await self._send(f"UploadPart {number}", "upload_part", body, UploadId=upload_id, PartNumber=number,
+                                  **checksum)
+        return {"PartNumber": number, "ETag": answer["ETag"], **checksum}
+
+    async def complete(self, parts: list[Any]) -> None:
+        upload_id = await asyncio.wrap_future(self._upload_id)
+        try:
+            await self._fs._call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
+                                    UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except Exception as exc:  # noqa: BLE001 - named below
+            raise named_error(self.url, "CompleteMultipartUpload", exc)  # noqa: B904 - the cause is set
+        if self._created_again:
+            await self._abort_others(upload_id)
+
+    async def abort(self) -> None:
+        """``AbortMultipartUpload`` (AWS: once no part is in flight, or a part still uploading could
+        be stored after it); an upload already gone, or never created, is aborted."""
+        try:
+            upload_id = await asyncio.wrap_future(self._upload_id)
+        except Exception:  # noqa: BLE001 - the upload was never created: nothing to abort
+            return
+        try:
+            await self._fs._call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id)
+        except Exception as exc:  # noqa: BLE001 - an upload already gone is aborted
+            if classify(exc) is not Meaning.NOT_FOUND:
+                raise
+        if self._created_again:
+            await self._abort_others(upload_id)
+
+
+__all__ = ["S3Multipart"]

@@ -1,0 +1,222 @@
+"""What a step of a store is: complete, incomplete, corrupt, legacy or uncommitted.
+
+The rule everything is built on: **a checkpoint exists exactly when its manifest does**, and it is
+*complete* when that manifest parses and every object it lists exists with its recorded size.
+Payloads without a manifest, attempt leftovers, zero-byte or short objects and unparsable
+manifests never count. The functions here decide a step's status from one storage's answers
+(:class:`~opd_store.storage.Storage`), which are always fresh, so local, memory, S3 and GCS stores
+answer the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ManifestError
+from ..format import (
+    LEGACY_MARKER,
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    is_attempt_id,
+    parse_manifest,
+    parse_step_dirname,
+    step_dirname,
+)
+from ..storage import is_missing
+
+if TYPE_CHECKING:
+    from ..storage import Storage
+
+COMPLETE = "complete"
+INCOMPLETE = "incomplete"
+CORRUPT = "corrupt"
+LEGACY = "legacy"
+UNCOMMITTED = "uncommitted"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One defect found in a checkpoint.
+
+    Attributes:
+        name: payload name (or ``manifest.json``).
+        kind: ``missing``, ``size``, ``checksum``, ``manifest`` or ``legacy``.
+        detail: human-readable description with expected and actual values.
+    """
+
+    name: str
+    kind: str
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """The status of one step with the manifest it was decided from.
+
+    Attributes:
+        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
+        manifest: the parsed manifest, or ``None`` (absent, unreadable, legacy).
+        problems: why the step is not complete (empty when it is).
+    """
+
+    status: str
+    manifest: Manifest | None
+    problems: tuple[Problem, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """Result of :meth:`CheckpointStore.verify <opd_store.store._checkpoint_store.CheckpointStore.verify>`.
+
+    Attributes:
+        url: checkpoint URL.
+        step: its step.
+        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
+        deep: whether checksums were recomputed.
+        checked_objects: number of payload objects examined.
+        problems: every defect found (empty when ``ok``).
+    """
+
+    url: str
+    step: int
+    status: str
+    deep: bool
+    checked_objects: int
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when the checkpoint is complete and no problem was found."""
+        return self.status in (COMPLETE, LEGACY) and not self.problems
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One step of a store as seen by :meth:`CheckpointStore.checkpoints <opd_store.store._checkpoint_store.CheckpointStore.checkpoints>`.
+
+    Attributes:
+        step: the step.
+        url: checkpoint URL (its step prefix).
+        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
+        manifest: the parsed manifest, when there is a readable one.
+        created_at: commit time (UTC) from the manifest, else ``None``.
+        total_size_bytes: bytes of every object under the step prefix.
+        attempts: attempt ids present under the step (committed and leftover).
+        problems: why the step is not complete.
+    """
+
+    step: int
+    url: str
+    status: str
+    manifest: Manifest | None
+    created_at: _dt.datetime | None
+    total_size_bytes: int
+    attempts: tuple[str, ...]
+    problems: tuple[Problem, ...]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return dict(self.manifest.metadata) if self.manifest else {}
+
+
+def objects_by_step(tree: dict[str, int]) -> dict[int, dict[str, int]]:
+    """Group a recursive listing of the store root (relative path -> size in bytes) by step:
+    ``{step: {path under step-NNNNNN/: size_bytes}}``; objects outside step prefixes are left out.
+    """
+    by_step: dict[int, dict[str, int]] = {}
+    for path, size in tree.items():
+        head, _, tail = path.partition("/")
+        step = parse_step_dirname(head)
+        if step is not None and tail:
+            by_step.setdefault(step, {})[tail] = size
+    return by_step
+
+
+def read_manifest(storage: "Storage", step: int) -> Manifest | None:
+    """The parsed manifest of ``step``, or ``None`` when there is none (one small read).
+
+    Raises:
+        ManifestError: the manifest exists but does not parse, is over the size limit or names
+            another step.
+    """
+    rel = f"{step_dirname(step)}/{MANIFEST_NAME}"
+    try:
+        data = storage.read_bytes(rel, small=True, max_bytes=MAX_MANIFEST_BYTES)
+    except Exception as exc:  # noqa: BLE001 - only a missing manifest is an answer here
+        if is_missing(exc):
+            return None
+        raise
+    return parse_manifest(data, url=storage.url(rel), expected_step=step)
+
+
+def step_state(storage: "Storage", step: int, objects: dict[str, int] | None = None) -> StepState:
+    """Decide the status of one step.
+
+    Args:
+        storage (Storage): the store's storage.
+        step (int): the step.
+        objects (dict[str, int] | None): the step's listing (paths relative to the step prefix),
+            when the caller already has it; otherwise the committed attempt's prefix is listed
+            (one request).
+    """
+    try:
+        manifest = read_manifest(storage, step)
+    except ManifestError as exc:
+        return StepState(CORRUPT, None, (Problem(MANIFEST_NAME, "manifest", str(exc)),))
+    if manifest is None:
+        if objects is not None:
+            legacy = LEGACY_MARKER in objects
+        else:
+            legacy = storage.size(f"{step_dirname(step)}/{LEGACY_MARKER}") is not None
+        if legacy:
+            return StepState(LEGACY, None, ())
+        return StepState(UNCOMMITTED, None, (Problem(MANIFEST_NAME, "missing", "no manifest: the step was never committed"),))
+    if objects is None:
+        listed = storage.list_tree(f"{step_dirname(step)}/{manifest.attempt_id}")
+        objects = {f"{manifest.attempt_id}/{name}": size for name, size in listed.items()}
+    problems = []
+    for entry in manifest.payloads:
+        actual = objects.get(entry.path)
+        if actual is None:
+            problems.append(Problem(entry.name, "missing", f"{entry.path} is listed in the manifest but absent"))
+        elif actual != entry.size_bytes:
+            problems.append(
+                Problem(entry.name, "size", f"{entry.path}: expected {entry.size_bytes} bytes, found {actual}")
+            )
+    return StepState(INCOMPLETE if problems else COMPLETE, manifest, tuple(problems))
+
+
+def checkpoint_info(storage: "Storage", step: int, objects: dict[str, int]) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of ``step`` from its listing (paths under the step prefix)."""
+    attempts = tuple(sorted({p.split("/", 1)[0] for p in objects if is_attempt_id(p.split("/", 1)[0])}))
+    state = step_state(storage, step, objects)
+    return CheckpointInfo(
+        step=step,
+        url=storage.url(step_dirname(step)),
+        status=state.status,
+        manifest=state.manifest,
+        created_at=state.manifest.created_at if state.manifest else None,
+        total_size_bytes=sum(objects.values()),
+        attempts=attempts,
+        problems=state.problems,
+    )
+
+
+__all__ = [
+    "COMPLETE",
+    "CORRUPT",
+    "INCOMPLETE",
+    "LEGACY",
+    "UNCOMMITTED",
+    "CheckpointInfo",
+    "Problem",
+    "StepState",
+    "VerifyReport",
+    "checkpoint_info",
+    "objects_by_step",
+    "read_manifest",
+    "step_state",
+]
