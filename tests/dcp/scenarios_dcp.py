@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import opd_store.dcp._writer as dcp_writer
 from opd_store.dcp import StoreReader, StoreWriter, async_save, load, save
+from opd_testkit.damage import damage_payload
 
 RESHARD_PAIRS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2))
 
@@ -64,17 +65,7 @@ def scenario_resharding(ctx) -> dict:
 def _damage(ctx, step: int, name: str, how: str) -> None:
     """Rank 0 damages one committed file through the backend's own client (as another program would)."""
     if ctx.rank == 0:
-        store = ctx.store()
-        attempt = store.manifest(step).attempt_id
-        fs, path = ctx.backend.raw_fs(), f"{ctx.backend.raw_root()}/step-{step:06d}/{attempt}/{name}"
-        data = fs.cat_file(path)
-        if how == "delete":
-            fs.rm_file(path)
-        elif how == "truncate":
-            fs.pipe_file(path, data[: len(data) // 2])
-        else:  # one byte flipped, same size
-            middle = len(data) // 2
-            fs.pipe_file(path, data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:])
+        damage_payload(ctx.backend, step, name, how)
     ctx.barrier()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from opd_testkit.damage import damage_payload
 from opd_testkit.stores import Backend
 
 from opd_store import CheckpointStore
@@ -30,16 +31,8 @@ def _objects(backend, step: int) -> dict[str, bytes]:
 
 
 def _damage(backend, kind: str) -> str:
-    """Truncate by 10 bytes, or flip one byte of, step 4's ``training_state.pt``; its store path."""
-    fs, root = backend.raw_fs(), backend.raw_root()
-    (path,) = [p for p in fs.find(f"{root}/step-000004") if p.endswith("/training_state.pt")]
-    data = bytearray(fs.cat_file(path))
-    if kind == "truncate":
-        del data[-10:]
-    else:
-        data[100] ^= 0xFF
-    fs.pipe_file(path, bytes(data))
-    return path[len(root) + 1:]
+    """Truncate, or flip one byte of, step 4's ``training_state.pt``; its path in the store."""
+    return damage_payload(backend, 4, "training_state.pt", kind)
 
 
 def _cli_options(backend) -> list[str]:
