@@ -92,14 +92,6 @@ def drop_file_cache(path: str) -> None:
         os.close(fd)
 
 
-def warm_file_cache(path: str) -> None:
-    """Read ``path`` once so its pages are in the page cache."""
-    buffer = bytearray(16 * MIB)
-    with open(path, "rb", buffering=0) as handle:
-        while handle.readinto(buffer):
-            pass
-
-
 # -- machine -------------------------------------------------------------------------------------
 def _cpu_model() -> str:
     try:

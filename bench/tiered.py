@@ -38,7 +38,7 @@ from pathlib import Path
 
 from opd_testkit.s3 import MotoProcess
 
-from bench._common import machine_description, make_state, median, state_nbytes
+from bench._common import machine_description, make_state, median
 from opd_store import CheckpointStore
 from opd_store.format import torch_save
 from opd_store.tiered import TieredStore

@@ -1,10 +1,11 @@
 """Count the suite's test functions and ``assert`` statements (a check that no assertion was lost).
 
-    .venv/bin/python scripts/count_asserts.py [ROOT ...]     # default: tests testkit/opd_testkit
+    .venv/bin/python scripts/count_asserts.py [ROOT ...]     # default: tests testkit/opd_testkit opd_store/testing
 
 Prints one line per root and a total: files, test functions (``def test_*`` at module or class
 level), ``assert`` statements (every ``ast.Assert`` node, in tests and in the helpers they call) and
-``pytest.raises`` blocks (each asserts that an exception is raised). The number of collected tests
+``pytest.raises`` blocks (each asserts that an exception is raised). ``opd_store/testing`` holds the
+storage conformance suite, whose checks every backend's test class runs. The number of collected tests
 (parametrised cases included) comes from ``pytest --collect-only -q``.
 """
 
@@ -31,7 +32,7 @@ def count(path: Path) -> tuple[int, int, int]:
 
 
 def main(argv: list[str]) -> int:
-    roots = [Path(arg) for arg in argv] or [Path("tests"), Path("testkit/opd_testkit")]
+    roots = [Path(arg) for arg in argv] or [Path("tests"), Path("testkit/opd_testkit"), Path("opd_store/testing")]
     totals = [0, 0, 0, 0]
     for root in roots:
         files = sorted(root.rglob("*.py")) if root.is_dir() else [root] if root.exists() else []

@@ -1,10 +1,12 @@
 """The architecture is a contract the suite checks: ``lint-imports`` runs the contracts of
 pyproject.toml's ``[tool.importlinter]`` (layers in order, private modules kept inside their
 package, backend clients inside storage, no import cycles) and fails the test on any broken one.
-ARCHITECTURE.md describes each layer."""
+ARCHITECTURE.md describes each layer. Besides: the product never imports the test kit, and the
+examples, which users copy, import only opd_store's public modules."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -49,3 +51,26 @@ def test_the_contracts_see_a_violation(tmp_path, module, source, broken):
         report = " ".join(result.stdout.split("Broken contracts", 1)[1].split())  # lines are wrapped
         assert all(name in report for name in broken)
         assert module.rpartition("/")[2].removesuffix(".py") in report
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Every module an ``import`` or ``from ... import`` statement of ``path`` names (absolute ones)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_the_product_never_imports_the_test_kit_and_examples_use_the_public_api():
+    product = sorted((ROOT / "opd_store").rglob("*.py"))
+    examples = sorted((ROOT / "examples").glob("*.py"))
+    assert len(product) > 50 and examples
+    offending = [f"{path.relative_to(ROOT)}: {name}" for path in product for name in imported_modules(path)
+                 if name.split(".")[0] == "opd_testkit"]
+    offending += [f"{path.relative_to(ROOT)}: {name}" for path in examples for name in imported_modules(path)
+                  if name.split(".")[0] == "opd_testkit"
+                  or (name.split(".")[0] == "opd_store" and any(part.startswith("_") for part in name.split(".")))]
+    assert offending == []

@@ -1,6 +1,6 @@
 """The OPD training config: a pydantic schema that knows which of its fields change the math.
 
-``OPDConfig`` has nested sections, loads from YAML, and offers the seed's config contract:
+``OPDConfig`` has nested sections and offers the seed's config contract:
 ``fingerprint()`` (SHA-256 of the canonical JSON of the fields that change the math) and
 ``as_dict()`` (what the checkpoint writes to ``config.yaml``). The schema also says which fields are
 execution-only, so that ``execution_change`` resumes (:mod:`opd_store.opd._resume`) can tell an
@@ -20,7 +20,7 @@ Provenance keys that are execution-only (for example the code revision) are decl
 variable :attr:`OPDConfig.execution_only_provenance`, not by a config field: whether a provenance
 entry may change is a property of the schema, and a run must not be able to widen it from YAML.
 
-This module depends on pydantic and PyYAML only; :mod:`opd_store.opd._resume` reads the markings
+This module depends on pydantic only; :mod:`opd_store.opd._resume` reads the markings
 through the duck-typed hooks ``execution_only_paths()``, ``rollout_limit_path()`` and
 ``execution_only_provenance`` and never imports this module.
 """
@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticUndefined
 
 EXECUTION_ONLY_KEY = "execution_only"
@@ -275,62 +272,6 @@ class OPDConfig(_Section):
             math_fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
         )
         return hashlib.sha256(canonical.encode("ascii")).hexdigest()
-
-    def to_yaml(self) -> str:
-        """The config as YAML text, exactly as the checkpoint's ``config.yaml`` is written.
-
-        Returns:
-            str: ``yaml.safe_dump(self.as_dict(), sort_keys=False)``.
-        """
-        return yaml.safe_dump(self.as_dict(), sort_keys=False)
-
-    @classmethod
-    def from_yaml(cls, source: str | os.PathLike[str]) -> OPDConfig:
-        """Load a config from a YAML file or from YAML text.
-
-        Args:
-            source (str | os.PathLike): a path (a ``PathLike``, or a one-line ``str`` naming an
-                existing file) or YAML text. Missing sections and fields take their defaults.
-
-        Returns:
-            OPDConfig: the validated config (an instance of ``cls``).
-
-        Raises:
-            ValueError: the YAML does not parse, is empty or not a mapping, or fails validation:
-                an unknown key (``extra="forbid"``, so typos are refused rather than ignored) or a
-                bad value. The message names the source and the offending dotted location; the
-                pydantic ``ValidationError`` or ``yaml.YAMLError`` is kept as ``__cause__``.
-            OSError: ``source`` is a ``PathLike`` that cannot be read.
-        """
-        if isinstance(source, os.PathLike):
-            where = os.fspath(source)
-            text = Path(source).read_text(encoding="utf-8")
-        elif isinstance(source, str) and "\n" not in source and source and Path(source).is_file():
-            where = source
-            text = Path(source).read_text(encoding="utf-8")
-        elif isinstance(source, str):
-            where = "<yaml text>"
-            text = source
-        else:
-            raise TypeError(f"from_yaml takes a path or YAML text, not {type(source).__name__}")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"OPD config {where} is not valid YAML: {exc}") from exc
-        if data is None:
-            raise ValueError(f"OPD config {where} is empty")
-        if not isinstance(data, dict):
-            hint = ""
-            if where == "<yaml text>":
-                hint = " (if it was meant as a path, no such file exists)"
-            raise ValueError(
-                f"OPD config {where} must be a YAML mapping, got {type(data).__name__} "
-                f"{data!r:.80}{hint}"
-            )
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ValueError(f"OPD config {where} is invalid: {exc}") from exc
 
 
 __all__ = [

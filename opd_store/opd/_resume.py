@@ -83,11 +83,6 @@ class ResumeDecision:
     saved_world_size: int | None = dataclasses.field(default=None, compare=False)
     world_size: int | None = dataclasses.field(default=None, compare=False)
 
-    @property
-    def world_size_changed(self) -> bool:
-        """True when an ``elastic`` resume changes the world size."""
-        return self.saved_world_size is not None and self.saved_world_size != self.world_size
-
 
 def resume_mode_of(config: Any) -> str:
     """The resume mode a config asks for.

@@ -248,15 +248,6 @@ def find_orphans(
     return survey(store, older_than_secs=older_than_secs, now_secs=now_secs).orphans
 
 
-def find_stale_uploads(
-    store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS, now_secs: float | None = None
-) -> list[StaleUpload]:
-    """Unfinished multipart uploads under the store prefix that nothing wrote to for
-    ``older_than_secs`` on the store's clock; one under an attempt prefix only when its whole
-    attempt is that old (see :func:`survey`)."""
-    return survey(store, older_than_secs=older_than_secs, now_secs=now_secs).uploads
-
-
 def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
                    older_than_secs: float | None = None) -> list[Orphan]:
     """Delete orphan attempt prefixes. One that a manifest names by now is kept, and so, when
@@ -375,6 +366,5 @@ __all__ = [
     "collect_garbage_tiers",
     "delete_orphans",
     "find_orphans",
-    "find_stale_uploads",
     "survey",
 ]

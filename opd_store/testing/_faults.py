@@ -1,29 +1,42 @@
-"""Fault-injecting and recording wrappers around an opd_store :class:`~opd_store.storage.Storage`.
+"""A recording, fault-injecting wrapper of any :class:`~opd_store.storage.Storage`.
 
-``FaultyStorage(inner)`` is a :class:`Storage` that forwards every verb to ``inner`` and records
-each call in :attr:`FaultyStorage.ops`. Mutating operations are counted (1-based, in the order
-they happen) and one of them can be made to fail:
+``FaultyStorage(inner)`` holds ``inner`` and answers every verb: the ones in the table below and
+the reads (``list``, ``size``, ``read``) are recorded in :attr:`FaultyStorage.ops`, in the order
+they happen, and may be failed; every other verb and attribute (``open_checked``, ``clock_secs``,
+``transfers``, ``write_slice_bytes``...) is ``inner``'s own, unrecorded. Mutating operations are
+numbered from 1:
 
 ==============  =====================================================================
-``write``       one ``write()`` call on a payload writer
-``close``       publishing a payload writer (``finish_write``)
+``write``       one ``write()`` call on a payload writer (:class:`FaultyWriter`)
+``close``       publishing a payload writer (``finish_write``, ``start_finish``)
 ``sync``        ``sync_prefix`` (local: fsync of the attempt's directories)
 ``create``      the manifest create (``create_exclusive``), the commit point
 ``delete``      deleting one object
 ``delete_tree`` deleting every object under a prefix
 ==============  =====================================================================
 
-A fault is a :class:`Fault`: which mutating op to fail (``at``, 1-based) or a predicate, the
-exception to raise, and whether the operation takes effect before the exception is raised
-(``landed=True``: an ambiguous outcome such as a timeout after the request was sent). Reads can be
-failed too (``read_fault``), for ambiguous commits whose read-back fails.
+A :class:`Fault` picks the op to fail (``at``, its number, or a ``when`` predicate on the
+:class:`Op`), the exception (:class:`InjectedFault` by default), and whether the operation lands
+before the exception (``landed=True``: an ambiguous outcome, such as a timeout after the request was
+sent). ``read_fault`` fails reads the same way (``at`` counts reads). Example, a save whose manifest
+create fails (docs/testing.md runs it)::
 
-Use it through ``CheckpointStore.from_storage(FaultyStorage(store.storage, ...))``.
+    spy = FaultyStorage(store.storage, Fault(when=lambda op: op.kind == "create"))
+    with CheckpointStore.from_storage(spy).begin(1) as txn:  # raises CommitError (cause: InjectedFault)
+        txn.write_bytes("model.bin", b"weights")
+    [op.kind for op in spy.mutating_ops]  # ["write", "close", "sync", "create"]; store.steps() == []
+
+To record a verb it forwards unrecorded, override it in a subclass with :meth:`FaultyStorage.recorded_read`
+or :meth:`FaultyStorage.recorded_mutation`.
+
+It wraps rather than subclasses ``Storage``: inheriting would give it the base class's defaults
+(``write_slice_bytes``, ``transfers``, buffer pools) in place of the wrapped backend's, and a
+default verb would run on the wrapper instead of the backend's override. Nothing in opd_store
+checks ``isinstance(..., Storage)``; ``Storage.register`` makes the check true for code that does.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import threading
 from typing import Any, Callable
@@ -39,9 +52,9 @@ class InjectedFault(OSError):
 
 @dataclasses.dataclass
 class Op:
-    """One recorded call: ``kind`` (see the module table, or ``read``/``list``/...), ``rel``
-    (the path relative to the store root), ``index`` (1-based among mutating ops, 0 for reads),
-    ``nbytes`` (for ``write``), ``failed`` (an injected fault was raised)."""
+    """One recorded call: ``kind`` (see the module table, or ``read``/``list``/``size``/``open``/
+    ``abort``), ``rel`` (the path relative to the store root), ``index`` (1-based among mutating
+    ops, 0 otherwise), ``nbytes`` (for ``write``), ``failed`` (an injected fault was raised)."""
 
     kind: str
     rel: str
@@ -55,11 +68,13 @@ class Fault:
     """Which operation fails and how.
 
     Attributes:
-        at: fail the mutating op with this 1-based index (ignored when ``when`` is given).
+        at: fail the op with this 1-based index (ignored when ``when`` is given).
         when: predicate on the :class:`Op` about to run; fail it when it returns True.
-        exc: the exception to raise (an instance, or a callable taking the op).
-        landed: perform the operation first, then raise (``create``/``close``/``write``/deletes).
+        exc: the exception to raise (an instance, or a callable taking the op); :class:`InjectedFault`
+            naming the op when ``None``.
+        landed: perform the operation first, then raise.
         once: fail only the first matching op.
+        fired: how many times it failed an op.
     """
 
     at: int | None = None
@@ -69,12 +84,13 @@ class Fault:
     once: bool = True
     fired: int = 0
 
-    def matches(self, op: Op) -> bool:
+    def matches(self, op: Op, number: int) -> bool:
+        """Whether ``op``, the ``number``-th of the ops it counts, fails."""
         if self.once and self.fired:
             return False
         if self.when is not None:
             return bool(self.when(op))
-        return self.at is not None and op.index == self.at
+        return self.at is not None and number == self.at
 
     def make_exc(self, op: Op) -> BaseException:
         if self.exc is None:
@@ -84,17 +100,18 @@ class Fault:
         return self.exc(op)
 
 
-class _FaultyHandle:
-    """A payload writer handle whose ``write`` calls are counted (and may fail)."""
+class FaultyWriter:
+    """A payload writer of :meth:`FaultyStorage.open_write`: each ``write`` is a recorded (and
+    perhaps failed) mutating op; everything else is the wrapped writer ``inner``'s."""
 
     def __init__(self, storage: "FaultyStorage", inner, rel: str) -> None:
-        self._storage = storage
+        self.storage = storage
         self.inner = inner
         self.rel = rel
 
     def write(self, data) -> int:
         nbytes = memoryview(data).nbytes
-        return self._storage._mutate("write", self.rel, lambda: self.inner.write(data), nbytes=nbytes)
+        return self.storage.recorded_mutation("write", self.rel, lambda: self.inner.write(data), nbytes=nbytes)
 
     def flush(self) -> None:
         self.inner.flush()
@@ -110,22 +127,27 @@ class _FaultyHandle:
         return getattr(self.inner, name)
 
 
-class FaultyStorage(Storage):
+def _unwrapped(handle):
+    return handle.inner if isinstance(handle, FaultyWriter) else handle
+
+
+class FaultyStorage:
     """Forward every verb to ``inner``; record calls; fail the operations ``faults`` select.
 
     Args:
-        inner (Storage): the real storage (from ``CheckpointStore(...).storage``).
+        inner (Storage): the real storage (``CheckpointStore(url).storage``).
         faults (Fault | list[Fault] | None): faults on mutating ops.
         read_fault (Fault | None): fault on reads (``read``, ``size``, ``list``); ``at`` counts reads.
-        before_create (callable | None): called with (inner, rel, data) just before the real
+        before_create (callable | None): called with ``(inner, rel, data)`` just before the real
             manifest create (a test can make another attempt win the race there).
+
+    Attributes:
+        ops (list[Op]): every recorded call, in order.
+        inner (Storage): the wrapped storage.
     """
 
     def __init__(self, inner: Storage, faults=None, *, read_fault: Fault | None = None, before_create=None) -> None:
-        super().__init__(inner.fs, inner.root, inner.url_root)
         self.inner = inner
-        self.commit_primitive = inner.commit_primitive
-        self.atomic_create = inner.atomic_create
         if faults is None:
             faults = []
         elif isinstance(faults, Fault):
@@ -138,13 +160,14 @@ class FaultyStorage(Storage):
         self._reads = 0
         self._lock = threading.Lock()
 
-    def __getattr__(self, name: str) -> Any:  # allow_check_then_put and friends
+    def __getattr__(self, name: str) -> Any:
+        """Every verb and attribute not recorded here is the wrapped storage's."""
         inner = self.__dict__.get("inner")
-        if inner is None:
+        if inner is None:  # during construction or unpickling
             raise AttributeError(name)
         return getattr(inner, name)
 
-    # -- bookkeeping -----------------------------------------------------------------------
+    # -- the record --------------------------------------------------------------------------
     @property
     def mutating_ops(self) -> list[Op]:
         return [op for op in self.ops if op.index]
@@ -152,12 +175,17 @@ class FaultyStorage(Storage):
     def kinds(self) -> list[str]:
         return [op.kind for op in self.ops]
 
-    def _mutate(self, kind: str, rel: str, action: Callable[[], Any], nbytes: int = 0) -> Any:
+    def recorded_mutation(self, kind: str, rel: str, action: Callable[[], Any], *, nbytes: int = 0) -> Any:
+        """Record the next mutating op and run ``action`` unless a fault fails it.
+
+        Raises:
+            BaseException: the matching fault's exception (after ``action`` when it ``landed``).
+        """
         with self._lock:
             self._count += 1
             op = Op(kind, rel, self._count, nbytes)
             self.ops.append(op)
-            fault = next((f for f in self.faults if f.matches(op)), None)
+            fault = next((f for f in self.faults if f.matches(op, op.index)), None)
             if fault is not None:
                 fault.fired += 1
                 op.failed = True
@@ -167,15 +195,18 @@ class FaultyStorage(Storage):
             action()
         raise fault.make_exc(op)
 
-    def _read(self, kind: str, rel: str, action: Callable[[], Any]) -> Any:
+    def recorded_read(self, kind: str, rel: str, action: Callable[[], Any]) -> Any:
+        """Record a read and run ``action`` unless :attr:`read_fault` fails it.
+
+        Raises:
+            BaseException: the read fault's exception.
+        """
         with self._lock:
             self._reads += 1
             op = Op(kind, rel, 0)
             self.ops.append(op)
             fault = self.read_fault
-            hit = fault is not None and (
-                (fault.when(op) if fault.when is not None else fault.at == self._reads) and not (fault.once and fault.fired)
-            )
+            hit = fault is not None and fault.matches(op, self._reads)
             if hit:
                 fault.fired += 1
                 op.failed = True
@@ -183,53 +214,41 @@ class FaultyStorage(Storage):
             raise fault.make_exc(op)
         return action()
 
-    # -- names -------------------------------------------------------------------------------
-    def path(self, rel: str = "") -> str:
-        return self.inner.path(rel)
-
-    def url(self, rel: str = "") -> str:
-        return self.inner.url(rel)
-
-    def refresh(self) -> None:
-        self.inner.refresh()
+    def _note(self, kind: str, rel: str) -> None:
+        with self._lock:
+            self.ops.append(Op(kind, rel, 0))
 
     def describe(self) -> str:
         return f"FaultyStorage({self.inner.describe()})"
 
     __repr__ = describe
 
-    # -- reads -------------------------------------------------------------------------------
-    # Extra keyword arguments (``read_bytes(rel, small=True)``...) are passed through untouched.
+    # -- reads (extra keyword arguments, ``read_bytes(rel, small=True)``..., pass through) -----
     def list_children(self, rel: str = "", **kwargs):
-        return self._read("list", rel, lambda: self.inner.list_children(rel, **kwargs))
+        return self.recorded_read("list", rel, lambda: self.inner.list_children(rel, **kwargs))
 
     def list_tree(self, rel: str = "", **kwargs):
-        return self._read("list", rel, lambda: self.inner.list_tree(rel, **kwargs))
+        return self.recorded_read("list", rel, lambda: self.inner.list_tree(rel, **kwargs))
 
     def size(self, rel: str, **kwargs):
-        return self._read("size", rel, lambda: self.inner.size(rel, **kwargs))
+        return self.recorded_read("size", rel, lambda: self.inner.size(rel, **kwargs))
 
     def read_bytes(self, rel: str, **kwargs) -> bytes:
-        return self._read("read", rel, lambda: self.inner.read_bytes(rel, **kwargs))
+        return self.recorded_read("read", rel, lambda: self.inner.read_bytes(rel, **kwargs))
 
     # -- writes ------------------------------------------------------------------------------
-    def open_write(self, rel: str, **kwargs):
-        self.ops.append(Op("open", rel, 0))
-        return _FaultyHandle(self, self.inner.open_write(rel, **kwargs), rel)
+    def open_write(self, rel: str, **kwargs) -> FaultyWriter:
+        self._note("open", rel)
+        return FaultyWriter(self, self.inner.open_write(rel, **kwargs), rel)
 
     def abort_write(self, handle, rel: str) -> None:
-        self.ops.append(Op("abort", rel, 0))
-        self.inner.abort_write(handle.inner if isinstance(handle, _FaultyHandle) else handle, rel)
+        self._note("abort", rel)
+        self.inner.abort_write(_unwrapped(handle), rel)
 
     def finish_write(self, handle, rel: str) -> None:
-        inner_handle = handle.inner if isinstance(handle, _FaultyHandle) else handle
-
-        def publish():
-            self.inner.finish_write(inner_handle, rel)
-
         # A close failed without landing leaves the real handle open, as a failed upload would:
         # discarding it (so that it never publishes at garbage collection) is the caller's job.
-        self._mutate("close", rel, publish)
+        self.recorded_mutation("close", rel, lambda: self.inner.finish_write(_unwrapped(handle), rel))
 
     def start_finish(self, handle, rel: str):
         """Publish now, as one recorded ``close`` (a background publish would make the order of
@@ -239,7 +258,7 @@ class FaultyStorage(Storage):
         return Completion.now(lambda: self.finish_write(handle, rel))
 
     def sync_prefix(self, rel: str) -> None:
-        self._mutate("sync", rel, lambda: self.inner.sync_prefix(rel))
+        self.recorded_mutation("sync", rel, lambda: self.inner.sync_prefix(rel))
 
     def create_exclusive(self, rel: str, data: bytes, **kwargs) -> None:
         def create():
@@ -247,30 +266,16 @@ class FaultyStorage(Storage):
                 self.before_create(self.inner, rel, data)
             self.inner.create_exclusive(rel, data, **kwargs)
 
-        self._mutate("create", rel, create)
+        self.recorded_mutation("create", rel, create)
 
     def delete(self, rel: str) -> None:
-        self._mutate("delete", rel, lambda: self.inner.delete(rel))
+        self.recorded_mutation("delete", rel, lambda: self.inner.delete(rel))
 
     def delete_tree(self, rel: str) -> None:
-        self._mutate("delete_tree", rel, lambda: self.inner.delete_tree(rel))
+        self.recorded_mutation("delete_tree", rel, lambda: self.inner.delete_tree(rel))
 
 
-def _delegate(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self.inner, name)(*args, **kwargs)
-
-    method.__name__ = name
-    method.__doc__ = f"Forwarded unchanged to the wrapped storage's ``{name}`` (not recorded)."
-    return method
+Storage.register(FaultyStorage)  # it answers every verb of the seam (module docstring)
 
 
-# Any other verb of the Storage seam (present or added later) goes to the wrapped storage, so a
-# backend's own override is never bypassed by the base implementation running on the wrapper.
-for _name, _value in list(vars(Storage).items()):
-    if callable(_value) and not _name.startswith("__") and _name not in FaultyStorage.__dict__:
-        setattr(FaultyStorage, _name, _delegate(_name))
-abc.update_abstractmethods(FaultyStorage)  # the seam's abstract verbs are the delegates set above
-
-
-__all__ = ["Fault", "FaultyStorage", "InjectedFault", "MUTATING", "Op"]
+__all__ = ["Fault", "FaultyStorage", "FaultyWriter", "InjectedFault", "MUTATING", "Op"]

@@ -301,16 +301,6 @@ class MotoProcess(S3Endpoint):
         """CPU seconds (user + system) the moto process has used so far."""
         return process_cpu_secs(self.pid)
 
-    def rss_mib(self) -> float | None:
-        try:
-            with open(f"/proc/{self.pid}/status") as handle:
-                for line in handle:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
-
     def stop(self) -> None:
         end_process(self.process, 15)
         self.process.stdout.close()

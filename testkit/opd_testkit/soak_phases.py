@@ -21,7 +21,6 @@ from typing import Any
 from opd_store.runtime._kill_points import PHASES
 
 MID_UPDATE = ("forward", "backward", "optimizer_step")
-SAVE_PHASES = ("payload_stream", "before_manifest", "after_commit", "retention_delete", "tier_upload", "async_write")
 SINGLE_PROCESS_ONLY = ("tier_upload", "async_write")  # the job refuses --async-save/--local-tier with --nproc > 1
 RANK0_ONLY = ("before_manifest", "after_commit", "retention_delete")  # rank 0 commits and runs retention
 # Torch hook calls per attempted update of the main job (measured: the forward pre-hook fires

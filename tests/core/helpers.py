@@ -10,6 +10,7 @@ import crc32c
 from opd_testkit.stores import open_store  # noqa: F401 - the tests import it from here
 
 from opd_store import CheckpointStore
+from opd_store.testing import RawBackend
 
 
 def boto3_client(moto):
@@ -35,11 +36,12 @@ def crc_hex(data: bytes) -> str:
     return f"{crc32c.crc32c(data):08x}"
 
 
-class Raw:
+class Raw(RawBackend):
     """The backend seen without opd_store. Keys are relative to the store root.
 
     S3 is read and written with boto3 (no s3fs at all); the other backends with one private fsspec
     instance whose caches are dropped before every call, so each call sees the backend as it is now.
+    The multipart hooks of :class:`~opd_store.testing.RawBackend` are S3's.
     """
 
     def __init__(self, backend, moto=None) -> None:
@@ -108,6 +110,30 @@ class Raw:
             return
         fs, root = self._fs()
         fs.rm_file(f"{root}/{rel}")
+
+    def _s3_key(self, rel: str) -> str:
+        if self.backend.name != "s3":
+            raise NotImplementedError(f"{self.backend.name} has no multipart uploads")
+        return f"{self.prefix}/{rel}"
+
+    def start_upload(self, rel: str) -> str:
+        return self.client.create_multipart_upload(Bucket=self.bucket, Key=self._s3_key(rel))["UploadId"]
+
+    def upload_part(self, rel: str, upload_id: str, part_number: int, data: bytes) -> None:
+        self.client.upload_part(Bucket=self.bucket, Key=self._s3_key(rel), UploadId=upload_id,
+                                PartNumber=part_number, Body=data)
+
+    def abort_upload(self, rel: str, upload_id: str) -> None:
+        self.client.abort_multipart_upload(Bucket=self.bucket, Key=self._s3_key(rel), UploadId=upload_id)
+
+    def start_upload_outside_root(self) -> str:
+        self._s3_key("")
+        self.client.create_multipart_upload(Bucket=self.bucket, Key="elsewhere/big.bin")
+        return "elsewhere/big.bin"
+
+    def unfinished_uploads(self) -> list[str]:
+        self._s3_key("")
+        return [upload["Key"] for upload in self.client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])]
 
     def fsspec_keys(self) -> dict[str, int]:
         """Like :meth:`keys` but always through a fresh fsspec instance (for S3: s3fs)."""

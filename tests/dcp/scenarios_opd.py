@@ -126,7 +126,7 @@ def scenario_lora(ctx) -> dict:
     resume, _s, _t = _load(ctx, grown, grown_optimizer, world, ctx.store().step_url(5), "elastic")
     out["elastic_2_to_4"] = {"draws": draws(), "rng": resume.elastic.rng_source,
                              "rank_state": None if resume.rank_state is None else resume.rank_state["rank_marker"].tolist(),
-                             "changed": resume.decision.world_size_changed}
+                             "world_sizes": [resume.decision.saved_world_size, resume.decision.world_size]}
     state = full_state(grown, grown_optimizer, trainable_only=True)
     if ctx.rank == 0:
         out["elastic_2_to_4"]["state"] = compare(saved, state)

@@ -10,8 +10,7 @@ from core.helpers import open_store, save
 
 from opd_store import CheckpointStore
 from opd_store.errors import IncompleteCheckpointError
-from opd_store.testing import FaultyStorage
-from opd_store.testing._faults import _FaultyHandle
+from opd_store.testing import FaultyStorage, FaultyWriter
 
 
 class _ShortHandle:
@@ -46,7 +45,7 @@ class ShortWriteStorage(FaultyStorage):
         handle = self.inner.open_write(rel, **kwargs)
         if rel.rsplit("/", 1)[-1] in self.short_names:
             handle = _ShortHandle(handle, self.keep_bytes)
-        return _FaultyHandle(self, handle, rel)
+        return FaultyWriter(self, handle, rel)
 
 
 @pytest.mark.parametrize("backend", ["local", "memory", "s3", "gcs"], indirect=True)

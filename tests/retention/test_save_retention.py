@@ -2,7 +2,7 @@
 resumed from (a run that resumes and crashes before its first save still finds that step).
 
 Real saves and loads of the OPD layer (small real torch objects from opd_testkit.opd), on
-local disk and S3 (moto server). Crashes are injected with tests/faults.py: a ``KeyboardInterrupt``
+local disk and S3 (moto server). Crashes are injected with opd_store.testing.FaultyStorage: a ``KeyboardInterrupt``
 raised by the storage stands for the process dying at that operation.
 """
 

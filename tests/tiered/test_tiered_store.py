@@ -33,7 +33,7 @@ class CountingStorage(FaultyStorage):
     """:class:`FaultyStorage` that also records whole-payload reads (``open_checked``) as ``read``."""
 
     def open_checked(self, rel: str, **kwargs):
-        return self._read("read", rel, lambda: self.inner.open_checked(rel, **kwargs))
+        return self.recorded_read("read", rel, lambda: self.inner.open_checked(rel, **kwargs))
 
     def payload_reads(self) -> list[str]:
         return [op.rel for op in self.ops if op.kind == "read" and "/attempt-" in op.rel]
