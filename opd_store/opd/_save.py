@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..format import torch_save
-from ..pipeline import SaveRequest, after_commit, run_save, write_and_commit_collective
+from ..pipeline import AfterCommit, SaveRequest, run_save, run_save_collective
 from ..retention import RetentionPolicy, RunLineage
 from ..store import BaseStore
 from ._distributed import check_group_args, current_group
@@ -201,10 +201,8 @@ def save_opd_checkpoint(
                                                rank_rng_parts={group.rank: own_rng})
             return save_request(snapshot)
 
-        url, request = write_and_commit_collective(group, snapshot_this_rank)
+        url = run_save_collective(group, snapshot_this_rank)
         logger.info("committed OPD checkpoint %s (world size %d, rank %d)", url, group.world_size, group.rank)
-        if group.rank == 0:
-            after_commit(request, url)
         return url
 
 
@@ -237,9 +235,9 @@ def save_request(snapshot: OpdSnapshot) -> SaveRequest:
             shutil.rmtree(adapter_dir, ignore_errors=True)
 
     return SaveRequest(
-        store=snapshot.store, step=snapshot.step, world_size=snapshot.world_size, metadata=snapshot.metadata,
-        write=lambda txn, shared: _write_payloads(txn, snapshot, shared),
-        retention=snapshot.retention, lineage=snapshot.lineage, release=release,
+        AfterCommit(snapshot.store, snapshot.step, retention=snapshot.retention, lineage=snapshot.lineage),
+        world_size=snapshot.world_size, metadata=snapshot.metadata,
+        write=lambda txn, shared: _write_payloads(txn, snapshot, shared), release=release,
     )
 
 
