@@ -14,7 +14,7 @@ it). Here every such name is a store of its own, ``<url>/<name>/``, whose steps 
 numbered in save order: a save commits version ``N + 1`` after the highest version ``N`` listed
 (committed or not) as ``<url>/<name>/step-(N+1)/`` (payload ``checkpoint.ckpt``, created with
 ``torch.save`` straight into the object, manifest created only if absent, ``global_step`` and
-``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline._save.run_save`),
+``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline.run_save`),
 and only then, as its after-commit hooks, deletes the name's older versions: the complete ones by
 the retention policy :data:`NEWEST_VERSION_ONLY` (the one retention executor; a pinned version
 stays), the uncommitted attempts of killed saves after them. So a name that was ever saved always
