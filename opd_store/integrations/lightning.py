@@ -192,7 +192,6 @@ class StoreCheckpointIO(CheckpointIO):
             self.remove_checkpoint(path)
             return
         name = self.name_of(path)
-        store = self.store_of(path)
         global_step = int(checkpoint.get("global_step", 0))
 
         def write(txn, shared: bool) -> None:
@@ -204,6 +203,7 @@ class StoreCheckpointIO(CheckpointIO):
                 store.delete(step)
 
         with self._name_lock(name), route_background_random():
+            store = self.store_of(path)  # under the name's lock: a removal closes the name's store
             listed = store.checkpoints()
             version = max((info.step for info in listed), default=0) + 1
             leftovers = [info.step for info in listed if info.status == UNCOMMITTED]
@@ -242,8 +242,8 @@ class StoreCheckpointIO(CheckpointIO):
             UploadError: (a tiered root) an upload of this name failed and nobody saw it yet.
         """
         name = self.name_of(path)
-        store = self.store_of(path)
         with self._name_lock(name):
+            store = self.store_of(path)
             store.flush()
             for info in store.checkpoints():
                 store.delete(info.step)

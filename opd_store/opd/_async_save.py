@@ -150,7 +150,7 @@ class AsyncCheckpointer:
                     "several ranks use save_opd_checkpoint on every rank (multi-rank saves), or pass "
                     "rank_rng_states on rank 0 (single-writer mode)"
                 )
-            self.saves.sync("a new save", when_busy=self.when_busy)
+            self.saves.sync("the next save", when_busy=self.when_busy)
             started = time.perf_counter()
             self._staging.begin()
             with preserve_global_rng():

@@ -147,7 +147,7 @@ class BackgroundSaves:
         """A sync point: wait for every task, then :meth:`raise_unreported`.
 
         Args:
-            at (str): the sync point in words, for the error (``"a new save"``).
+            at (str): the sync point in words, for the error (``"the next save"``).
             timeout_secs (float | None): seconds to wait.
             when_busy (str): ``"raise"`` refuses to wait for a save in flight.
 

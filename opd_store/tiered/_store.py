@@ -357,7 +357,7 @@ class TieredStore(BaseStore):
         """
         if self._closed:
             raise ValueError(f"{self!r} is closed")
-        self.uploads.raise_unreported("a new save")
+        self.uploads.raise_unreported("the next save")
         if self.max_pending_uploads is not None:
             self.uploads.wait_for_room(self.max_pending_uploads)
         txn = self.local.begin(step, world_size=world_size, metadata=metadata, attempt_id=attempt_id, rank=rank)

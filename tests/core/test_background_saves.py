@@ -27,10 +27,10 @@ def test_one_save_in_flight_and_each_failure_raised_once_at_the_next_sync_point(
     gate = threading.Event()
     first = saves.submit("save of step 1", 1, lambda: gate.wait(DEADLINE_SECS) and "memory://run/step-000001")
     with pytest.raises(SaveInFlightError, match="the save of step 1 is still in flight"):
-        saves.sync("a new save", when_busy="raise")
+        saves.sync("the next save", when_busy="raise")
     assert saves.in_flight() is first
     gate.set()
-    saves.sync("a new save")  # waits for it; nothing failed
+    saves.sync("the next save")  # waits for it; nothing failed
     assert first.value == "memory://run/step-000001" and saves.in_flight() is None
 
     saves.submit("save of step 2", 2, _fail("disk full"))
