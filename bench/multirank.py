@@ -1,7 +1,7 @@
 """Multi-rank saves: the same total state saved by 1, 2 and 4 ranks, local and moto S3.
 
 Each configuration spawns N ranks in a gloo process group on 127.0.0.1 (``torch.multiprocessing``,
-spawn). A save is :func:`opd_store.pipeline._collective.write_and_commit_collective`, the stages
+spawn). A save is :func:`opd_store.pipeline.run_save_collective`, the stages
 ``save_opd_checkpoint`` runs with a process group: rank 0 chooses the attempt, every rank
 ``torch.save``-streams its shard (``SIZE/N`` MiB of float32 tensors) into its part, rank 0 commits
 one manifest. The time of a save is the slowest rank's, from a barrier before it to its return;
@@ -32,7 +32,7 @@ def _request(store, step: int, world_size: int, shard: dict):
     """The pipeline's save request of one rank's shard (and, on rank 0, a small shared payload)."""
     import torch
 
-    from opd_store.pipeline import SaveRequest
+    from opd_store.pipeline import AfterCommit, SaveRequest
 
     def write(txn, shared: bool) -> None:
         with txn.open(f"shard-rank-{txn.rank:02d}.pt") as writer:
@@ -40,7 +40,7 @@ def _request(store, step: int, world_size: int, shard: dict):
         if shared:
             txn.write_bytes("meta.json", json.dumps({"world_size": world_size}).encode())
 
-    return SaveRequest(store=store, step=step, world_size=world_size, metadata={}, write=write)
+    return SaveRequest(AfterCommit(store, step), world_size=world_size, metadata={}, write=write)
 
 
 def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, size_mib: int, repeats: int,
@@ -52,7 +52,7 @@ def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, s
 
     from opd_store import CheckpointStore
     from opd_store.opd import current_group
-    from opd_store.pipeline import write_and_commit, write_and_commit_collective
+    from opd_store.pipeline import run_save_collective, write_and_commit
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -68,7 +68,7 @@ def _rank_main(rank: int, world_size: int, port: int, url: str, options: dict, s
         if group is None:
             write_and_commit(_request(store, step, 1, shard))
         else:
-            write_and_commit_collective(group, lambda: _request(store, step, world_size, shard))
+            run_save_collective(group, lambda: _request(store, step, world_size, shard))
         elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step > 1:

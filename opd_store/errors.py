@@ -106,13 +106,6 @@ class StoreNotFoundError(CheckpointNotFoundError):
     an empty store otherwise). A save creates the root; only reads raise this."""
 
 
-class UploadError(OpdStoreError, OSError):
-    """A tiered store's background work failed: the upload of a locally committed step to the
-    bucket, or a retention pass run after one. An upload failure leaves the step committed in the
-    local tier and not durable; the backend's, the copy's or the retention pass's error is the
-    ``__cause__``."""
-
-
 class ResumeMismatchError(OpdStoreError, ValueError):
     """A checkpoint cannot be resumed under the current config, provenance or world size."""
 
@@ -126,6 +119,13 @@ class BackgroundSaveError(OpdStoreError, OSError):
     ``close`` (the original exception is ``__cause__``). Nothing of that step was committed,
     unless the cause is a :class:`RetentionError` (the step committed; the retention pass after it
     failed)."""
+
+
+class UploadError(BackgroundSaveError):
+    """A tiered store's background work failed: the upload of a locally committed step to the
+    bucket, or a retention pass run after one. An upload failure leaves the step committed in the
+    local tier and not durable; the backend's, the copy's or the retention pass's error is the
+    ``__cause__``."""
 
 
 class RetentionError(OpdStoreError, OSError):

@@ -2,8 +2,9 @@
 
 Plain ``dcp.save(..., storage_writer=StoreWriter(store, step))`` works; these functions add what a
 caller of opd_store expects: the committed URL as the result, a discarded attempt when the save
-fails, and DCP's ``CheckpointException`` (a ``BaseException`` whose ``failures`` map ranks to
-errors) turned into opd_store's typed errors, the same on every rank:
+fails, the save's after-commit stage on the coordinator (``after_commit``), and DCP's
+``CheckpointException`` (a ``BaseException`` whose ``failures`` map ranks to errors) turned into
+opd_store's typed errors, the same on every rank:
 
 * a save that failed anywhere raises :class:`~opd_store.errors.DistributedSaveError` (or
   :class:`~opd_store.errors.DistributedCommitConflictError` when the step was already committed),
@@ -27,13 +28,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import (
-    CommitConflictError,
-    DistributedCommitConflictError,
-    DistributedLoadError,
-    DistributedSaveError,
-    OpdStoreError,
-)
+from ..errors import DistributedLoadError, OpdStoreError
+from ..pipeline import AfterCommit, describe_failure, save_failure
 from ..store import BaseStore
 from ._reader import StoreReader
 from ._writer import ExtraPayloads, StoreWriter
@@ -59,15 +55,12 @@ def _text(failures: dict[int, BaseException]) -> dict[int, str]:
 
 
 def save_error(exc: CheckpointException, *, url: str, step: int, world_size: int) -> BaseException:
-    """The opd_store error of a failed DCP save (see the module docstring)."""
+    """The opd_store error of a failed DCP save (see the module docstring): the one process's own
+    error, else the multi-rank save's :func:`~opd_store.pipeline.save_failure`."""
     failures = _failures(exc)
     if world_size == 1 and len(failures) == 1:
         return next(iter(failures.values()))
-    conflict = all(isinstance(error, CommitConflictError) for error in failures.values())
-    cls = DistributedCommitConflictError if conflict else DistributedSaveError
-    text = _text(failures)
-    return cls.from_failures(
-        f"{url}: step {step} was not committed: " + "; ".join(f"rank {r} failed: {t}" for r, t in text.items()), text)
+    return save_failure(url, step, {rank: describe_failure(error) for rank, error in failures.items()})
 
 
 def load_error(exc: CheckpointException, *, url: str, step: int,
@@ -97,8 +90,9 @@ def load_error(exc: CheckpointException, *, url: str, step: int,
 def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
          storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
          metadata: dict[str, Any] | None = None, mesh_shape: list[int] | None = None,
-         extra_payloads: ExtraPayloads | None = None) -> str:
-    """``dcp.save`` of ``state_dict`` as step ``step`` of ``store``; returns the committed URL.
+         extra_payloads: ExtraPayloads | None = None, after_commit: AfterCommit | None = None) -> str:
+    """``dcp.save`` of ``state_dict`` as step ``step`` of ``store``, then (the coordinator) the
+    save's after-commit stage; returns the committed URL.
 
     Rank obligations: every rank of ``process_group`` (default: the default group, or this
     process alone without one) calls it with the same store and step.
@@ -111,15 +105,17 @@ def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
         storage_options (dict | None): fsspec options for a URL.
         process_group: the group saving together (DCP's ``process_group``).
         planner: DCP's ``SavePlanner`` (default ``DefaultSavePlanner``).
-        metadata, mesh_shape, extra_payloads: see :class:`~opd_store.dcp._writer.StoreWriter`.
+        metadata, mesh_shape, extra_payloads, after_commit: see :class:`~opd_store.dcp._writer.StoreWriter`.
 
     Raises:
         DistributedSaveError: (an ``OSError``) a rank failed; nothing committed; on every rank.
         DistributedCommitConflictError: (a ``FileExistsError``) the step is already committed.
+        RetentionError: (the coordinator, plain store) the step committed and its retention pass
+            failed.
         The single process's own error without a process group (``CommitConflictError``, ...).
     """
     writer = StoreWriter(store, step, storage_options=storage_options, metadata=metadata, mesh_shape=mesh_shape,
-                         extra_payloads=extra_payloads)
+                         extra_payloads=extra_payloads, after_commit=after_commit)
     world_size = _group_size(process_group)
     try:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
@@ -127,6 +123,7 @@ def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
     except CheckpointException as exc:
         writer.abort()
         raise save_error(exc, url=writer.checkpoint_id, step=step, world_size=world_size) from exc
+    writer.run_after_commit()
     return writer.checkpoint_id
 
 

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..format import PayloadEntry, step_dirname
+from ..pipeline import AfterCommit
 from ..store import BaseStore, as_store
 from ._items import write_items
 from ._metadata_io import METADATA_NAME, SHARD_FILE, SHARED_FILE, data_file_name, dumps_metadata
@@ -93,9 +94,14 @@ class StoreWriter(StorageWriter):
             first ``DTensor`` saved, or ``[world_size]`` without one.
         extra_payloads (Callable[[Transaction], None] | None): called on the coordinator in
             ``finish`` to write more payloads (``txn.open``/``txn.write_bytes``) before the commit.
+        after_commit (AfterCommit | None): the after-commit stage of this store and step, run by
+            :meth:`run_after_commit` on the coordinator once the step is committed.
 
     Attributes:
         committed_url (str | None): the step's URL, set on the coordinator once committed.
+
+    Raises:
+        ValueError: a negative ``step``, or an ``after_commit`` of another store or step.
 
     Rank obligations: every rank of the process group passed to ``dcp.save`` uses a writer of the
     same store and step; rank 0 of that group is the coordinator (DCP's default).
@@ -103,11 +109,16 @@ class StoreWriter(StorageWriter):
 
     def __init__(self, store: BaseStore | str | os.PathLike, step: int, *,
                  storage_options: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
-                 mesh_shape: list[int] | None = None, extra_payloads: ExtraPayloads | None = None) -> None:
+                 mesh_shape: list[int] | None = None, extra_payloads: ExtraPayloads | None = None,
+                 after_commit: AfterCommit | None = None) -> None:
         super().__init__()
         step_dirname(step)  # a non-negative int, else ValueError
         self.store = as_store(store, storage_options)
         self.step = step
+        if after_commit is not None and (after_commit.store.url != self.store.url or after_commit.step != step):
+            raise ValueError(f"StoreWriter for step {step} of {self.store.url} was given the after-commit stage "
+                             f"of step {after_commit.step} of {after_commit.store.url}")
+        self.after_commit = after_commit
         self.metadata = dict(metadata or {})
         self.mesh_shape = None if mesh_shape is None else [int(n) for n in mesh_shape]
         self.extra_payloads = extra_payloads
@@ -241,6 +252,17 @@ class StoreWriter(StorageWriter):
         return False
 
     # -- opd_store ------------------------------------------------------------------------------
+    def run_after_commit(self) -> None:
+        """Run the save's after-commit stage once: on the coordinator after ``finish`` committed
+        the step; elsewhere (or without ``after_commit``) nothing.
+
+        Raises:
+            RetentionError: (plain store) the retention pass failed; the step stays committed.
+        """
+        after, self.after_commit = self.after_commit, None
+        if after is not None and self.committed_url is not None:
+            after.run(self.committed_url)
+
     def abort(self) -> None:
         """Discard the attempt this coordinator opened and never committed (safe to call anywhere)."""
         txn, self._txn = self._txn, None

@@ -7,8 +7,9 @@
   plugin that saves, loads and removes checkpoints in a store, and a ``ModelCheckpoint`` whose
   ``fit(ckpt_path="last")`` finds the newest complete checkpoint in the bucket.
 
-Both commit with the store's write-then-commit-manifest protocol (docs/protocol.md) through the
-one save pipeline (:mod:`opd_store.pipeline`: its stages, its background worker, retention as the
-after-commit hook). Nothing here is imported by ``import opd_store``; each module imports
-its framework when it is imported. Usage and guarantees: docs/integrations.md.
+Both take any store (a URL, a plain store, a :class:`~opd_store.TieredStore`) and commit with its
+write-then-commit-manifest protocol (docs/protocol.md) through the one save pipeline
+(:mod:`opd_store.pipeline`; ARCHITECTURE.md, "The save path"). Nothing here is imported by
+``import opd_store``; each module imports its framework when it is imported. Usage and
+guarantees: docs/integrations.md.
 """

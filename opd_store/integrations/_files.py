@@ -12,7 +12,7 @@ module turns such a directory into payloads of one save attempt and back:
   writer that computes size and CRC32C as the bytes pass, and refuses a file that changed while it
   was read;
 * :func:`fetch_step` copies a committed step into a local directory, each payload verified against
-  the manifest's size and CRC32C by :meth:`CheckpointStore.open`, and publishes the directory with
+  the manifest's size and CRC32C by the store's ``open``, and publishes the directory with
   one local ``rename`` only once every file is there.
 
 Why hard links and not copies: a link costs one metadata write per file whatever the size (a copy
@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..errors import IncompleteCheckpointError
-from ..store import CheckpointStore
+from ..store import BaseStore
 
 logger = logging.getLogger("opd_store.integrations")
 
@@ -173,10 +173,10 @@ def upload_files(txn, files: Iterable[FileSnapshot]) -> int:
     return total
 
 
-def fetch_step(store: CheckpointStore, step: int, target_dir: str | os.PathLike) -> Path:
+def fetch_step(store: BaseStore, step: int, target_dir: str | os.PathLike) -> Path:
     """Copy the complete step ``step`` of ``store`` into ``target_dir``, verified, and return it.
 
-    Every payload of the manifest is read through :meth:`CheckpointStore.open` (size and CRC32C
+    Every payload of the manifest is read through the store's ``open`` (size and CRC32C
     checked against the manifest before a byte is used) into a hidden sibling directory, which is
     renamed to ``target_dir`` once every file is there. A ``target_dir`` that already exists (a
     directory an earlier process left, possibly half-written) is replaced: the store is the source

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..opd import current_group, decide_on_rank0, load_collective
-from ..store import COMPLETE, CheckpointStore, newest_intact_step
+from ..store import COMPLETE, BaseStore, as_store, newest_intact_step
 from ._files import fetch_step
 from ._hf_layout import checkpoint_dirname
 from ._run_config import check_resume, trainer_run_config
@@ -28,7 +28,7 @@ logger = logging.getLogger("opd_store.integrations.transformers")
 
 
 def store_checkpoint(
-    url: str | os.PathLike,
+    url: str | os.PathLike | BaseStore,
     local_dir: str | os.PathLike | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
@@ -43,7 +43,7 @@ def store_checkpoint(
     (the function returns ``None``, which ``train`` reads as "no resume").
 
     Args:
-        url (str | os.PathLike): the store.
+        url (str | os.PathLike | BaseStore): the store (a URL, or a store: plain or tiered).
         local_dir (str | os.PathLike | None): where ``checkpoint-N`` is created; default
             ``trainer.args.output_dir``.
         storage_options (dict | None): fsspec options.
@@ -68,7 +68,7 @@ def store_checkpoint(
     Rank obligations: with a process group of several ranks, every rank calls it (a collective):
     rank 0 chooses and checks the step, every distinct local directory is fetched once.
     """
-    store = CheckpointStore(url, storage_options=storage_options)
+    store = as_store(url, storage_options)
     store.check_reachable()
     if local_dir is None:
         if trainer is None:
@@ -106,7 +106,7 @@ def store_checkpoint(
     return str(target)
 
 
-def _newest_complete(store: CheckpointStore) -> int | None:
+def _newest_complete(store: BaseStore) -> int | None:
     """The newest step that verifies deeply, each newer damaged step skipped with a warning naming
     it and the file (:func:`~opd_store.store._resume_guard.newest_intact_step`: a short payload and a
     checksum mismatch alike); ``None`` with a warning when the store holds no intact step."""
@@ -128,7 +128,7 @@ def _align_special_tokens(trainer: Any) -> None:
         align_special_tokens(trainer.model, trainer.processing_class)
 
 
-def resume_from_store(trainer: Any, url: str | os.PathLike, **kwargs: Any):
+def resume_from_store(trainer: Any, url: str | os.PathLike | BaseStore, **kwargs: Any):
     """``trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer, **kwargs))``.
 
     Returns:

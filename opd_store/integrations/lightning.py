@@ -14,7 +14,7 @@ it). Here every such name is a store of its own, ``<url>/<name>/``, whose steps 
 numbered in save order: a save commits version ``N + 1`` after the highest version ``N`` listed
 (committed or not) as ``<url>/<name>/step-(N+1)/`` (payload ``checkpoint.ckpt``, created with
 ``torch.save`` straight into the object, manifest created only if absent, ``global_step`` and
-``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline._save.run_save`),
+``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline.run_save`),
 and only then, as its after-commit hooks, deletes the name's older versions: the complete ones by
 the retention policy :data:`NEWEST_VERSION_ONLY` (the one retention executor; a pinned version
 stays), the uncommitted attempts of killed saves after them. So a name that was ever saved always
@@ -53,10 +53,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from ..errors import CheckpointNotFoundError
-from ..pipeline import SaveRequest, run_save
+from ..pipeline import AfterCommit, SaveRequest, run_save
 from ..retention import RetentionPolicy
 from ..runtime import route_background_random
-from ..store import COMPLETE, UNCOMMITTED, CheckpointInfo, CheckpointStore
+from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointInfo, CheckpointStore, as_store
+from ..tiered import TieredStore
 
 logger = logging.getLogger("opd_store.integrations.lightning")
 
@@ -75,9 +76,13 @@ class StoreCheckpointIO(CheckpointIO):
     """Save, load and remove Lightning checkpoints in a store (see module docs).
 
     Args:
-        url (str | os.PathLike): the root under which checkpoint names live (``s3://bucket/run/ckpts``,
-            ``gs://...``, a local directory). Give ``ModelCheckpoint`` the same ``dirpath``.
-        storage_options (dict | None): fsspec options for every request.
+        url (str | os.PathLike | BaseStore): the root under which checkpoint names live: a URL
+            (``s3://bucket/run/ckpts``, ``gs://...``, a local directory) or a store. A plain store
+            is reopened by URL under each name; a :class:`~opd_store.TieredStore` gives each name
+            a tiered store of its own (:meth:`~opd_store.TieredStore.under`), whose uploads
+            ``remove_checkpoint`` and ``teardown`` wait for (raising their failures).
+            Give ``ModelCheckpoint`` the same ``dirpath`` (the root's URL).
+        storage_options (dict | None): fsspec options for every request of a URL.
         local_cache_dir (str | os.PathLike | None): where ``"last"`` is fetched for Lightning to
             resolve (default: the temp dir); each fetch is a private directory in it, removed once
             Lightning has loaded it.
@@ -94,17 +99,18 @@ class StoreCheckpointIO(CheckpointIO):
     0 only; ``load_checkpoint`` on every rank.
     """
 
-    def __init__(self, url: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, url: str | os.PathLike | BaseStore, *, storage_options: dict[str, Any] | None = None,
                  local_cache_dir: str | os.PathLike | None = None) -> None:
         super().__init__()
-        self.root = CheckpointStore(url, storage_options=storage_options)
+        self.root = as_store(url, storage_options)
         self.root.check_reachable()
         self.url = self.root.url
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = dict(self.root.storage_options)
         self._bare_root = self.url.split("://", 1)[-1].rstrip("/")  # as Lightning normalises a URL
         self._local_cache_dir = local_cache_dir
         self._fetched: dict[Path, Path] = {}
         self._saving: dict[str, threading.Lock] = {}
+        self._stores: dict[str, BaseStore] = {}
         self._lock = threading.Lock()
 
     # -- names -----------------------------------------------------------------------------------
@@ -125,23 +131,40 @@ class StoreCheckpointIO(CheckpointIO):
                     return name
         raise ValueError(f"checkpoint path {text!r} is not under the store root {self.url}")
 
-    def store_of(self, path: str | os.PathLike) -> CheckpointStore:
-        """The store holding the versions of the checkpoint at ``path``."""
-        return CheckpointStore(f"{self.url.rstrip('/')}/{self.name_of(path)}", storage_options=self.storage_options)
+    def store_of(self, path: str | os.PathLike) -> BaseStore:
+        """The store holding the versions of the checkpoint at ``path`` (one object per name)."""
+        name = self.name_of(path)
+        with self._lock:
+            store = self._stores.get(name)
+            if store is None:
+                if isinstance(self.root, TieredStore):
+                    store = self.root.under(name)
+                else:
+                    store = CheckpointStore(self.path_of(name), storage_options=self.storage_options)
+                self._stores[name] = store
+            return store
+
+    def _tiers(self) -> list[CheckpointStore]:
+        """The plain stores the root is made of: a tiered root's local tier and bucket, else itself."""
+        return [self.root.local, self.root.bucket] if isinstance(self.root, TieredStore) else [self.root]
 
     def path_of(self, name: str) -> str:
         """The URL Lightning uses for checkpoint ``name``."""
         return f"{self.url.rstrip('/')}/{name}"
 
     def filesystem(self) -> Any:
-        """The fsspec filesystem of the root: the store's own client, with the plugin's storage options."""
-        return self.root.storage.fs
+        """The fsspec filesystem of the root (a tiered root's bucket): the store's own client, with
+        its storage options."""
+        return self._tiers()[-1].storage.fs
 
     def names(self) -> list[str]:
-        """Checkpoint names under the root that hold a complete checkpoint (a fresh listing)."""
-        prefixes, _objects = self.root.storage.list_children("")
-        names = sorted(prefix.rstrip("/") for prefix in prefixes)
-        return [name for name in names if self.exists(self.path_of(name))]
+        """Checkpoint names under the root (in either tier) that hold a complete checkpoint (a
+        fresh listing)."""
+        names = set()
+        for tier in self._tiers():
+            prefixes, _objects = tier.storage.list_children("")
+            names.update(prefix.rstrip("/") for prefix in prefixes)
+        return [name for name in sorted(names) if self.exists(self.path_of(name))]
 
     def exists(self, path: str | os.PathLike) -> bool:
         """Whether a complete checkpoint is saved under ``path``'s name."""
@@ -169,25 +192,25 @@ class StoreCheckpointIO(CheckpointIO):
             self.remove_checkpoint(path)
             return
         name = self.name_of(path)
-        store = self.store_of(path)
         global_step = int(checkpoint.get("global_step", 0))
 
         def write(txn, shared: bool) -> None:
             with txn.open(PAYLOAD_NAME) as writer:
                 torch.save(checkpoint, writer)
 
-        def drop_leftovers(request: SaveRequest, url: str) -> None:
+        def drop_leftovers(after: AfterCommit, url: str) -> None:
             for step in leftovers:  # attempts of killed saves of this name: no manifest names them
                 store.delete(step)
 
         with self._name_lock(name), route_background_random():
+            store = self.store_of(path)  # under the name's lock: a removal closes the name's store
             listed = store.checkpoints()
             version = max((info.step for info in listed), default=0) + 1
             leftovers = [info.step for info in listed if info.status == UNCOMMITTED]
             metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"),
                         "global_step": global_step}
-            url = run_save(SaveRequest(store=store, step=version, world_size=1, metadata=metadata, write=write,
-                                       retention=NEWEST_VERSION_ONLY, on_commit=[drop_leftovers]))
+            after = AfterCommit(store, version, retention=NEWEST_VERSION_ONLY, on_commit=[drop_leftovers])
+            url = run_save(SaveRequest(after, world_size=1, metadata=metadata, write=write))
         logger.info("saved %s (global_step %d) as version %d (%s)", name, global_step, version, url)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -212,18 +235,42 @@ class StoreCheckpointIO(CheckpointIO):
             return torch.load(reader, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path) -> None:
-        """Delete every version of the checkpoint at ``path``, each manifest first."""
+        """Delete every version of the checkpoint at ``path``, each manifest first (on a tiered
+        root once the name's uploads finished), and close the name's store.
+
+        Raises:
+            UploadError: (a tiered root) an upload of this name failed and nobody saw it yet.
+        """
         name = self.name_of(path)
-        store = self.store_of(path)
         with self._name_lock(name):
+            store = self.store_of(path)
+            store.flush()
             for info in store.checkpoints():
                 store.delete(info.step)
+            with self._lock:
+                self._stores.pop(name, None)
+            store.close()
         logger.info("removed %s", name)
 
     def teardown(self) -> None:
-        """Delete local copies :meth:`fetch_local` made that were not loaded. (Lightning's
-        ``AsyncCheckpointIO`` does not forward ``teardown``; a loaded copy is deleted at the load.)"""
+        """Close every name's store (a tiered root: wait for its uploads) and delete local copies
+        :meth:`fetch_local` made that were not loaded. (Lightning's ``AsyncCheckpointIO`` does not
+        forward ``teardown``; a loaded copy is deleted at the load.)
+
+        Raises:
+            UploadError: (a tiered root) an upload failed and nobody saw it yet.
+        """
         self._drop_fetched()
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), {}
+        failures = []
+        for store in stores:  # every store is closed, the first failure raised after
+            try:
+                store.close()
+            except Exception as exc:  # noqa: BLE001 - raised below
+                failures.append(exc)
+        if failures:
+            raise failures[0]
 
     # -- "last" ------------------------------------------------------------------------------
     def newest_complete(self, name: str) -> CheckpointInfo | None:

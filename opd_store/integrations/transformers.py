@@ -7,28 +7,19 @@ Two additions to a training script (docs/integrations.md)::
     trainer.train(resume_from_checkpoint=store_checkpoint("s3://bucket/run", trainer=trainer))
 
 :class:`StoreCallback` commits every ``checkpoint-N`` directory the Trainer writes as step ``N``
-of the store, through the save pipeline's stages (:mod:`opd_store.pipeline._save`):
-
-1. **Snapshot** (``on_save``, every rank): this rank's share of the directory is checked complete
-   (:func:`~opd_store.integrations._hf_layout.missing_files`: a missing or empty file stops the save,
-   named) and described (size, inode, mtime); with ``async_upload`` rank 0's files are hard-linked
-   into a staging directory (:func:`~opd_store.integrations._files.snapshot_files`), so
-   ``save_total_limit`` deleting the directory meanwhile cannot take bytes from the upload.
-2. **Write parts under an attempt**: rank 0 uploads the shared files (model or adapter, optimizer,
-   scheduler, scaler, ``trainer_state.json``, tokenizer, ``training_args.bin``) and its own
-   ``rng_state*.pth``, every other rank its own files as its part of rank 0's attempt
-   (:func:`~opd_store.pipeline._collective.write_and_commit_collective`).
-3. **Commit**: one manifest, created only if absent, naming every file with its size and CRC32C.
-4. **After-commit hooks** (:func:`~opd_store.pipeline._save.after_commit`): retention, then
-   :attr:`StoreCallback.committed_steps`.
-
-With ``async_upload``, stages 2-4 (with several ranks: rank 0's write, the commit and the hooks,
-after the other ranks sealed their parts) run as one task on a
-:class:`~opd_store.pipeline._worker.BackgroundWorker`: at most one in flight, a failure raised at
-the next save, :meth:`StoreCallback.wait` or the end of training as
-:class:`~opd_store.errors.BackgroundSaveError`. Stages on the training thread run inside
-:func:`~opd_store.opd._rng.preserve_global_rng` and the worker routes its ``random`` draws away from
-it, so S3/GCS retry back-offs never move the run's random streams.
+of the store (any store: a URL, a plain store, a :class:`~opd_store.TieredStore`), through the
+save pipeline (ARCHITECTURE.md, "The save path"). Its snapshot stage, on every rank, checks this
+rank's share of the directory complete (:func:`~opd_store.integrations._hf_layout.missing_files`:
+a missing or empty file stops the save, named) and describes it (size, inode, mtime); with
+``async_upload`` rank 0's files are hard-linked into a staging directory
+(:func:`~opd_store.integrations._files.snapshot_files`), so ``save_total_limit`` deleting the
+directory meanwhile cannot take bytes from the upload. Rank 0 uploads the shared files and its
+own, every other rank its own files as its part of rank 0's attempt
+(:func:`~opd_store.pipeline.run_save_collective`); the after-commit stage runs retention, then
+records :attr:`StoreCallback.committed_steps`. With ``async_upload`` the write, commit and
+after-commit stage of rank 0 run through :class:`~opd_store.pipeline.BackgroundSaves` (one upload
+in flight, a failure raised at the next save, :meth:`StoreCallback.wait` or the end of training
+as :class:`~opd_store.errors.BackgroundSaveError`).
 
 :func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations._hf_resume`,
 re-exported here) fetch the newest *complete* step, verified, for ``Trainer.train`` to resume.
@@ -39,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -48,18 +39,9 @@ from transformers import TrainerCallback
 
 from ..errors import BackgroundSaveError, CommitConflictError, IncompleteCheckpointError
 from ..opd import current_group, decide_on_rank0, preserve_global_rng
-from ..pipeline import (
-    EXIT_STAGE_SAVES,
-    BackgroundTask,
-    BackgroundWorker,
-    FinishCommit,
-    SaveRequest,
-    after_commit,
-    run_save,
-    write_and_commit_collective,
-)
+from ..pipeline import AfterCommit, BackgroundSaves, FinishCommit, SaveRequest, run_save, run_save_collective
 from ..retention import RetentionPolicy, RunLineage
-from ..store import COMPLETE, CheckpointStore, refuse_damaged_step_ahead
+from ..store import COMPLETE, BaseStore, as_store, refuse_damaged_step_ahead
 from ._files import FileSnapshot, directory_files, snapshot_files, upload_files
 from ._hf_layout import JIT_SENTINEL_NAME, checkpoint_dirname, files_of_rank, missing_files
 from ._hf_resume import resume_from_store, store_checkpoint
@@ -76,9 +58,12 @@ class StoreCallback(TrainerCallback):
     """Commit every checkpoint the Trainer saves to a store (see module docs).
 
     Args:
-        url (str | os.PathLike): the store (``s3://bucket/run``, ``gs://...``, a local path, any
-            fsspec URL).
-        storage_options (dict | None): fsspec options for every request (endpoint, credentials).
+        url (str | os.PathLike | BaseStore): the store: a URL (``s3://bucket/run``, ``gs://...``,
+            a local path, any fsspec URL) or a store, plain or tiered (a
+            :class:`~opd_store.TieredStore` commits on local disk and uploads in the background;
+            the end of training waits for its uploads and raises their failures).
+        storage_options (dict | None): fsspec options for every request (endpoint, credentials)
+            of a URL.
         retention (RetentionPolicy | None): applied in the store after each commit by the rules of
             :mod:`opd_store.retention._policy` (pins and the resume parent are kept), independent of the
             Trainer's ``save_total_limit`` on local disk. ``None`` keeps every checkpoint.
@@ -90,7 +75,7 @@ class StoreCallback(TrainerCallback):
             which differences between this run and the checkpoint it resumes are accepted
             (docs/resume.md, "Resume modes").
         exit_timeout_secs (float): with ``async_upload``, seconds an upload in flight at
-            interpreter exit gets to commit before it is abandoned (:mod:`opd_store.pipeline._worker`).
+            interpreter exit gets to commit before it is abandoned (:class:`opd_store.pipeline.BackgroundSaves`).
 
     Raises:
         StoreUnreachableError: the store cannot be used (no bucket, credentials or connection);
@@ -103,7 +88,7 @@ class StoreCallback(TrainerCallback):
 
     def __init__(
         self,
-        url: str | os.PathLike,
+        url: str | os.PathLike | BaseStore,
         *,
         storage_options: dict[str, Any] | None = None,
         retention: RetentionPolicy | None = None,
@@ -114,7 +99,7 @@ class StoreCallback(TrainerCallback):
     ) -> None:
         if exit_timeout_secs < 0:
             raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
-        self.store = CheckpointStore(url, storage_options=storage_options)
+        self.store = as_store(url, storage_options)
         self.store.check_reachable()
         RunConfig({}, resume_mode=resume_mode)  # validates the mode now, not at the first step
         self.retention = retention
@@ -125,7 +110,7 @@ class StoreCallback(TrainerCallback):
         self.committed_steps: list[int] = []
         self.preempted_at: int | None = None
         self._saved_steps: set[int] = set()  # steps commit() ran for, the same on every rank
-        self._worker: BackgroundWorker | None = None
+        self._saves: BackgroundSaves | None = None
         self._lineage: RunLineage | None = None
         self._run_config: RunConfig | None = None
 
@@ -199,12 +184,19 @@ class StoreCallback(TrainerCallback):
         self.commit(args, state, wait=self.preempted_at is not None)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Wait for the background upload (its thread has ended when this returns) and for the
+        store's own uploads (a tiered store's ``flush``); raise what failed.
+
+        Raises:
+            BackgroundSaveError: a background upload failed and nobody saw it yet.
+            UploadError: (a tiered store) an upload to its bucket failed.
+        """
         try:
-            self.wait()
+            saves, self._saves = self._saves, None
+            if saves is not None:
+                saves.close(at="the end of training")
+            self.store.flush()
         finally:
-            worker, self._worker = self._worker, None
-            if worker is not None:
-                worker.close()  # idle by now: its thread has ended when this returns
             if self.preemption is not None:
                 self.preemption.stop()
             staging = Path(args.output_dir) / STAGING_DIRNAME
@@ -265,35 +257,32 @@ class StoreCallback(TrainerCallback):
         group = current_group()
         with preserve_global_rng():
             if group is None:
-                self.wait()  # the previous upload's failure is raised before anything new starts
+                self._sync("the next save")  # the previous upload's failure, before anything new starts
                 request = self._snapshot(directory, step, 0, 1, args, stage_links=background)
                 if background:
-                    self._submit(request.step, lambda: self._save_once(request, background=True))
+                    saves = self._background()
+                    saves.submit(self._label(step), step, lambda: self._save_once(request, saves.cancelled))
                 else:
-                    self._save_once(request, background=False)
+                    self._save_once(request, None)
                 return
-
-            prepared: list[SaveRequest] = []
 
             def prepare() -> SaveRequest:
                 if group.rank == 0:
-                    self.wait()
-                prepared.append(self._snapshot(directory, step, group.rank, group.world_size, args,
-                                               stage_links=background and group.rank == 0))
-                return prepared[0]
+                    self._sync("the next save")
+                return self._snapshot(directory, step, group.rank, group.world_size, args,
+                                      stage_links=background and group.rank == 0)
 
-            def defer(finish: FinishCommit) -> None:
-                self._submit(step, lambda: self._finish_deferred(prepared[0], finish))
+            def defer(finish: FinishCommit) -> None:  # rank 0's write, commit and after-commit stage
+                saves = self._background()
+                saves.submit(self._label(step), step, lambda: finish(cancelled=saves.cancelled))
 
             try:
-                url, request = write_and_commit_collective(group, prepare, defer=defer if background else None)
+                run_save_collective(group, prepare, defer=defer if background else None)
             except CommitConflictError:
                 if decide_on_rank0(group, lambda: self._committed_by_this_run(step)):
                     logger.info("step %d is already committed by this run; kept", step)
                     return
                 raise
-            if url is not None and group.rank == 0:
-                after_commit(request, url)
 
     def _snapshot(self, directory: Path, step: int, rank: int, world_size: int, args, *,
                   stage_links: bool) -> SaveRequest:
@@ -311,12 +300,11 @@ class StoreCallback(TrainerCallback):
         else:
             snaps = [FileSnapshot.of(name, path) for name, path in files.items()]
         return SaveRequest(
-            store=self.store, step=step, world_size=world_size,
-            metadata=self._metadata(step, world_size) if rank == 0 else {},
+            AfterCommit(self.store, step, retention=self.retention, lineage=self._lineage,
+                        on_commit=[self._record_commit]),
+            world_size=world_size, metadata=self._metadata(step, world_size) if rank == 0 else {},
             write=lambda txn, shared: upload_files(txn, snaps),
-            retention=self.retention, lineage=self._lineage,
             release=None if staging is None else (lambda: shutil.rmtree(staging, ignore_errors=True)),
-            on_commit=[self._record_commit],
         )
 
     def _share(self, directory: Path, step: int, rank: int, world_size: int, args) -> dict[str, Path]:
@@ -337,30 +325,25 @@ class StoreCallback(TrainerCallback):
                 f"not committed to {self.store.url}")
         return files
 
-    def _save_once(self, request: SaveRequest, *, background: bool) -> str | None:
-        """Stages 2-4 with one writer (:func:`run_save`); ``None`` when this run already committed
-        the step (another attempt is refused by the create-only commit, so this one is dropped)."""
+    def _save_once(self, request: SaveRequest, cancelled: threading.Event | None) -> str | None:
+        """Write, commit and the after-commit stage with one writer (:func:`run_save`); ``None``
+        when this run already committed the step (another attempt is refused by the create-only
+        commit, so this one is dropped)."""
         try:
-            return run_save(request, cancelled=self._worker.cancelled if background else None)
+            return run_save(request, cancelled=cancelled)
         except CommitConflictError:
             if not self._committed_by_this_run(request.step):
                 raise
             logger.info("step %d is already committed by this run; kept", request.step)
             return None
 
-    def _finish_deferred(self, request: SaveRequest, finish: FinishCommit) -> str:
-        """Rank 0's deferred write and commit (on the worker), then the after-commit hooks."""
-        url = finish(cancelled=self._worker.cancelled)
-        after_commit(request, url)
-        return url
-
     def _committed_by_this_run(self, step: int) -> bool:
         if self._lineage is None or self.store.status(step) != COMPLETE:
             return False
         return self.store.manifest(step).metadata.get("run_id") == self._lineage.run_id
 
-    def _record_commit(self, request: SaveRequest, url: str) -> None:
-        self.committed_steps.append(request.step)
+    def _record_commit(self, after: AfterCommit, url: str) -> None:
+        self.committed_steps.append(after.step)
 
     def _metadata(self, step: int, world_size: int) -> dict[str, Any]:
         metadata: dict[str, Any] = {"framework": FRAMEWORK, "checkpoint_name": checkpoint_dirname(step)}
@@ -370,12 +353,19 @@ class StoreCallback(TrainerCallback):
             metadata["run_config"] = self._run_config.to_metadata(world_size)
         return metadata
 
-    # -- the background worker ---------------------------------------------------------------
-    def _submit(self, step: int, run) -> None:
-        if self._worker is None:
-            self._worker = BackgroundWorker(f"opd-hf-upload-{id(self):x}", exit_timeout_secs=self.exit_timeout_secs,
-                                            on_exit=self._report_exit, exit_stage=EXIT_STAGE_SAVES)
-        self._worker.submit(f"upload of step {step} to {self.store.url}", step, run)
+    # -- background uploads ------------------------------------------------------------------
+    def _label(self, step: int) -> str:
+        return f"upload of step {step} to {self.store.url}"
+
+    def _background(self) -> BackgroundSaves:
+        """The owner of this callback's background uploads (made at the first one)."""
+        if self._saves is None:
+            self._saves = BackgroundSaves(f"opd-hf-upload-{id(self):x}", exit_timeout_secs=self.exit_timeout_secs)
+        return self._saves
+
+    def _sync(self, at: str) -> None:
+        if self._saves is not None:
+            self._saves.sync(at)
 
     def wait(self) -> None:
         """Block until the background upload in flight (if any) has committed.
@@ -384,25 +374,7 @@ class StoreCallback(TrainerCallback):
             BackgroundSaveError: (an ``OSError``) it failed, or an earlier one did and nobody saw it
                 yet (the failure is the ``__cause__``); raised once.
         """
-        if self._worker is None:
-            return
-        self._worker.wait_idle()
-        for task in self._worker.take_unreported():
-            failure = task.failure()
-            raise BackgroundSaveError(
-                f"{self.store.url}: the background upload of step {task.key} failed: {type(failure).__name__}: {failure}"
-            ) from failure
-
-    def _report_exit(self, event: str, tasks: list[BackgroundTask]) -> None:
-        """The worker's exit sequence, told on stderr (nobody is left to raise to)."""
-        for task in tasks:
-            failure = task.failure()
-            line = {"waiting": f"waiting up to {self.exit_timeout_secs:g} s for the {task.label} to commit",
-                    "abandoned": f"abandoned the {task.label} after {self.exit_timeout_secs:g} s; it stays uncommitted",
-                    "finished": f"the {task.label} failed: {type(failure).__name__}: {failure}"
-                    if failure is not None and not task.reported else None}.get(event)
-            if line is not None:
-                print(f"opd_store: {line}", file=sys.stderr, flush=True)
+        self._sync("wait()")
 
 
 __all__ = ["BackgroundSaveError", "StoreCallback", "resume_from_store", "store_checkpoint"]

@@ -1,48 +1,22 @@
-"""Asynchronous OPD saves: the snapshot now, the rest of the save pipeline on the background worker.
+"""Asynchronous OPD saves: the snapshot on the caller's thread, the write, commit and after-commit
+stage on the background (ARCHITECTURE.md, "The save path"; usage and guarantees: docs/spot.md).
 
-:meth:`AsyncCheckpointer.save` takes the arguments of
-:func:`~opd_store.opd._save.save_opd_checkpoint` and runs the same pipeline stages
-(:mod:`opd_store.pipeline._save`); only where they run differs:
-
-1. **Snapshot** (on the caller's thread, inside :func:`~opd_store.opd._rng.preserve_global_rng`):
-   the seed's rules are checked, this process's RNG state, the trainer, optimizer, scheduler and
-   teacher states and the adapter's trainable tensors are captured and every tensor is copied into
-   a staging buffer (:class:`~opd_store.opd._staging.StagingBuffers`: CPU; pinned host memory when
-   the source is on CUDA, followed by one stream synchronisation). Buffers are kept and reused by
-   the next save of the same shapes, so a steady-state snapshot is one ``copy_`` per tensor and no
-   allocation. When it returns, training may change anything: parameters, optimizer state, RNG.
-2. **Write, commit, after-commit hooks** (on the :class:`~opd_store.pipeline._worker.BackgroundWorker`):
-   the payloads stream, the manifest is created, retention runs; background ``random`` draws are
-   routed away from the caller's generator (:mod:`opd_store.runtime._thread_random`).
-
-Guarantees:
-
-* at most one save in flight per checkpointer: a new save waits for the previous one
-  (``when_busy="wait"``) or raises :class:`~opd_store.errors.SaveInFlightError` (``"raise"``);
-* a failure in the background is raised by :meth:`SaveHandle.result`, else by the next
-  :meth:`AsyncCheckpointer.save`, :meth:`~AsyncCheckpointer.wait` or
-  :meth:`~AsyncCheckpointer.close` (as :class:`~opd_store.errors.BackgroundSaveError`), once;
-  it is never only logged;
-* at interpreter exit an in-flight save is given ``exit_timeout_secs`` to commit; past that it is
-  abandoned: the manifest is not created (the step stays uncommitted, invisible to readers) and
-  one line on stderr says so (the worker's exit sequence, :mod:`opd_store.pipeline._worker`). It
-  runs as the interpreter starts to exit, while remote stores still work, and before the upload
-  worker of a tiered store the save goes to is closed;
-* the worker thread has ended before :meth:`AsyncCheckpointer.close` returns and before the
-  interpreter finalizes (the worker's module docstring says why a thread that touched the
-  snapshot's tensors must not outlive the exit hooks).
+The snapshot copies every tensor into a staging buffer (:class:`~opd_store.opd._staging.StagingBuffers`:
+pinned host memory when the source is on CUDA), kept and reused by the next save of the same
+shapes; when :meth:`AsyncCheckpointer.save` returns, training may change anything. The rest runs
+through the one owner of background saves (:class:`opd_store.pipeline.BackgroundSaves`): at most
+one save in flight, a failure raised at the next sync point, one exit report, an exit deadline.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from typing import Any
 
-from ..errors import BackgroundSaveError, SaveInFlightError
-from ..pipeline import EXIT_STAGE_SAVES, BackgroundTask, BackgroundWorker, run_save
+from ..errors import BackgroundSaveError
+from ..pipeline import WHEN_BUSY, BackgroundSaves, BackgroundTask, run_save
 from ._distributed import current_group
 from ._rng import preserve_global_rng
 from ._save import save_request
@@ -52,7 +26,6 @@ from ._staging import StagingBuffers
 logger = logging.getLogger("opd_store.opd")
 
 DEFAULT_EXIT_TIMEOUT_SECS = 60.0
-WHEN_BUSY = ("wait", "raise")
 
 
 class SaveHandle:
@@ -133,12 +106,10 @@ class AsyncCheckpointer:
         if when_busy not in WHEN_BUSY:
             raise ValueError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
         self.when_busy = when_busy
-        self.worker = BackgroundWorker(f"opd-async-save-{id(self):x}", exit_timeout_secs=exit_timeout_secs,
-                                       on_exit=self._report_exit, exit_stage=EXIT_STAGE_SAVES)
-        self.exit_timeout_secs = self.worker.exit_timeout_secs
+        self.saves = BackgroundSaves(f"opd-async-save-{id(self):x}", exit_timeout_secs=exit_timeout_secs)
+        self.exit_timeout_secs = self.saves.exit_timeout_secs
         self._staging = StagingBuffers(pin_memory)
         self._pending: SaveHandle | None = None
-        self._closed = False
         self._lock = threading.Lock()
 
     @property
@@ -171,7 +142,7 @@ class AsyncCheckpointer:
             RuntimeError: the checkpointer is closed.
         """
         with self._lock:
-            if self._closed:
+            if self.saves.closed:
                 raise RuntimeError("AsyncCheckpointer is closed")
             if save_kwargs.get("rank_rng_states") is None and current_group() is not None:
                 raise ValueError(
@@ -179,38 +150,18 @@ class AsyncCheckpointer:
                     "several ranks use save_opd_checkpoint on every rank (multi-rank saves), or pass "
                     "rank_rng_states on rank 0 (single-writer mode)"
                 )
-            self._wait_for_pending(for_what="a new save")
+            self.saves.sync("the next save", when_busy=self.when_busy)
             started = time.perf_counter()
             self._staging.begin()
             with preserve_global_rng():
                 snapshot = snapshot_opd_checkpoint(**save_kwargs, stage=self._staging.stage)
             self._staging.finish()
             request = save_request(snapshot)
-            task = self.worker.submit(f"asynchronous save of step {snapshot.step}", snapshot.step,
-                                      lambda: run_save(request, cancelled=self.worker.cancelled))
+            task = self.saves.submit(f"asynchronous save of step {snapshot.step}", snapshot.step,
+                                     lambda: run_save(request, cancelled=self.saves.cancelled))
             handle = SaveHandle(snapshot.step, time.perf_counter() - started, self._staging.staged_bytes, task)
             self._pending = handle
             return handle
-
-    def _wait_for_pending(self, *, for_what: str, timeout_secs: float | None = None) -> SaveHandle | None:
-        pending = self._pending
-        if pending is None:
-            return None
-        if not pending.done():
-            if self.when_busy == "raise" and for_what == "a new save":
-                raise SaveInFlightError(
-                    f"the asynchronous save of step {pending.step} is still in flight; wait for it "
-                    "(handle.result()) before saving again, or use when_busy='wait'"
-                )
-            if not pending.task.wait(timeout_secs):
-                raise TimeoutError(f"asynchronous save of step {pending.step} still in flight after {timeout_secs} s")
-        for task in self.worker.take_unreported():
-            failure = task.failure()
-            raise BackgroundSaveError(
-                f"the asynchronous save of step {task.key} failed in the background (reported at "
-                f"{for_what}): {type(failure).__name__}: {failure}"
-            ) from failure
-        return pending
 
     def wait(self, timeout_secs: float | None = None) -> str | None:
         """Wait for the save in flight (if any) and return the last save's committed URL.
@@ -220,8 +171,8 @@ class AsyncCheckpointer:
             BackgroundSaveError: the last save failed and the failure was not reported yet.
         """
         with self._lock:
-            pending = self._wait_for_pending(for_what="wait()", timeout_secs=timeout_secs)
-        return None if pending is None else pending.url
+            self.saves.sync("wait()", timeout_secs=timeout_secs)
+            return None if self._pending is None else self._pending.url
 
     def close(self, timeout_secs: float | None = None) -> str | None:
         """Wait for the save in flight, then refuse further saves and stop the worker (its thread
@@ -240,18 +191,10 @@ class AsyncCheckpointer:
                 reported yet.
         """
         with self._lock:
-            if self._closed:
+            if self.saves.closed:
                 return None
-            self._closed = True
-            try:
-                pending = self._wait_for_pending(for_what="close()", timeout_secs=timeout_secs)
-            except TimeoutError:
-                self.worker.cancelled.set()
-                raise
-            finally:
-                if self.in_flight is None:
-                    self.worker.close()
-        return None if pending is None else pending.url
+            self.saves.close(timeout_secs)
+            return None if self._pending is None else self._pending.url
 
     def __enter__(self) -> AsyncCheckpointer:
         return self
@@ -264,26 +207,6 @@ class AsyncCheckpointer:
                 self.close()
             except BackgroundSaveError as failure:
                 logger.error("%s (while handling %r)", failure, exc)
-
-    def _report_exit(self, event: str, tasks: list[BackgroundTask]) -> None:
-        """The worker's exit sequence, told on stderr (nobody is left to raise to)."""
-        pending = self._pending
-        if pending is None or self._closed:
-            return
-        if event == "waiting" and not pending.done():
-            print(f"opd_store: waiting up to {self.exit_timeout_secs:g} s for the asynchronous save of step "
-                  f"{pending.step} to commit", file=sys.stderr, flush=True)
-        elif event == "abandoned" and not pending.done():
-            print(f"opd_store: abandoned the asynchronous save of step {pending.step} after "
-                  f"{self.exit_timeout_secs:g} s; it stays uncommitted", file=sys.stderr, flush=True)
-        elif event == "finished" and pending.done():
-            failure = pending.task.failure()
-            if failure is not None and not pending.task.reported:
-                print(f"opd_store: the asynchronous save of step {pending.step} failed: "
-                      f"{type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
-            elif failure is None:
-                print(f"opd_store: asynchronous save of step {pending.step} committed: {pending.url}",
-                      file=sys.stderr, flush=True)
 
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "StagingBuffers"]

@@ -1,18 +1,14 @@
-"""Saving OPD checkpoints: the seed's save contract on any store, through the one save pipeline.
-
-:func:`save_opd_checkpoint` runs the pipeline's stages (:mod:`opd_store.pipeline._save`) on the
-caller's thread: the snapshot (:mod:`opd_store.opd._snapshot`), the payload writes of this module,
-the commit and the after-commit hooks; in multi-rank mode every rank writes its part
-(:mod:`opd_store.pipeline._collective`). :class:`~opd_store.opd._async_save.AsyncCheckpointer` runs
-the same stages with the write, commit and hooks on the background worker.
+"""Saving OPD checkpoints: the seed's save contract on any store, through the one save pipeline
+(ARCHITECTURE.md, "The save path"): :func:`save_opd_checkpoint` runs every stage on the caller's
+thread (every rank's part through :func:`~opd_store.pipeline.run_save_collective` in multi-rank
+mode); this module is the snapshot's payload writer (:func:`save_request`).
 
 Every payload is written with ``torch.save`` straight into the transaction's writer (no whole
 serialised copy in memory), without torch's own zip CRC-32 (:mod:`opd_store.format._torch_io`: the
 payload's CRC32C in the manifest covers the bytes and is checked on every read, and skipping the
 zip CRC saves about 2.5 s of CPU per GiB, docs/performance.md) and read back with
 ``torch.load(weights_only=True)`` through :mod:`opd_store.opd._safe_load`; state is sanitised
-before saving, so nothing unloadable is ever written. The whole synchronous save runs inside
-:func:`~opd_store.opd._rng.preserve_global_rng`.
+before saving, so nothing unloadable is ever written.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from typing import Any
 import torch
 
 from ..format import torch_save
-from ..pipeline import SaveRequest, after_commit, run_save, write_and_commit_collective
+from ..pipeline import AfterCommit, SaveRequest, run_save, run_save_collective
 from ..retention import RetentionPolicy, RunLineage
 from ..store import BaseStore
 from ._distributed import check_group_args, current_group
@@ -85,92 +81,49 @@ def save_opd_checkpoint(
     lineage: RunLineage | None = None,
     rank: int | None = None,
 ) -> str:
-    """Commit one OPD checkpoint after a complete update with a cleared failure queue.
+    """Commit one OPD checkpoint, step ``successful_updates``, after a complete update with a
+    cleared failure queue.
 
-    Rules (all from the seed unless noted; checked before anything is written):
+    The seed's rules are checked before anything is written (docs/resume.md, "What is saved" and
+    "What trainer state may hold"): the trainer counters, no ``rollouts`` or ``failure_queue``, the
+    teacher's ``update_count``, one RNG state per rank, state that weights-only loading restores,
+    a plain-YAML ``config.as_dict()``. Every global RNG is left as found, even when the storage
+    retries (this process's RNG state is captured first).
 
-    * ``trainer_state`` has ``attempted_updates``, ``successful_updates`` and ``query_update``;
-    * it holds neither ``rollouts`` nor ``failure_queue`` (sampled rollouts and the update-local
-      failure queue are not checkpoint state);
-    * ``teacher_state["update_count"]``, when present (not ``None``), equals
-      ``successful_updates``;
-    * ``len(rank_rng_states) == world_size`` (when ``None``, this process's state is captured: one
-      rank);
-    * the step is ``successful_updates``; an existing committed step (or a seed-layout step
-      directory) raises ``FileExistsError``;
-    * trainer, teacher, optimizer, scheduler and RNG state are sanitised so weights-only loading
-      restores them (a checkpoint from a bucket never runs code on load): numpy values converted,
-      anything else refused;
-    * ``config.as_dict()`` is plain YAML data (numpy scalars converted, anything else refused
-      naming its key: a ``Path`` or an enum would make ``config.yaml`` unloadable with
-      ``yaml.safe_load``), checked before anything is written.
-
-    Rank obligations, two modes:
-
-    * Multi-rank mode: a ``torch.distributed`` process group of more than one rank is
-      initialised and ``rank_rng_states`` is ``None``. Every rank calls this with the same
-      arguments except its own RNG state (captured here); rank 0 writes the shared payloads,
-      every rank its own ``rng-rank-XX.pt``, and rank 0 commits once every part is durable
-      (:mod:`opd_store.pipeline._collective`). Every rank returns the same URL or raises the same error.
-    * Single-writer mode (seed): only rank 0 calls this, after a barrier that ends the update on
-      every rank, passing every rank's :func:`~opd_store.opd._rng.capture_rng_state` in rank order
-      (``rank_rng_states[r]`` is rank ``r``'s). Other ranks must not call it.
-
-    Every global RNG (Python, numpy, torch, CUDA) is left exactly as it was found, even when the
-    storage retries (botocore's back-off draws from ``random``; a save must never change the
-    training's random streams, or a resumed run would diverge). The RNG state saved for this
-    process is captured first, before anything else runs.
+    Rank obligations (docs/resume.md, "Several ranks"): *multi-rank* (a process group of more than
+    one rank, no ``rank_rng_states``): every rank calls this with the same arguments, writes its
+    own ``rng-rank-XX.pt``, and returns the same URL or raises the same error; *single-writer*
+    (the seed's): rank 0 alone, after a barrier, with every rank's ``capture_rng_state()`` in rank
+    order.
 
     Args:
-        checkpoints_dir (str | os.PathLike | BaseStore): local path, fsspec URL or store (a
-            :class:`~opd_store.store._checkpoint_store.CheckpointStore` or a :class:`~opd_store.tiered._store.TieredStore`).
-        model (Any): the student; ``model.save_pretrained(dir)`` writes the adapter (a PEFT model
-            writes ``adapter_config.json`` and ``adapter_model.safetensors``).
-        processor (Any | None): tokenizer/processor with ``save_pretrained``, or ``None``.
-        optimizer (torch.optim.Optimizer): its ``state_dict()`` is saved (tensors on any device;
-            they are restored onto the parameters' devices).
-        scheduler (Any): LR scheduler with ``state_dict()``.
-        trainer_state (dict): trainer counters and state (see the rules above).
-        config (Any): offers ``fingerprint() -> str`` and ``as_dict() -> dict``.
-        provenance_fingerprints (dict[str, str]): provenance name to fingerprint.
-        teacher_state (dict): the teacher's state (``update_count`` optional).
-        world_size (int | None): ranks of the run; schema v1 for 1, v2 above. Default: the process
-            group's world size, or 1 without one; must equal the group's in multi-rank mode.
+        checkpoints_dir (str | os.PathLike | BaseStore): a local path, fsspec URL or store (plain or tiered).
+        model, processor: ``save_pretrained(dir)`` writes the adapter, the processor (or ``None``).
+        optimizer, scheduler: their ``state_dict()`` is saved (restored onto the parameters' devices).
+        trainer_state, teacher_state (dict), config (``fingerprint()``, ``as_dict()``),
+            provenance_fingerprints (dict[str, str]): the run's state, as the rules say.
+        world_size (int | None): ranks of the run (schema v1 for 1, v2 above); default the group's, or 1.
         rank_rng_states (list[dict] | None): per-rank RNG states, index = rank (single-writer mode).
         storage_options (dict | None): fsspec options when ``checkpoints_dir`` is a URL.
-        retention (RetentionPolicy | None): applied once this commit succeeded and the step is
-            durable (``config.checkpoint.retention_policy()`` gives the config's): at once on a
-            plain store, after the upload on a tiered store (to the bucket). Never deletes this
-            step, the newest complete step, pinned steps, steps not durable yet, or
-            ``lineage.parent_step`` until this run has a second checkpoint. ``None``: keep all.
-        lineage (RunLineage | None): run id and resume parent, recorded in the manifest metadata
-            (``run_id``, ``parent_step``).
-        rank (int | None): this process's rank; default the process group's (must equal it).
+        retention (RetentionPolicy | None): applied once the step is durable (docs/cli.md,
+            "Retention rules"); ``None`` keeps every step.
+        lineage (RunLineage | None): run id and resume parent, recorded in the manifest metadata.
+        rank (int | None): this process's rank; must equal the process group's.
 
     Returns:
-        str: the committed checkpoint's URL (its step prefix; a plain absolute path for a local
-        store), as accepted by :func:`load_opd_checkpoint` and :func:`load_adapter`.
+        str: the committed checkpoint's URL, as ``load_opd_checkpoint`` and ``load_adapter`` take it.
 
     Raises:
-        ValueError: a seed rule above is broken (missing keys, rollouts or failure queue in the
-            state, teacher update count, RNG state count, bad world size or provenance).
-        UnsafeCheckpointError: (a ``ValueError``) state that weights-only loading cannot restore,
-            or a ``config.as_dict()`` value that is not plain YAML data (a path, an enum, ...);
-            the message names its key path and how to convert it; or ``retention`` for a tiered
-            store that has its own ``bucket_retention`` (nothing is written).
-        FileExistsError: the step is already committed, or holds a seed-layout checkpoint
-            (:class:`~opd_store.errors.CommitConflictError`), including when another writer
-            commits it first.
+        ValueError: a rule is broken (:class:`~opd_store.errors.UnsafeCheckpointError` names the key
+            path of state or config that cannot be restored), or a ``retention`` a tiered store
+            with ``bucket_retention`` refuses. Nothing is written.
+        FileExistsError: (``CommitConflictError``) the step is committed, or holds a seed-layout checkpoint.
         opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
-        opd_store.errors.DistributedSaveError: (multi-rank mode, a ``CommitError``) any rank's
-            check or write failed, on every rank, naming each failing rank and its error;
-            :class:`~opd_store.errors.DistributedCommitConflictError` (also a ``FileExistsError``)
-            when the step is already committed. Nothing is committed.
-        opd_store.errors.RetentionError: (an ``OSError``) the retention pass after the commit of a
-            plain store could not run or failed part-way; the step is committed (its URL is the
-            error's ``url``). On a tiered store such a failure is raised by the store at its next
-            save, ``flush`` or ``close``.
-        RuntimeError: (multi-rank mode) a rank died or the process group timed out mid-save.
+        opd_store.errors.DistributedSaveError: (multi-rank) any rank failed, on every rank, naming
+            each; ``DistributedCommitConflictError`` for a committed step. Nothing is committed.
+        opd_store.errors.RetentionError: (plain store) the retention pass failed; the step is
+            committed (``url``). A tiered store raises it at its next save, ``flush`` or ``close``.
+        RuntimeError: (multi-rank) a rank died or the process group timed out mid-save.
     """
     group = None
     if rank_rng_states is None:
@@ -201,10 +154,8 @@ def save_opd_checkpoint(
                                                rank_rng_parts={group.rank: own_rng})
             return save_request(snapshot)
 
-        url, request = write_and_commit_collective(group, snapshot_this_rank)
+        url = run_save_collective(group, snapshot_this_rank)
         logger.info("committed OPD checkpoint %s (world size %d, rank %d)", url, group.world_size, group.rank)
-        if group.rank == 0:
-            after_commit(request, url)
         return url
 
 
@@ -228,7 +179,7 @@ def _write_payloads(txn, snapshot: OpdSnapshot, shared: bool) -> None:
 
 
 def save_request(snapshot: OpdSnapshot) -> SaveRequest:
-    """The pipeline's :class:`~opd_store.pipeline._save.SaveRequest` of an OPD snapshot: its
+    """The pipeline's :class:`~opd_store.pipeline.SaveRequest` of an OPD snapshot: its
     payload writer, retention and lineage; releasing it removes a staged adapter directory."""
     adapter_dir = snapshot.adapter_dir
 
@@ -237,9 +188,9 @@ def save_request(snapshot: OpdSnapshot) -> SaveRequest:
             shutil.rmtree(adapter_dir, ignore_errors=True)
 
     return SaveRequest(
-        store=snapshot.store, step=snapshot.step, world_size=snapshot.world_size, metadata=snapshot.metadata,
-        write=lambda txn, shared: _write_payloads(txn, snapshot, shared),
-        retention=snapshot.retention, lineage=snapshot.lineage, release=release,
+        AfterCommit(snapshot.store, snapshot.step, retention=snapshot.retention, lineage=snapshot.lineage),
+        world_size=snapshot.world_size, metadata=snapshot.metadata,
+        write=lambda txn, shared: _write_payloads(txn, snapshot, shared), release=release,
     )
 
 

@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 
 from .. import dcp
-from ..errors import DistributedSaveError
 from ..format import torch_save
-from ..pipeline import SaveRequest, after_commit, describe_failure, failure_text
+from ..pipeline import AfterCommit, agree
 from ..retention import RetentionPolicy, RunLineage
 from ..store import BaseStore, as_store
 from ._distributed import RankGroup
@@ -124,25 +123,6 @@ def _prepare(*, store: BaseStore, optimizer, scheduler, trainer_state, config, p
             "config_yaml": config_yaml, "digest": hashlib.sha256(config_yaml).hexdigest()[:16]}
 
 
-def _agree(group: RankGroup | None, prepared: dict | None, error: BaseException | None, url: str) -> None:
-    """Every rank learns whether every rank is ready to save the same step (one collective)."""
-    if group is None:
-        if error is not None:
-            raise error
-        return
-    report = (None, None, describe_failure(error)) if prepared is None else \
-        (prepared["step"], prepared["digest"], describe_failure(error))
-    reports = group.all_gather(report)
-    failures = {rank: r[2] for rank, r in enumerate(reports) if r[2] is not None}
-    if not failures and len({(r[0], r[1]) for r in reports}) > 1:
-        seen = ", ".join(f"rank {rank}: step {r[0]}" for rank, r in enumerate(reports))
-        failures = {0: ("ValueError", f"ranks disagree on the step or the config ({seen})", False)}
-    if failures:
-        raise DistributedSaveError.from_failures(
-            f"{url}: not saved: {failure_text(failures)}",
-            {rank: f"{name}: {message}" for rank, (name, message, _c) in failures.items()}) from error
-
-
 def save_sharded_opd_checkpoint(
     *,
     checkpoints_dir: str | os.PathLike | BaseStore,
@@ -209,7 +189,9 @@ def save_sharded_opd_checkpoint(
             model_sd, optim_sd = student_state_dicts(model, optimizer)
         except Exception as exc:  # noqa: BLE001 - agreed with every rank below
             error = exc
-        _agree(group, prepared, error, store.url)
+        # every rank learns whether every rank is ready to save the same step with the same config
+        agree(group, None, error, url=store.url, step=None if prepared is None else prepared["step"],
+              same=None if prepared is None else prepared["digest"], same_name="config digest")
         step = prepared["step"]
         state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd,
                                  RANK_STATE_KEY: {rank_state_key(rank): prepared["rank_blob"]}}
@@ -223,16 +205,9 @@ def save_sharded_opd_checkpoint(
                     stream_pretrained(txn, processor, Path(tmp) / PROCESSOR_DIR, PROCESSOR_DIR)
 
         url = dcp.save(state, store, step, process_group=process_group, metadata=prepared["metadata"],
-                           extra_payloads=extras)
+                       extra_payloads=extras, after_commit=AfterCommit(store, step, retention=retention, lineage=lineage))
     logger.info("committed sharded OPD checkpoint %s (world size %d, rank %d)", url, world_size, rank)
-    if rank == 0 and retention is not None and not retention.keeps_all:
-        after_commit(SaveRequest(store=store, step=step, world_size=world_size, metadata=prepared["metadata"],
-                                 write=_no_payloads, retention=retention, lineage=lineage), url)
     return url
-
-
-def _no_payloads(txn, shared: bool) -> None:  # the retention stage needs no write stage
-    raise AssertionError("the sharded save writes through DCP, not through SaveRequest.write")
 
 
 __all__ = [

@@ -1,12 +1,22 @@
-"""The save pipeline above the commit: one save sequence (:mod:`._save`), its multi-rank form
-(:mod:`._collective`) and the one background worker (:mod:`._worker`, its tasks :mod:`._task`) that
-asynchronous saves and tier uploads run on. ARCHITECTURE.md traces a save through it."""
+"""The save pipeline above the commit: one save split into how it writes and what it needs once
+committed (:mod:`._save`), its multi-rank form (:mod:`._collective`), and the one owner of
+background saves (:mod:`._background`) over the one background worker (:mod:`._worker`, its tasks
+:mod:`._task`). ARCHITECTURE.md, "The save path", tells the stages and where each mode runs them."""
 
-from ._collective import FinishCommit, describe_failure, failure_text, write_and_commit_collective
-from ._save import SaveRequest, after_commit, run_save, write_and_commit
+from ._background import WHEN_BUSY, BackgroundSaves
+from ._collective import (
+    Failure,
+    FinishCommit,
+    agree,
+    describe_failure,
+    failure_text,
+    run_save_collective,
+    save_failure,
+)
+from ._save import AfterCommit, SaveRequest, run_save, write_and_commit
 from ._task import BackgroundTask
 from ._worker import EXIT_STAGE_SAVES, EXIT_STAGE_UPLOADS, BackgroundWorker
 
-__all__ = ["EXIT_STAGE_SAVES", "EXIT_STAGE_UPLOADS", "BackgroundTask", "BackgroundWorker", "FinishCommit",
-           "SaveRequest", "after_commit", "describe_failure", "failure_text", "run_save", "write_and_commit",
-           "write_and_commit_collective"]
+__all__ = ["EXIT_STAGE_SAVES", "EXIT_STAGE_UPLOADS", "WHEN_BUSY", "AfterCommit", "BackgroundSaves", "BackgroundTask",
+           "BackgroundWorker", "Failure", "FinishCommit", "SaveRequest", "agree", "describe_failure", "failure_text",
+           "run_save", "run_save_collective", "save_failure", "write_and_commit"]

@@ -1,33 +1,17 @@
-"""The write and commit stages of a multi-rank save: every rank writes its part, rank 0 commits.
+"""A save on every rank of a process group: each rank writes its part, rank 0 commits, and one
+function (:func:`agree`) gathers every rank's outcome and fails every rank the same way.
 
-The stages of :mod:`opd_store.pipeline._save`, run on every rank of a process group as three
-collectives over the group's object collectives (``all_gather``, ``broadcast``; the group is any
-object with ``rank``, ``world_size``, ``all_gather(obj)`` and ``broadcast(obj)``, e.g.
-:class:`opd_store.opd._distributed.RankGroup` over ``torch.distributed``):
+The three collectives are tabled in docs/protocol.md ("Several ranks, one commit"); where they sit
+among the save's stages, in ARCHITECTURE.md ("The save path"). The group is any object with
+``rank``, ``world_size``, ``all_gather(obj)`` and ``broadcast(obj)`` (rank 0's ``obj`` on every
+rank), e.g. :class:`opd_store.opd.RankGroup` over ``torch.distributed``.
 
-1. **Prepare.** Every rank runs its snapshot stage; rank 0 also opens the transaction
-   (``store.begin``: refuses a committed step) and so chooses the attempt id. All ranks gather
-   ``(step, attempt id, error)``: any failure, or ranks disagreeing on the step, ends the save on
-   every rank with the same :class:`~opd_store.errors.DistributedSaveError`.
-2. **Write.** Rank 0 writes the shared payloads and its own part into its transaction; every other
-   rank writes its part under the same attempt through ``store.begin_part`` and seals it (durable;
-   entries with size and CRC32C). All ranks gather ``(entries, error)``. Any failure: rank 0
-   deletes the attempt, every rank raises the same error.
-3. **Commit.** Rank 0 records the other ranks' entries (``Transaction.add_entry``), creates the
-   manifest and broadcasts the outcome: every rank returns the committed URL or raises the same
-   error.
-
-**Deferred commit** (``defer``, an asynchronous multi-rank save): rank 0 writes nothing in stage 2;
-in stage 3 it records the other ranks' entries and hands ``finish`` (write rank 0's payloads into
-the attempt, commit) to ``defer``, e.g. a :class:`~opd_store.pipeline._worker.BackgroundWorker`
-task, and every rank returns at once. The other ranks' parts are sealed by then, so they never
-wait for rank 0's upload; a failure of ``finish`` deletes the attempt with every rank's part and
-reaches rank 0's caller through ``defer``'s owner (its next sync point).
-
-A rank that dies (SIGKILL, OOM) makes the collectives fail on the others (gloo: connection closed)
-or time out (the process group's ``timeout``); rank 0 then never reaches the manifest create, so
-nothing is committed. Every rank calls the collectives in the same order whatever happens locally,
-so a local failure never leaves another rank waiting.
+**Deferred commit** (``defer``: an asynchronous multi-rank save): rank 0 writes nothing in the
+write collective; it records the other ranks' entries and hands ``finish`` (write rank 0's
+payloads into the attempt, commit, run the after-commit stage) to ``defer``, and every rank
+returns at once. The other ranks' parts are sealed by then, so they never wait for rank 0's
+upload; a failure of ``finish`` deletes the attempt with every rank's part and reaches rank 0's
+caller at its background owner's next sync point (:class:`~opd_store.pipeline._background.BackgroundSaves`).
 """
 
 from __future__ import annotations
@@ -39,36 +23,80 @@ from ..errors import CommitConflictError, DistributedCommitConflictError, Distri
 from ..format import PayloadEntry
 from ._save import SaveRequest
 
+Failure = tuple[str, str, bool]
+"""``(type name, message, is a commit conflict)``: a rank's failure as every rank receives it."""
 
-def describe_failure(error: BaseException | None) -> tuple[str, str, bool] | None:
-    """``(type name, message, is a commit conflict)`` of a local failure: picklable, same everywhere."""
+
+def describe_failure(error: BaseException | None) -> Failure | None:
+    """The :data:`Failure` of a local error (picklable, the same on every rank), or ``None``."""
     if error is None:
         return None
     return type(error).__name__, str(error), isinstance(error, CommitConflictError)
 
 
-def failure_text(failures: dict[int, tuple[str, str, bool]]) -> str:
-    """One line naming each failing rank and its error."""
+def failure_text(failures: dict[int, Failure]) -> str:
+    """One line naming each failing rank and its error, in rank order."""
     return "; ".join(f"rank {rank} failed: {name}: {message}" for rank, (name, message, _c) in sorted(failures.items()))
 
 
-def _save_error(url: str | None, step: Any, failures: dict[int, tuple[str, str, bool]]) -> DistributedSaveError:
+def save_failure(url: str | None, step: Any, failures: dict[int, Failure]) -> DistributedSaveError:
+    """The error every rank raises for a multi-rank save that was not committed: a
+    :class:`DistributedCommitConflictError` when every failure is a commit conflict, else a
+    :class:`DistributedSaveError`, naming the URL, the step and each failing rank (``failures``)."""
     cls = DistributedCommitConflictError if all(c for _n, _m, c in failures.values()) else DistributedSaveError
     where = f"{url}: " if url else ""
     return cls.from_failures(
         f"{where}step {step} was not committed: {failure_text(failures)}",
-        {rank: f"{name}: {message}" for rank, (name, message, _c) in failures.items()},
+        {rank: f"{name}: {message}" for rank, (name, message, _c) in sorted(failures.items())},
     )
 
 
+def agree(group: Any, value: Any, error: BaseException | None, *, url: str | None = None, step: Any = None,
+          same: Any = None, same_name: str = "") -> list[Any]:
+    """One collective of a multi-rank save: every rank's ``value``, or the same error everywhere.
+
+    Every rank gathers ``(value, url, step, same, its failure)``. When a rank failed, or the ranks
+    disagree on the step (or on ``same``: a value every rank must share, ``same_name`` in words),
+    every rank raises the same :func:`save_failure`, naming the first URL and step a rank knew,
+    chained to its own error. Without a group (``None``: one process), ``error`` is raised as it is.
+
+    Rank obligations: every rank of ``group`` calls it at the same point, failed or not.
+
+    Returns:
+        list: every rank's ``value``, index = rank.
+
+    Raises:
+        DistributedSaveError: (a ``CommitError``) as above;
+            :class:`DistributedCommitConflictError` when every failure is a commit conflict.
+        RuntimeError: the collective itself failed (a rank died, the group timed out).
+    """
+    if group is None:
+        if error is not None:
+            raise error
+        return [value]
+    reports = group.all_gather((value, url, step, same, describe_failure(error)))
+    url = next((report[1] for report in reports if report[1] is not None), None)
+    step = next((report[2] for report in reports if report[2] is not None), None)
+    failures = {rank: report[4] for rank, report in enumerate(reports) if report[4] is not None}
+    if not failures and len({(report[2], report[3]) for report in reports}) > 1:
+        named = f"the step or {same_name}" if same_name else "the step"
+        seen = ", ".join(f"rank {rank}: step {report[2]}" + (f", {same_name} {report[3]}" if same_name else "")
+                         for rank, report in enumerate(reports))
+        failures = {0: ("ValueError", f"ranks disagree on {named} ({seen})", False)}
+    if failures:
+        raise save_failure(url, step, failures) from error
+    return [report[0] for report in reports]
+
+
 FinishCommit = Callable[..., str]
-"""``finish(cancelled=None) -> url``: rank 0's deferred write and commit (see the module docstring);
+"""``finish(cancelled=None) -> url``: the rest of rank 0's deferred save (module docstring);
 ``cancelled`` is the running worker's exit-deadline event."""
 
 
-def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], *,
-                                defer: Callable[[FinishCommit], None] | None = None) -> tuple[str | None, SaveRequest]:
-    """Save one checkpoint with every rank writing its part; commit once all parts are durable.
+def run_save_collective(group: Any, prepare: Callable[[], SaveRequest], *,
+                        defer: Callable[[FinishCommit], None] | None = None) -> str | None:
+    """Save one checkpoint with every rank writing its part; commit once all parts are durable;
+    rank 0 then runs the after-commit stage (:meth:`AfterCommit.run`).
 
     Rank obligations: every rank of ``group`` calls this for the same step, in the same order as
     its other collectives, after the update has ended on every rank. Payload names must not
@@ -82,9 +110,8 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], 
             snapshot and aborts the attempt when it fails. Ignored on other ranks.
 
     Returns:
-        tuple[str | None, SaveRequest]: the committed checkpoint's URL (the same on every rank;
-        ``None`` with ``defer``: the commit is still to come) and this rank's request (rank 0 runs
-        the after-commit hooks with it, after ``finish`` when deferred).
+        str | None: the committed checkpoint's URL, the same on every rank; ``None`` with
+        ``defer`` (the commit is still to come).
 
     Raises:
         opd_store.errors.DistributedCommitConflictError: (a ``FileExistsError``) the step is
@@ -92,9 +119,19 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], 
         opd_store.errors.DistributedSaveError: (a ``CommitError``, an ``OSError``) any rank failed
             to prepare or write its part, ranks disagreed on the step, or the manifest create
             failed; on every rank, naming each failing rank and its error. Nothing is committed.
+        RetentionError: (rank 0, plain store) the step committed and its retention pass failed.
         RuntimeError: a collective failed (a rank died or the process group timed out); the
             attempt is discarded by rank 0 when it can still run.
     """
+    url, request = _write_and_commit(group, prepare, defer)
+    if url is not None and group.rank == 0:
+        request.after.run(url)
+    return url
+
+
+def _write_and_commit(group: Any, prepare: Callable[[], SaveRequest],
+                      defer: Callable[[FinishCommit], None] | None) -> tuple[str | None, SaveRequest]:
+    """The three collectives of :func:`run_save_collective`: ``(url or None, this rank's request)``."""
     request = txn = None
     committing = handed_over = False
     deferred = defer is not None and group.rank == 0
@@ -104,25 +141,11 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], 
             request = prepare()
             if group.rank == 0:
                 txn = request.store.begin(request.step, world_size=group.world_size, metadata=request.metadata, rank=0)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
             local_error = exc
-        reports = group.all_gather(
-            (
-                None if request is None else request.step,
-                None if request is None else request.store.step_url(request.step),
-                None if txn is None else txn.attempt_id,
-                describe_failure(local_error),
-            )
-        )
-        url = next((report[1] for report in reports if report[1] is not None), None)
-        step = reports[0][0]
-        failures = {rank: report[3] for rank, report in enumerate(reports) if report[3] is not None}
-        if not failures and len({report[0] for report in reports}) > 1:
-            steps = ", ".join(f"rank {rank}: {report[0]}" for rank, report in enumerate(reports))
-            failures = {0: ("ValueError", f"ranks disagree on the step ({steps})", False)}
-        if failures:
-            raise _save_error(url, step, failures) from local_error
-        attempt_id = reports[0][2]
+        url = None if request is None else request.store.step_url(request.step)
+        step = None if request is None else request.step
+        attempt_ids = agree(group, None if txn is None else txn.attempt_id, local_error, url=url, step=step)
 
         entries: list[dict] | None = None
         try:
@@ -131,24 +154,21 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], 
                     request.write(txn, True)
             else:
                 with request.store.begin_part(
-                    request.step, attempt_id=attempt_id, rank=group.rank, world_size=group.world_size
+                    request.step, attempt_id=attempt_ids[0], rank=group.rank, world_size=group.world_size
                 ) as part:
                     request.write(part, False)
                 entries = [entry.model_dump() for entry in part.entries]
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by agree()
             local_error = exc
         finally:
             if not deferred:
                 request.finish_write_stage()
-        reports = group.all_gather((entries, describe_failure(local_error)))
-        failures = {rank: report[1] for rank, report in enumerate(reports) if report[1] is not None}
-        if failures:
-            raise _save_error(url, step, failures) from local_error
+        parts = agree(group, entries, local_error, url=url, step=request.step)
 
         outcome = None
         if group.rank == 0:
             try:
-                for rank_entries, _error in reports[1:]:
+                for rank_entries in parts[1:]:
                     for entry in rank_entries:
                         txn.add_entry(PayloadEntry(**entry))
                 if deferred:
@@ -163,7 +183,7 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], 
                 outcome = (None, describe_failure(exc))
         outcome = group.broadcast(outcome)
         if outcome[1] is not None:
-            raise _save_error(url, step, {0: outcome[1]}) from local_error
+            raise save_failure(url, request.step, {0: outcome[1]}) from local_error
         return outcome[0], request
     except BaseException:
         # Before the manifest create nothing names the attempt: rank 0 deletes it (every rank's
@@ -176,7 +196,7 @@ def write_and_commit_collective(group: Any, prepare: Callable[[], SaveRequest], 
 
 
 def _finish_later(request: SaveRequest, txn: Any) -> FinishCommit:
-    """Rank 0's deferred stages 2 and 3 (module docstring): its payloads, then the manifest."""
+    """Rank 0's deferred save (module docstring): its payloads, the manifest, the after-commit stage."""
 
     def finish(cancelled: threading.Event | None = None) -> str:
         try:
@@ -186,9 +206,11 @@ def _finish_later(request: SaveRequest, txn: Any) -> FinishCommit:
                 request.write(txn, True)
         finally:
             request.finish_write_stage()
+        request.after.run(txn.committed_url)
         return txn.committed_url
 
     return finish
 
 
-__all__ = ["FinishCommit", "describe_failure", "failure_text", "write_and_commit_collective"]
+__all__ = ["Failure", "FinishCommit", "agree", "describe_failure", "failure_text", "run_save_collective",
+           "save_failure"]

@@ -1,38 +1,6 @@
-"""The one save sequence: snapshot, write parts under an attempt, commit, after-commit hooks.
-
-Every save of opd_store runs these stages; the modes differ only in *where* each runs:
-
-================  ====================  ==========================  ==================================
-mode              snapshot              write parts + commit        after-commit hooks
-================  ====================  ==========================  ==================================
-synchronous       caller's thread       caller's thread             caller's thread (plain store)
-asynchronous      caller's thread       the background worker       the background worker
-multi-rank        every rank            every rank its part;        rank 0
-                                        rank 0 commits
-multi-rank,       every rank            every other rank its part;  the background worker (rank 0)
-asynchronous                            rank 0 its own and the
-                                        commit on the background
-                                        worker
-tiered            as the mode above     as the mode above, on the   the tier's upload worker, after
-                                        local tier                  the upload (retention)
-================  ====================  ==========================  ==================================
-
-1. **Snapshot** (the caller's, e.g. :func:`opd_store.opd._snapshot.snapshot_opd_checkpoint`): check
-   the rules, capture the RNG state first, then everything else; the result is a
-   :class:`SaveRequest`. A save's retention policy is checked against the store here
-   (:meth:`BaseStore.check_save_retention <opd_store.store._api.BaseStore.check_save_retention>`),
-   before anything is written.
-2. **Write parts under an attempt**: :meth:`BaseStore.begin` opens the attempt; one writer writes
-   every payload (:func:`write_and_commit`), or each rank its own part under the committing rank's
-   attempt (:func:`opd_store.pipeline._collective.write_and_commit_collective`).
-3. **Commit**: the manifest, created only if absent (the transaction). On a tiered store the
-   transaction's commit also queues the step's upload (the tier upload hook).
-4. **After-commit hooks** (:func:`after_commit`): the retention pass, run through
-   :meth:`BaseStore.when_durable <opd_store.store._api.BaseStore.when_durable>` so that it runs once
-   the step is durable and against the durable store; then the request's ``on_commit`` callbacks
-   (events). A hook failure reaches the caller at the next sync point: a synchronous save raises it
-   (the step stays committed), an asynchronous one at ``result``/the next save/``close``, a tiered
-   store at the next save/``flush``/``close``.
+"""One save, split in two: how it writes (:class:`SaveRequest`) and what it needs once committed
+(:class:`AfterCommit`); the stages that run them with one writer (:func:`write_and_commit`,
+:func:`run_save`). The stages, and where each mode runs them: ARCHITECTURE.md, "The save path".
 """
 
 from __future__ import annotations
@@ -53,32 +21,70 @@ WritePayloads = Callable[[Any, bool], None]
 
 
 @dataclasses.dataclass
-class SaveRequest:
-    """One save, captured at one instant: the output of the snapshot stage.
+class AfterCommit:
+    """What a save needs once its step is committed: the after-commit stage, whoever committed it
+    (one writer, rank 0 of a collective, DCP's coordinator).
 
     Attributes:
-        store (BaseStore): where it goes (plain or tiered).
-        step (int): the step.
-        world_size (int): ranks writing it (recorded in the manifest).
-        metadata (dict): the manifest metadata (JSON).
-        write (WritePayloads): streams the payloads.
+        store (BaseStore): where the step was committed (plain or tiered).
+        step (int): the committed step.
         retention (RetentionPolicy | None): applied once the step is durable, or ``None``.
-        lineage (RunLineage | None): the saving run (protects its resume parent).
-        release (Callable[[], None] | None): frees what the snapshot holds (a staged adapter
-            directory); called once the write stage ended, whatever happened.
-        on_commit (list[Callable[[SaveRequest, str], None]]): after-commit callbacks (events),
-            called with the committed URL after the retention hook.
+        lineage (RunLineage | None): the saving run (protects its resume parent from retention).
+        on_commit (list[Callable[[AfterCommit, str], None]]): callbacks (events), called with this
+            object and the committed URL after the retention hook.
     """
 
     store: BaseStore
     step: int
+    retention: RetentionPolicy | None = None
+    lineage: RunLineage | None = None
+    on_commit: list[Callable[["AfterCommit", str], None]] = dataclasses.field(default_factory=list)
+
+    def run(self, url: str) -> None:
+        """The after-commit stage: the retention pass through :meth:`BaseStore.when_durable` (at
+        once on a plain store, after the upload on a tiered one), then the callbacks.
+
+        Raises:
+            RetentionError: (plain store) the retention pass failed; the step stays committed (a
+                tiered store raises it at its next save, ``flush`` or ``close``).
+            Exception: whatever a callback raises.
+        """
+        if self.retention is not None and not self.retention.keeps_all:
+            hook = retention_after_commit(self.retention, self.step, lineage=self.lineage, url=url)
+            self.store.when_durable(self.step, hook)
+        for callback in self.on_commit:
+            callback(self, url)
+
+
+@dataclasses.dataclass
+class SaveRequest:
+    """One save captured at one instant (the snapshot stage's output): how it writes, and what it
+    needs after its commit.
+
+    Attributes:
+        after (AfterCommit): the store, step and after-commit work.
+        world_size (int): ranks writing it (recorded in the manifest).
+        metadata (dict): the manifest metadata (JSON).
+        write (WritePayloads): streams the payloads.
+        release (Callable[[], None] | None): frees what the snapshot holds (a staged adapter
+            directory); called once the write stage ended, whatever happened.
+    """
+
+    after: AfterCommit
     world_size: int
     metadata: dict[str, Any]
     write: WritePayloads
-    retention: RetentionPolicy | None = None
-    lineage: RunLineage | None = None
     release: Callable[[], None] | None = None
-    on_commit: list[Callable[["SaveRequest", str], None]] = dataclasses.field(default_factory=list)
+
+    @property
+    def store(self) -> BaseStore:
+        """Where it goes (``after.store``)."""
+        return self.after.store
+
+    @property
+    def step(self) -> int:
+        """Its step (``after.step``)."""
+        return self.after.step
 
     def finish_write_stage(self) -> None:
         """Release the snapshot's resources (idempotent)."""
@@ -89,7 +95,7 @@ class SaveRequest:
 
 def write_and_commit(request: SaveRequest, *, cancelled: threading.Event | None = None,
                      before_commit: Callable[[], None] | None = None) -> str:
-    """Stages 2 and 3 with one writer: open the attempt, stream every payload, commit.
+    """Open the attempt, stream every payload, commit (one writer).
 
     Args:
         request (SaveRequest): from the snapshot stage.
@@ -120,32 +126,20 @@ def write_and_commit(request: SaveRequest, *, cancelled: threading.Event | None 
     return txn.committed_url
 
 
-def after_commit(request: SaveRequest, url: str) -> None:
-    """Stage 4: the after-commit hooks of a committed save (see the module docstring).
-
-    Raises:
-        RetentionError: (plain store) the retention pass failed; the step stays committed.
-    """
-    if request.retention is not None and not request.retention.keeps_all:
-        hook = retention_after_commit(request.retention, request.step, lineage=request.lineage, url=url)
-        request.store.when_durable(request.step, hook)
-    for callback in request.on_commit:
-        callback(request, url)
-
-
 def run_save(request: SaveRequest, *, cancelled: threading.Event | None = None,
              before_commit: Callable[[], None] | None = None) -> str:
-    """Stages 2 to 4 in the calling thread (a synchronous save, or the body of a background one).
+    """Write, commit and the after-commit stage in the calling thread (a synchronous save, or the
+    body of a background one).
 
     Returns:
         str: the committed checkpoint's URL.
 
     Raises:
-        The errors of :func:`write_and_commit` and :func:`after_commit`.
+        The errors of :func:`write_and_commit` and :meth:`AfterCommit.run`.
     """
     url = write_and_commit(request, cancelled=cancelled, before_commit=before_commit)
-    after_commit(request, url)
+    request.after.run(url)
     return url
 
 
-__all__ = ["SaveRequest", "WritePayloads", "after_commit", "run_save", "write_and_commit"]
+__all__ = ["AfterCommit", "SaveRequest", "WritePayloads", "run_save", "write_and_commit"]

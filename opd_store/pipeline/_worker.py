@@ -1,4 +1,6 @@
-"""The one background worker: asynchronous saves and tier uploads run on it.
+"""The one background worker: one thread under every owner of background saves
+(:class:`~opd_store.pipeline._background.BackgroundSaves`: asynchronous saves, the Hugging Face
+callback's uploads, tier uploads).
 
 A :class:`BackgroundWorker` owns one thread that runs submitted tasks in order. It gives every
 background stage of a save the same guarantees:

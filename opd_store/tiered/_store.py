@@ -103,9 +103,28 @@ class TieredStore(BaseStore):
         self.bucket_retention = _policy(bucket_retention, "bucket_retention")
         self.max_pending_uploads = max_pending_uploads
         self.uploads = TierUploads(self.local, self.bucket, local_retention=local_policy,
-                                   bucket_retention=lambda: self.bucket_retention,
-                                   upload_callback=upload_callback, exit_timeout_secs=exit_timeout_secs)
+                                   bucket_retention=lambda: self.bucket_retention, upload_callback=upload_callback,
+                                   exit_timeout_secs=exit_timeout_secs, owner=repr(self))
         self._closed = False
+
+    def under(self, name: str) -> "TieredStore":
+        """The tiered store of the checkpoints under ``name``: ``<local>/<name>`` in front of
+        ``<bucket>/<name>`` (each tier reopened by its URL), with this store's retention, upload
+        and exit settings and an upload queue of its own (close it when done).
+
+        Raises:
+            ValueError: ``name`` is empty, absolute or climbs out of the tiers (``..``).
+        """
+        parts = name.split("/")
+        if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"{name!r} is not a relative name under {self!r}")
+        return TieredStore(
+            f"{self.local.url.rstrip('/')}/{name}",
+            CheckpointStore(f"{self.bucket.url.rstrip('/')}/{name}", storage_options=self.bucket.storage_options),
+            local_retention=self.local_retention, bucket_retention=self.bucket_retention,
+            max_pending_uploads=self.max_pending_uploads, upload_callback=self.uploads.upload_callback,
+            exit_timeout_secs=self.uploads.saves.exit_timeout_secs,
+        )
 
     @property
     def local_retention(self) -> RetentionPolicy:
@@ -280,23 +299,16 @@ class TieredStore(BaseStore):
         Raises:
             UploadError: an upload (or a retention pass run after one) failed since the last time
                 a failure was raised; the first failure is the ``__cause__``, all are named.
-            TimeoutError: uploads still running after ``timeout_secs``.
+            TimeoutError: uploads still running after ``timeout_secs`` (named).
         """
-        try:
-            self.uploads.worker.wait_idle(timeout_secs)
-        except TimeoutError as exc:
-            raise TimeoutError(f"uploads of steps {self.pending_uploads()} to {self.bucket.url} still running "
-                               f"after {timeout_secs} s") from exc
-        self.uploads.raise_unreported(repr(self))
+        self.uploads.flush(timeout_secs)
 
     def close(self, timeout_secs: float | None = None) -> None:
-        """Flush (see :meth:`flush`, same errors) and stop the upload thread. Saves are refused
-        afterwards; reads still work. Safe to call twice."""
-        try:
-            self.flush(timeout_secs)
-        finally:
-            self._closed = True
-            self.uploads.worker.close(timeout_secs)
+        """Flush (see :meth:`flush`, same errors) and stop the upload thread; past ``timeout_secs``
+        the uploads still running are abandoned (the local tier keeps their steps). Saves are
+        refused afterwards; reads still work. Safe to call twice."""
+        self._closed = True
+        self.uploads.close(timeout_secs)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
@@ -345,10 +357,9 @@ class TieredStore(BaseStore):
         """
         if self._closed:
             raise ValueError(f"{self!r} is closed")
-        self.uploads.raise_unreported(repr(self))
+        self.uploads.raise_unreported("the next save")
         if self.max_pending_uploads is not None:
-            limit = self.max_pending_uploads
-            self.uploads.worker.wait_until(lambda: len(self.uploads.pending_steps()) < limit)
+            self.uploads.wait_for_room(self.max_pending_uploads)
         txn = self.local.begin(step, world_size=world_size, metadata=metadata, attempt_id=attempt_id, rank=rank)
         # Whether the bucket already holds the step is asked while the payloads stream to local
         # disk (requests that would otherwise add their latency to every save) and decided

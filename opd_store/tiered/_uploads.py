@@ -1,25 +1,26 @@
-"""The uploads of a tiered store: committed local steps copied to the bucket on the background worker.
+"""The uploads of a tiered store: committed local steps copied to the bucket in the background.
 
-Each locally committed step is one task on the store's :class:`~opd_store.pipeline._worker.BackgroundWorker`,
-in commit order: :func:`opd_store.store._copy.copy_checkpoint` runs the commit protocol on the bucket
+Each locally committed step is one save of the store's :class:`~opd_store.pipeline.BackgroundSaves`
+(the one owner of background saves), in commit order: :func:`opd_store.store._copy.copy_checkpoint` runs the commit protocol on the bucket
 (payloads under a new attempt, each checked against the local manifest's size and CRC32C, the
 bucket's manifest created only if absent, last), then the tier's retention runs through the one
 executor (:func:`opd_store.retention._executor.apply_retention`): the bucket's own policy, then the local
 tier's, with every local step that is not durable yet protected. Work that must wait for a step
 to be durable (a save's retention, :meth:`TierUploads.when_durable`) is queued behind its upload.
-A failure is kept by the worker and raised by the tiered store at its next save, ``flush`` or
-``close`` (and at ``wait_uploaded`` of a failed step), as :class:`~opd_store.errors.UploadError`.
+A failure is raised by the tiered store at its next save, ``flush`` or ``close`` (and at
+``wait_uploaded`` of a failed step), as :class:`~opd_store.errors.UploadError`; the owner runs
+after every asynchronous save at interpreter exit (``EXIT_STAGE_UPLOADS``), since a save that
+commits then queues its upload.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from typing import Any, Callable
 
 from ..errors import RetentionError, UploadError
-from ..pipeline import EXIT_STAGE_UPLOADS, BackgroundTask, BackgroundWorker
+from ..pipeline import EXIT_STAGE_UPLOADS, BackgroundSaves, BackgroundTask
 from ..retention import RetentionPolicy, apply_retention
 from ..storage import describe
 from ..store import CheckpointStore, DurableHook, copy_checkpoint
@@ -41,19 +42,21 @@ class TierUploads:
             each upload (the store's attribute may change between runs).
         upload_callback (Callable[[int], Any] | None): called with the step before each upload;
             its result receives the copy's progress (:class:`opd_store.store._copy.Progress`).
-        exit_timeout_secs (float): the worker's exit deadline.
+        exit_timeout_secs (float): the exit deadline of the uploads.
+        owner (str): the tiered store in words, for errors.
     """
 
     def __init__(self, local: CheckpointStore, bucket: CheckpointStore, *, local_retention: RetentionPolicy,
                  bucket_retention: Callable[[], RetentionPolicy | None],
-                 upload_callback: Callable[[int], Any] | None, exit_timeout_secs: float) -> None:
+                 upload_callback: Callable[[int], Any] | None, exit_timeout_secs: float, owner: str) -> None:
         self.local = local
         self.bucket = bucket
         self.local_retention = local_retention
         self._bucket_retention = bucket_retention
         self.upload_callback = upload_callback
-        self.worker = BackgroundWorker(f"opd-store-upload-{id(self):x}", exit_timeout_secs=exit_timeout_secs,
-                                       on_exit=self._report_exit, exit_stage=EXIT_STAGE_UPLOADS)
+        kept = f"it stays uncommitted there; the local tier {local.url} keeps it (upload_pending() queues it on the next start)"
+        self.saves = BackgroundSaves(f"opd-store-upload-{id(self):x}", exit_timeout_secs=exit_timeout_secs,
+                                     exit_stage=EXIT_STAGE_UPLOADS, owner=owner, error=UploadError, abandoned_note=kept)
         self._lock = threading.Lock()
         self._tasks: dict[int, BackgroundTask] = {}
         self._uploaded: dict[int, str] = {}
@@ -68,7 +71,8 @@ class TierUploads:
         """
         with self._lock:
             self._failed.pop(step, None)
-        task = self.worker.submit(f"upload of step {step}", (_UPLOAD, step), lambda: self._upload(step))
+        task = self.saves.submit(f"upload of step {step} to {self.bucket.url}", (_UPLOAD, step),
+                                 lambda: self._upload(step))
         with self._lock:
             self._tasks[step] = task
 
@@ -83,13 +87,13 @@ class TierUploads:
             if uploaded or self.bucket.is_complete(step):
                 hook(self.bucket)
 
-        self.worker.submit(f"retention after the upload of step {step}", (_AFTER, step), run)
+        self.saves.submit(f"retention after the upload of step {step}", (_AFTER, step), run, follow_up=True)
 
     def _upload(self, step: int) -> str:
         try:
             callback = self.upload_callback(step) if self.upload_callback is not None else None
             url = copy_checkpoint(self.local, step, self.bucket, callback=callback, verify_deep=False,
-                                  cancelled=self.worker.cancelled)
+                                  cancelled=self.saves.cancelled)
         except BaseException as exc:
             logger.error("upload of step %d from %s to %s failed: %r", step, self.local.url, self.bucket.url, exc)
             with self._lock:
@@ -126,7 +130,7 @@ class TierUploads:
     # -- state ---------------------------------------------------------------------------------
     def pending_steps(self) -> list[int]:
         """Steps queued or in flight for upload, in upload order."""
-        return [task.key[1] for task in self.worker.pending() if task.key[0] == _UPLOAD]
+        return [task.key[1] for task in self.saves.pending() if task.key[0] == _UPLOAD]
 
     def known(self, step: int) -> bool:
         """Whether this store queued, uploaded or failed ``step``."""
@@ -178,26 +182,28 @@ class TierUploads:
             task.mark_reported()
         raise UploadError(f"upload of step {step} to {self.bucket.url} failed: {failure!r}") from failure
 
-    def raise_unreported(self, owner: str) -> None:
-        """Raise every background failure not raised yet, once, as one :class:`UploadError` (the
-        first failure is the ``__cause__``; all are named)."""
-        failures = self.worker.take_unreported()
-        if failures:
-            detail = "; ".join(f"{task.label}: {task.failure()!r}" for task in failures)
-            raise UploadError(f"{len(failures)} background failure(s) of {owner}: {detail}") from failures[0].failure()
+    def raise_unreported(self, at: str) -> None:
+        """Raise every background failure not raised yet, once, as one :class:`UploadError` naming
+        the store and each failure (the first is the ``__cause__``); ``at``: the sync point in words."""
+        self.saves.raise_unreported(at)
 
-    def _report_exit(self, event: str, tasks: list[BackgroundTask]) -> None:
-        steps = sorted({task.key[1] for task in tasks if task.key[0] == _UPLOAD})
-        if event == "abandoned" and steps:
-            print(f"opd_store: abandoned the upload of steps {steps} to {self.bucket.url} after "
-                  f"{self.worker.exit_timeout_secs:g} s; the local tier {self.local.url} keeps them "
-                  "(upload_pending() queues them on the next start)", file=sys.stderr, flush=True)
-        elif event == "finished":
-            for task in tasks:
-                failure = task.failure()
-                if failure is not None and not task.reported:
-                    logger.error("at exit, %s failed: %r (the local tier keeps every step not uploaded)",
-                                 task.label, failure)
+    def wait_for_room(self, limit: int) -> None:
+        """Block until fewer than ``limit`` uploads are queued or in flight."""
+        self.saves.wait_until(lambda: len(self.pending_steps()) < limit)
+
+    def flush(self, timeout_secs: float | None) -> None:
+        """Wait for every queued upload and hook, then raise what failed (see :meth:`raise_unreported`).
+
+        Raises:
+            UploadError: a failure nobody saw.
+            TimeoutError: still running after ``timeout_secs`` (names them).
+        """
+        self.saves.sync("flush()", timeout_secs=timeout_secs)
+
+    def close(self, timeout_secs: float | None) -> None:
+        """Flush, then stop the upload thread (see :meth:`BackgroundSaves.close
+        <opd_store.pipeline.BackgroundSaves.close>`: past ``timeout_secs`` the uploads are abandoned)."""
+        self.saves.close(timeout_secs)
 
 
 __all__ = ["TierUploads"]

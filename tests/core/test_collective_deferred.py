@@ -1,6 +1,6 @@
-"""The deferred commit of :func:`opd_store.pipeline._collective.write_and_commit_collective`: two
-ranks as two threads of this process (a group of the same collectives over a barrier), rank 0
-handing its own write and the commit to a queue it runs afterwards, as a background worker does."""
+"""The deferred commit of :func:`opd_store.pipeline.run_save_collective`: two ranks as two threads
+of this process (a group of the same collectives over a barrier), rank 0 handing its own write,
+the commit and the after-commit stage to a queue it runs afterwards, as a background owner does."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from opd_store import CheckpointStore
-from opd_store.pipeline import SaveRequest, write_and_commit_collective
+from opd_store.pipeline import AfterCommit, SaveRequest, run_save_collective
 
 
 class ThreadGroup:
@@ -47,10 +47,10 @@ def _save(store, group, deferred: list, released: list, *, fail_rank0_write: boo
             txn.write_bytes(f"part-{rank}.bin", bytes([rank]) * 8)
 
         def prepare() -> SaveRequest:
-            return SaveRequest(store=store, step=2, world_size=2, metadata={"run": "a"}, write=write,
+            return SaveRequest(AfterCommit(store, 2), world_size=2, metadata={"run": "a"}, write=write,
                                release=lambda: released.append(rank))
 
-        return write_and_commit_collective(group.member(rank), prepare, defer=deferred.append)
+        return run_save_collective(group.member(rank), prepare, defer=deferred.append)
 
     with ThreadPoolExecutor(2) as pool:
         return [future.result(60) for future in [pool.submit(run, rank) for rank in (0, 1)]]
@@ -60,7 +60,7 @@ def test_every_rank_returns_before_the_commit_and_rank_0_commits_both_parts_late
     store = CheckpointStore(tmp_path / "store")
     deferred: list = []
     released: list[int] = []
-    (url0, _request0), (url1, _request1) = _save(store, ThreadGroup(2), deferred, released)
+    url0, url1 = _save(store, ThreadGroup(2), deferred, released)
     assert (url0, url1) == (None, None) and len(deferred) == 1
     # rank 1's part is sealed and its snapshot released; rank 0 has written nothing yet
     assert released == [1] and store.steps() == []

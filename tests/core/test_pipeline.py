@@ -1,5 +1,5 @@
 """The one save sequence (:mod:`opd_store.pipeline._save`) on its own: write parts under an attempt,
-commit, then the after-commit hooks in order; what it gives back when a stage fails."""
+commit, then the after-commit stage in order; what it gives back when a stage fails."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from opd_store import CheckpointStore, CommitConflictError, TieredStore
 from opd_store.errors import RetentionError, SaveAbandonedError
-from opd_store.pipeline import SaveRequest, run_save, write_and_commit
+from opd_store.pipeline import AfterCommit, SaveRequest, run_save, write_and_commit
 from opd_store.retention import RetentionPolicy
 from opd_store.testing import Fault, FaultyStorage
 
@@ -19,8 +19,8 @@ def _request(store, step: int, released: list[int], **kwargs) -> SaveRequest:
         assert shared
         txn.write_bytes("model.bin", step.to_bytes(4, "big") * 4)
 
-    return SaveRequest(store=store, step=step, world_size=1, metadata={"step": step}, write=write,
-                       release=lambda: released.append(step), **kwargs)
+    return SaveRequest(AfterCommit(store, step, **kwargs), world_size=1, metadata={"step": step}, write=write,
+                       release=lambda: released.append(step))
 
 
 def test_stages_run_in_order_and_hooks_see_retention_done(tmp_path):
@@ -29,7 +29,7 @@ def test_stages_run_in_order_and_hooks_see_retention_done(tmp_path):
     seen: list[tuple[int, str, list[int]]] = []
     for step in (1, 2, 3):
         request = _request(store, step, released, retention=RetentionPolicy(keep_last=1))
-        request.on_commit.append(lambda req, url: seen.append((req.step, url, store.steps())))
+        request.after.on_commit.append(lambda after, url: seen.append((after.step, url, store.steps())))
         assert run_save(request) == store.step_url(step)
     assert released == [1, 2, 3]  # the snapshot's resources, freed once the write stage ended
     assert seen == [(1, store.step_url(1), [1]), (2, store.step_url(2), [2]), (3, store.step_url(3), [3])]
@@ -41,7 +41,7 @@ def test_a_refused_step_still_releases_the_snapshot_and_runs_no_hook(tmp_path):
     released: list[int] = []
     run_save(_request(store, 1, released))
     request = _request(store, 1, released, retention=RetentionPolicy(keep_last=1))
-    request.on_commit.append(lambda req, url: pytest.fail("no hook after a refused commit"))
+    request.after.on_commit.append(lambda after, url: pytest.fail("no hook after a refused commit"))
     with pytest.raises(CommitConflictError, match="step 1 is committed"):
         run_save(request)
     assert released == [1, 1]

@@ -141,3 +141,36 @@ def test_a_filesystem_writer_checkpoint_is_uncommitted_until_imported(tmp_path, 
     load(target, store, 7)
     _assert_equal_states(_state(7), target)
     assert cli_main(["import-dcp", str(prefix), str(tmp_path / "store"), "--step", "7"]) == 6  # committed already
+
+
+def test_a_sharded_opd_save_runs_the_after_commit_stage_every_save_runs(tmp_path):
+    """One process, no process group: the sharded save's retention is the pipeline's after-commit
+    stage (``dcp.save(after_commit=...)``, run once DCP returned): older steps go once the step is
+    committed, and a failing pass is a ``RetentionError`` naming the committed step, which stays."""
+    from opd_testkit.opd import PROVENANCE, TinyConfig, make_training, trainer_state
+
+    from opd_store.errors import RetentionError
+    from opd_store.opd import save_sharded_opd_checkpoint
+    from opd_store.pipeline import AfterCommit
+    from opd_store.retention import RetentionPolicy
+    from opd_store.testing import Fault, FaultyStorage
+
+    store = CheckpointStore(tmp_path / "store")
+    layer, optimizer, scheduler = make_training()
+
+    def save(step: int, target) -> str:
+        return save_sharded_opd_checkpoint(
+            checkpoints_dir=target, model=layer, optimizer=optimizer, scheduler=scheduler,
+            trainer_state=trainer_state(step), config=TinyConfig(), provenance_fingerprints=dict(PROVENANCE),
+            teacher_state={"update_count": step}, retention=RetentionPolicy(keep_last=1))
+
+    assert save(1, store) == store.step_url(1)
+    assert save(2, store) == store.step_url(2) and store.steps() == [2]
+    failing = CheckpointStore.from_storage(FaultyStorage(store.storage, Fault(when=lambda op: op.kind == "delete")))
+    with pytest.raises(RetentionError, match="after committing step 3") as caught:
+        save(3, failing)
+    assert caught.value.url == failing.step_url(3)
+    assert store.steps() == [2, 3] and store.verify(3, deep=True).ok
+    assert store.manifest(3).metadata["checkpoint_format"] == "dcp"
+    with pytest.raises(ValueError, match="after-commit stage of step 4"):
+        StoreWriter(store, 5, after_commit=AfterCommit(store, 4))

@@ -21,6 +21,7 @@ from opd_store import (
     IntegrityError,
     ResumeMismatchError,
     StoreUnreachableError,
+    TieredStore,
 )
 from opd_store.integrations.transformers import StoreCallback, resume_from_store, store_checkpoint
 from opd_store.job._machines import torch_threads
@@ -125,6 +126,24 @@ def test_async_upload_survives_save_total_limit_deleting_the_directory(s3_backen
     assert store.steps() == [1, 2, 3] and all(store.verify(step, deep=True).ok for step in (1, 2, 3))
     assert json.loads(store.read(1, "trainer_state.json"))["global_step"] == 1
     assert not (tmp_path / "out" / ".opd-store-staging").exists()
+
+
+def test_a_tiered_store_commits_each_checkpoint_locally_and_is_durable_when_training_ends(tmp_path):
+    """Any store: with a TieredStore each checkpoint commits on local disk (here on the callback's
+    background owner too), its upload queues behind it, and the end of training waits for the
+    uploads: every step was durable in the bucket, the save's retention applied there after each."""
+    bucket_url = f"memory://hf-tiered-{tmp_path.name}/run"
+    store = TieredStore(tmp_path / "local", bucket_url)
+    callback = StoreCallback(store, async_upload=True, retention=RetentionPolicy(keep_last=1))
+    trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=3, save_steps=1), callbacks=[callback])
+    trainer.train()
+    assert callback.committed_steps == [1, 2, 3] and store.pending_uploads() == []
+    bucket = CheckpointStore(bucket_url)
+    assert bucket.steps() == [3] and bucket.verify(3, deep=True).ok
+    assert {entry.name for entry in bucket.manifest(3).payloads} == TRAINER_FILES
+    assert bucket.read(3, "trainer_state.json") == (tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_bytes()
+    assert store.local_steps() == [2, 3]  # the local tier's own retention (keep_last=2), once durable
+    store.close()
 
 
 def test_store_retention_is_independent_of_save_total_limit(tmp_path):

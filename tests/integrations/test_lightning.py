@@ -12,7 +12,7 @@ import lightning_child
 import pytest
 import torch
 
-from opd_store import CheckpointStore, StoreUnreachableError
+from opd_store import CheckpointStore, StoreUnreachableError, TieredStore
 from opd_store.integrations.lightning import StoreCheckpointIO
 from opd_store.job._machines import torch_threads
 
@@ -134,6 +134,33 @@ def test_last_on_s3_through_async_checkpoint_io(s3_backend):
     assert plugin.load_checkpoint(plugin.path_of("last.ckpt").split("://", 1)[1])["global_step"] == 8
     layout = _layout(url, options)
     assert {plugin.path_of(name) for name in layout if name != "last.ckpt"} == set(checkpoint.best_k_models)
+
+
+def test_a_tiered_root_commits_each_name_locally_and_a_new_machine_resumes_from_the_bucket(tmp_path):
+    """Any store as the root: with a TieredStore each name is a tiered store of its own
+    (``TieredStore.under``); the evicted top-k name is removed from both tiers, ``teardown`` waits
+    for the uploads, and a new machine (an empty local tier) resumes ``"last"`` from the bucket."""
+    bucket_url = f"memory://lightning-tiered-{tmp_path.name}/ckpts"
+    root = TieredStore(tmp_path / "local", bucket_url)
+    first, model, train, val, plugin, checkpoint = lightning_child.build(root, {}, max_epochs=2, save_top_k=1)
+    first.fit(model, train, val)
+    saved = lightning_child.weights(model)
+    layout = _layout(bucket_url, {})
+    assert layout.pop("last.ckpt") == [2] and list(layout.values()) == [[1]]  # the newest version only
+    assert {plugin.path_of(name) for name in layout} == set(checkpoint.best_k_models)
+    local = {path.name: CheckpointStore(path).steps() for path in (tmp_path / "local").iterdir()}
+    # the local tier keeps its own two newest versions; the evicted top-k name is gone from both tiers
+    assert {name: steps for name, steps in local.items() if steps} == {"last.ckpt": [1, 2], **layout}
+    assert plugin.names() == sorted(["last.ckpt", *layout])
+
+    fresh = TieredStore(tmp_path / "new-machine", bucket_url)
+    again, model, train, val, _p, _c = lightning_child.build(fresh, {}, max_epochs=2, save_top_k=1)
+    again.fit(model, train, val, ckpt_path="last")
+    assert again.global_step == 8
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(saved[name], tensor), name
+    root.close()
+    fresh.close()
 
 
 def test_unreachable_store_fails_at_construction(monkeypatch):

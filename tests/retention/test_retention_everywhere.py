@@ -224,7 +224,7 @@ def test_a_pass_that_cannot_run_on_a_tiered_store_is_raised_at_the_next_save(tmp
     _save(bucket, 1)
     store = TieredStore(tmp_path / "local", _deletes_fail(bucket))
     _save(store, 2, retention=KEEP_ONE)
-    store.uploads.worker.wait_idle(120)
+    store.uploads.saves.wait(120)
     with pytest.raises(UploadError, match="retention after the upload of step 2") as caught:
         _save(store, 3)
     assert isinstance(caught.value.__cause__, RetentionError)
