@@ -53,6 +53,7 @@ import time
 from collections.abc import Iterable
 
 from ..format import MANIFEST_NAME, attempt_created_secs, is_attempt_id, parse_step_dirname, step_dirname
+from ..storage import MultipartUploads
 from ..store import LEGACY, BaseStore, CheckpointStore
 from ._executor import GcReport, apply_retention, execute_plan
 from ._policy import RetentionPolicy
@@ -150,8 +151,10 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
            now_secs: float | None = None) -> Survey:
     """Orphan attempts and stale multipart uploads of ``store`` (module docstring), read only.
 
-    One reading of the store's clock, one flat listing, one listing of multipart uploads (S3), one
-    ``ListParts`` per upload initiated longer ago than the grace period, one manifest read per
+    One reading of the store's clock, one flat listing, one listing of multipart uploads (where the
+    backend has them: :meth:`Storage.multipart_uploads
+    <opd_store.storage._base.Storage.multipart_uploads>`), one ``ListParts`` per upload initiated
+    longer ago than the grace period, one manifest read per
     committed step (which attempt it names), one listing per step without a manifest (legacy?).
 
     Args:
@@ -179,8 +182,9 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
             attempt.size_bytes += size
             attempt.saw(modified)
     uploads: list[tuple[str, str, float]] = []
-    for rel, upload_id, initiated in storage.list_uploads():
-        last = _upload_activity(storage, now, older_than_secs, rel, upload_id, initiated)
+    multipart = storage.multipart_uploads()
+    for rel, upload_id, initiated in multipart.list() if multipart is not None else []:
+        last = _upload_activity(multipart, now, older_than_secs, rel, upload_id, initiated)
         uploads.append((rel, upload_id, last))
         key = _attempt_of(rel)
         if key is not None:
@@ -211,14 +215,14 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
     return Survey(now, orphans, stale, live)
 
 
-def _upload_activity(storage, now: float, older_than_secs: float, rel: str, upload_id: str,
+def _upload_activity(multipart: MultipartUploads, now: float, older_than_secs: float, rel: str, upload_id: str,
                      initiated: float) -> float:
     """The last activity of one multipart upload on the store's clock: its ``Initiated``, or its
     newest part's time when it was initiated longer ago than the grace period (a live upload has a
     recent part; moto also reports one fixed ``Initiated`` for every upload)."""
     if now - initiated < older_than_secs:
         return initiated
-    newest_part = storage.newest_part_secs(rel, upload_id)
+    newest_part = multipart.newest_part_secs(rel, upload_id)
     return initiated if newest_part is None else max(initiated, newest_part)
 
 
@@ -248,15 +252,6 @@ def find_orphans(
     return survey(store, older_than_secs=older_than_secs, now_secs=now_secs).orphans
 
 
-def find_stale_uploads(
-    store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS, now_secs: float | None = None
-) -> list[StaleUpload]:
-    """Unfinished multipart uploads under the store prefix that nothing wrote to for
-    ``older_than_secs`` on the store's clock; one under an attempt prefix only when its whole
-    attempt is that old (see :func:`survey`)."""
-    return survey(store, older_than_secs=older_than_secs, now_secs=now_secs).uploads
-
-
 def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
                    older_than_secs: float | None = None) -> list[Orphan]:
     """Delete orphan attempt prefixes. One that a manifest names by now is kept, and so, when
@@ -269,7 +264,8 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
     """
     orphans = list(orphans)
     now = store.storage.clock_secs() if orphans and older_than_secs is not None else None
-    open_uploads = store.storage.list_uploads() if now is not None else []
+    multipart = store.storage.multipart_uploads()
+    open_uploads = multipart.list() if now is not None and multipart is not None else []
     deleted = []
     for orphan in orphans:
         try:
@@ -281,7 +277,7 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
             continue
         if now is not None:
             times = [modified for _size, modified in store.storage.list_tree_modified(orphan.rel).values()]
-            times += [_upload_activity(store.storage, now, older_than_secs, rel, upload_id, initiated)
+            times += [_upload_activity(multipart, now, older_than_secs, rel, upload_id, initiated)
                       for rel, upload_id, initiated in open_uploads if rel.startswith(f"{orphan.rel}/")]
             if any(modified is None or now - modified < older_than_secs for modified in times):
                 logger.warning("gc: %s was written to meanwhile; kept", orphan.url)
@@ -361,8 +357,9 @@ def _collect_tier(store: CheckpointStore, policy: RetentionPolicy, not_durable: 
     # An upload under an attempt lives and dies with it: none of an orphan kept at its deletion.
     kept = {(o.step, o.attempt_id) for o in found.orphans} - {(o.step, o.attempt_id) for o in report.orphans}
     report.uploads = [u for u in report.uploads if _attempt_of(u.rel) not in kept]
-    for upload in report.uploads:
-        store.storage.abort_upload(upload.rel, upload.upload_id)
+    multipart = store.storage.multipart_uploads()
+    for upload in report.uploads:  # found only where the backend has multipart uploads
+        multipart.abort(upload.rel, upload.upload_id)
     return report
 
 
@@ -375,6 +372,5 @@ __all__ = [
     "collect_garbage_tiers",
     "delete_orphans",
     "find_orphans",
-    "find_stale_uploads",
     "survey",
 ]

@@ -26,7 +26,7 @@ from ..format import (
     step_dirname,
 )
 from ..runtime import kill_points
-from ..storage import Storage, open_storage
+from ..storage import Storage, check_reachable, open_storage
 from ._api import BaseStore, DurableHook, RetentionTier
 from ._status import (
     COMPLETE,
@@ -110,7 +110,7 @@ class CheckpointStore(BaseStore):
                 in time, a local root that cannot be created or written (URL, operation, cause).
             StoreNotFoundError: ``write`` is false and the local root does not exist.
         """
-        self.storage.check_reachable(write=write, timeout_secs=timeout_secs)
+        check_reachable(self.storage, write=write, timeout_secs=timeout_secs)
 
     # -- listing ---------------------------------------------------------------------------
     def _step_prefixes(self) -> list[int]:

@@ -2,6 +2,7 @@
 backend (local, memory, S3 on moto, GCS on fake-gcs-server), checked through the raw backend
 (boto3 for S3, a fresh fsspec instance otherwise; ``tests/core/helpers.py``'s ``Raw``), never
 through opd_store itself. S3 runs on two servers: moto and SeaweedFS (a production S3 server). A backend that forgets a verb cannot even be constructed.
+Multipart uploads are a capability (``Storage.multipart_uploads``): S3 offers them, the others none.
 """
 
 from __future__ import annotations
@@ -11,21 +12,21 @@ import time
 import pytest
 
 from opd_store.format import new_attempt_id
-from opd_store.storage import FsspecStorage, LocalStorage, Meaning, NoMultipartUploads, Storage, classify
+from opd_store.storage import FsspecStorage, LocalStorage, Meaning, Storage, check_reachable, classify
 
 from .helpers import crc_hex, open_store
 
 ABSTRACT_VERBS = {"list_children", "list_tree", "list_tree_modified", "size", "read_bytes", "open_write", "create_exclusive", "delete",
-                  "delete_tree", "list_uploads", "abort_upload"}
+                  "delete_tree"}
 
 
 def test_the_seam_declares_its_verbs_abstract():
     assert Storage.__abstractmethods__ == frozenset(ABSTRACT_VERBS)
-    assert FsspecStorage.__abstractmethods__ == frozenset({"create_exclusive", "list_uploads", "abort_upload"})
+    assert FsspecStorage.__abstractmethods__ == frozenset({"create_exclusive"})
 
 
 def test_a_backend_that_forgets_a_verb_fails_when_constructed(tmp_path):
-    class NoCreate(NoMultipartUploads, FsspecStorage):
+    class NoCreate(FsspecStorage):
         """A backend without the create-only write: a commit would be impossible."""
 
     class NoUploads(FsspecStorage):
@@ -35,8 +36,8 @@ def test_a_backend_that_forgets_a_verb_fails_when_constructed(tmp_path):
     fs = LocalStorage.__mro__  # any object: construction must fail before fs is used
     with pytest.raises(TypeError, match="abstract method.*create_exclusive"):
         NoCreate(fs, str(tmp_path), str(tmp_path))
-    with pytest.raises(TypeError, match="abort_upload.*list_uploads|list_uploads.*abort_upload"):
-        NoUploads(fs, str(tmp_path), str(tmp_path))
+    # Multipart uploads are a capability, not a verb: a backend without them says nothing.
+    assert NoUploads(fs, str(tmp_path), str(tmp_path)).multipart_uploads() is None
 
 
 EVERY_BACKEND = pytest.mark.parametrize("backend", ["local", "memory", "s3", "seaweed", "gcs"], indirect=True)
@@ -144,17 +145,16 @@ def test_delete_and_delete_tree(backend, raw):
 @EVERY_BACKEND
 def test_multipart_upload_listing_and_abort(backend, raw):
     storage = _storage(backend)
+    uploads = storage.multipart_uploads()
     if backend.name != "s3":
-        assert storage.list_uploads() == []
-        with pytest.raises(NotImplementedError):
-            storage.abort_upload("k", "id")
+        assert uploads is None  # no multipart uploads to list or abort on this backend
         return
     key = f"step-000001/{new_attempt_id()}/model.bin"
     started = raw.client.create_multipart_upload(Bucket=raw.bucket, Key=f"{raw.prefix}/{key}")
     raw.client.create_multipart_upload(Bucket=raw.bucket, Key="elsewhere/big.bin")  # outside the root
-    (listed,) = storage.list_uploads()
+    (listed,) = uploads.list()
     assert listed[:2] == (key, started["UploadId"]) and listed[2] <= time.time()
-    storage.abort_upload(key, started["UploadId"])
+    uploads.abort(key, started["UploadId"])
     left = raw.client.list_multipart_uploads(Bucket=raw.bucket).get("Uploads", [])
     assert [u["Key"] for u in left] == ["elsewhere/big.bin"]
 
@@ -176,21 +176,22 @@ def test_the_store_clock_and_modification_times(backend, raw):
         assert before - 2 <= modified <= now + 1
     assert storage.list_tree_modified("a") == {"b.bin": listed["a/b.bin"]}
     assert storage.list_tree_modified("missing") == {}
+    uploads = storage.multipart_uploads()
     if backend.name != "s3":
-        assert storage.newest_part_secs("a/b.bin", "id") is None
+        assert uploads is None  # no upload whose parts could be aged
         return
     key = f"{raw.prefix}/step-000001/{new_attempt_id()}/model.bin"
     upload = raw.client.create_multipart_upload(Bucket=raw.bucket, Key=key)
     rel = key[len(raw.prefix) + 1:]
-    assert storage.newest_part_secs(rel, upload["UploadId"]) is None
+    assert uploads.newest_part_secs(rel, upload["UploadId"]) is None
     raw.client.upload_part(Bucket=raw.bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 10)
-    assert before - 2 <= storage.newest_part_secs(rel, upload["UploadId"]) <= time.time() + 1
+    assert before - 2 <= uploads.newest_part_secs(rel, upload["UploadId"]) <= time.time() + 1
     raw.client.abort_multipart_upload(Bucket=raw.bucket, Key=key, UploadId=upload["UploadId"])
 
 
 @EVERY_BACKEND
 def test_check_reachable_and_names(backend):
     storage = _storage(backend)
-    storage.check_reachable()  # an empty store is usable: the first save creates it
+    check_reachable(storage)  # an empty store is usable: the first save creates it
     assert storage.url("step-000001/manifest.json") == f"{storage.url_root}/step-000001/manifest.json"
     assert storage.path("a/b").endswith("/a/b")
