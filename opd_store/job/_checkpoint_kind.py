@@ -30,7 +30,7 @@ def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard
     Raises:
         ResumeMismatchError: the step is sharded and ``shard`` is off, or the other way round; the
             message names the step, its URL and the flag. A step whose manifest cannot be read
-            (a seed-layout one) is left to the loader.
+            (a legacy one) is left to the loader.
     """
     if checkpoint_url is None:
         return None

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from ..errors import CheckpointNotFoundError
-from ..store import BaseStore, as_store
+from ..store import BaseStore, LegacyReader, ReadableStore, as_store
 from ._distributed import check_group_args, current_group, decide_on_rank0, load_collective
 from ._elastic import ElasticResume
 from ._names import (
@@ -32,8 +32,7 @@ from ._names import (
     CheckpointRef,
     check_pickle_opt_in,
     check_rank,
-    require_complete,
-    resolve_checkpoint,
+    open_checkpoint,
     rng_payload_name,
 )
 from ._resume import validate_resume
@@ -41,7 +40,7 @@ from ._rng import restore_rng_state
 from ._safe_load import load_payload
 
 
-def read_config_dict(store: BaseStore, step: int) -> dict | None:
+def read_config_dict(store: ReadableStore, step: int) -> dict | None:
     """The step's ``config.yaml`` as a dict (``None`` when absent or not a mapping): consulted
     only when the config fingerprints differ (:func:`~opd_store.opd._resume.validate_resume`)."""
     try:
@@ -125,8 +124,8 @@ def load_opd_checkpoint(
     raises the same ``ResumeMismatchError`` on every rank, naming both sizes.
 
     Args:
-        checkpoint (str | os.PathLike | tuple[BaseStore, int]): the step prefix's path or
-            URL, or ``(store, step)``; a seed-layout directory works too.
+        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix's path or
+            URL, or ``(store, step)``; a legacy step (the seed's own directory) works too.
         optimizer (torch.optim.Optimizer): built over the same parameters as when saved.
         scheduler (Any): LR scheduler with ``load_state_dict``.
         config (Any): the current config (``fingerprint()``, ``as_dict()``, optional
@@ -186,9 +185,9 @@ def _load_one(
     checkpoint: CheckpointRef, *, optimizer, scheduler, config, provenance_fingerprints, teacher_state_loader,
     rank: int, world_size: int, storage_options, allow_pickle: bool,
 ) -> dict:
-    store, step = resolve_checkpoint(checkpoint, storage_options)
     check_rank(rank, world_size)
-    url = require_complete(store, step).url
+    store, step, report = open_checkpoint(checkpoint, storage_options)
+    url = report.url
     check_pickle_opt_in(store, allow_pickle, url)
 
     # store.open: a local payload is read once by torch.load from the verified file (no bytes copy
@@ -250,8 +249,8 @@ def _load_one(
     return state
 
 
-def _metadata_of(store: BaseStore, step: int) -> dict:
-    """The step's manifest metadata, empty when it has no readable manifest (a seed-layout step)."""
+def _metadata_of(store: ReadableStore, step: int) -> dict:
+    """The step's manifest metadata, empty when it has no readable manifest (a legacy step)."""
     try:
         return dict(store.manifest(step).metadata)
     except (FileNotFoundError, ValueError):
@@ -261,7 +260,7 @@ def _metadata_of(store: BaseStore, step: int) -> dict:
 def latest_complete_checkpoint(
     checkpoints_dir: str | os.PathLike | BaseStore, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """The newest complete checkpoint (manifest-committed or seed-layout) under a directory.
+    """The newest complete checkpoint (manifest-committed or legacy) under a directory.
 
     Steps are ordered numerically. Uncommitted, incomplete and corrupt steps are skipped (and
     logged), never chosen (field notes: a half-written newest checkpoint must not win).
@@ -281,14 +280,14 @@ def latest_complete_checkpoint(
         FileNotFoundError: no complete checkpoint
             (:class:`~opd_store.errors.CheckpointNotFoundError`; seed message).
     """
-    store = as_store(checkpoints_dir, storage_options)
+    reader = LegacyReader(as_store(checkpoints_dir, storage_options))
 
     def decide() -> str:
         try:
-            step = store.latest_step(include_legacy=True)
+            step = reader.latest_step()
         except CheckpointNotFoundError as exc:
             raise CheckpointNotFoundError(f"in-place OPD resume has no complete checkpoint: {exc}") from exc
-        return store.step_url(step)
+        return reader.step_url(step)
 
     group = current_group()
     return decide() if group is None else decide_on_rank0(group, decide)

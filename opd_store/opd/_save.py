@@ -96,7 +96,7 @@ def save_opd_checkpoint(
       ``successful_updates``;
     * ``len(rank_rng_states) == world_size`` (when ``None``, this process's state is captured: one
       rank);
-    * the step is ``successful_updates``; an existing committed step (or a seed-layout step
+    * the step is ``successful_updates``; an existing committed step (or a legacy step
       directory) raises ``FileExistsError``;
     * trainer, teacher, optimizer, scheduler and RNG state are sanitised so weights-only loading
       restores them (a checkpoint from a bucket never runs code on load): numpy values converted,
@@ -158,7 +158,7 @@ def save_opd_checkpoint(
             or a ``config.as_dict()`` value that is not plain YAML data (a path, an enum, ...);
             the message names its key path and how to convert it; or ``retention`` for a tiered
             store that has its own ``bucket_retention`` (nothing is written).
-        FileExistsError: the step is already committed, or holds a seed-layout checkpoint
+        FileExistsError: the step is already committed, or holds a legacy checkpoint
             (:class:`~opd_store.errors.CommitConflictError`), including when another writer
             commits it first.
         opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.

@@ -54,7 +54,7 @@ from collections.abc import Iterable
 
 from ..format import MANIFEST_NAME, attempt_created_secs, is_attempt_id, parse_step_dirname, step_dirname
 from ..storage import MultipartUploads
-from ..store import LEGACY, BaseStore, CheckpointStore
+from ..store import BaseStore, CheckpointStore, holds_legacy_marker
 from ._executor import GcReport, apply_retention, execute_plan
 from ._policy import RetentionPolicy
 
@@ -155,7 +155,8 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
     backend has them: :meth:`Storage.multipart_uploads
     <opd_store.storage._base.Storage.multipart_uploads>`), one ``ListParts`` per upload initiated
     longer ago than the grace period, one manifest read per
-    committed step (which attempt it names), one listing per step without a manifest (legacy?).
+    committed step (which attempt it names); a step without a manifest is judged from the listing
+    (a legacy step's marker keeps it).
 
     Args:
         store (CheckpointStore): the store (one tier).
@@ -238,7 +239,7 @@ def _committed_attempts(store: CheckpointStore, by_step: dict[int, dict[str, int
             if manifest is None:  # unreadable manifest: which attempt it names is unknown
                 continue
             out[step] = manifest.attempt_id
-        elif store.status(step) != LEGACY:
+        elif not holds_legacy_marker(objects):
             out[step] = None
     return out
 
