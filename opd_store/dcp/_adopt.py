@@ -95,7 +95,11 @@ class _ItemCheck:
         if chunk is None:
             check_weights_only(data, what=f"{what}: key {index.fqn!r}")
             return
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - damaged bytes, named with the item
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"{what}: {index.fqn!r} does not load as a tensor: {first}") from exc
         sizes, dtype = chunk
         if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != sizes or tensor.dtype != dtype:
             got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__

@@ -182,7 +182,7 @@ def retention_after_commit(
     policy: RetentionPolicy, step: int, *, lineage: RunLineage | None = None, url: str | None = None
 ):
     """The after-commit retention hook of a save of ``step``: ``hook(durable_store)``, run by
-    :meth:`BaseStore.when_durable <opd_store.store._api.BaseStore.when_durable>` once the step is
+    :meth:`Durability.when_durable <opd_store.store._api.Durability.when_durable>` once the step is
     durable (at once on a plain store, after the upload on a tiered one, against the bucket).
 
     ``step`` (just committed) and ``lineage.parent_step`` (until the run has a second checkpoint)

@@ -38,8 +38,8 @@ The grace period must exceed the longest time a live save goes without writing: 
 parts, on GCS its temporary part objects and on local disk its bytes count as writes while it
 streams; a payload of at most one part is one request, invisible until it lands.
 
-A tiered store is collected tier by tier (:meth:`BaseStore.retention_tiers
-<opd_store.store._api.BaseStore.retention_tiers>`), each tier on its own clock: the bucket with the
+A tiered store is collected tier by tier (:meth:`Durability.retention_tiers
+<opd_store.store._api.Durability.retention_tiers>`), each tier on its own clock: the bucket with the
 policy asked for, the local tier with its own, and a local step that is not durable yet is never
 deleted. Attempts written by the tier uploader (the bucket copy of a step) and by an asynchronous
 save's background writer are judged by the same rule: only their objects' times count.
@@ -54,7 +54,7 @@ from collections.abc import Iterable
 
 from ..format import MANIFEST_NAME, attempt_created_secs, is_attempt_id, parse_step_dirname, step_dirname
 from ..storage import MultipartUploads
-from ..store import BaseStore, CheckpointStore, holds_legacy_marker
+from ..store import CheckpointStore, Durability, holds_legacy_marker
 from ._executor import GcReport, apply_retention, execute_plan
 from ._policy import RetentionPolicy
 
@@ -289,7 +289,7 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
 
 
 def collect_garbage(
-    store: BaseStore,
+    store: Durability,
     policy: RetentionPolicy,
     *,
     orphans_older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS,
@@ -300,7 +300,7 @@ def collect_garbage(
     """Retention, orphan removal and stale-upload aborts in one pass (``opd-store gc``).
 
     Args:
-        store (BaseStore): a plain store, or a tiered store (each tier is collected; see the
+        store (Durability): a plain store, or a tiered store (each tier is collected; see the
             module docstring).
         policy (RetentionPolicy): steps to keep (a policy with no rule deletes no step); on a
             tiered store, the bucket's.
@@ -325,7 +325,7 @@ def collect_garbage(
 
 
 def collect_garbage_tiers(
-    store: BaseStore,
+    store: Durability,
     policy: RetentionPolicy,
     *,
     orphans_older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS,
