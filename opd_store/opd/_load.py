@@ -97,31 +97,16 @@ def load_opd_checkpoint(
 ) -> dict:
     """Restore the exact next-update state of one rank from an OPD checkpoint.
 
-    Order (seed, with every check moved before the first restore so a refused resume changes
-    nothing): completeness; schema; resume validation by
-    :func:`opd_store.opd._resume.validate_resume` (config fingerprint, provenance and world size
-    under ``config.checkpoint.resume_mode``; a world-size change is refused except under
-    ``elastic``, whose policy is :mod:`opd_store.opd._elastic`: a rank beyond the saved world size
-    gets an RNG state derived from the checkpoint); the seed's
-    teacher ``update_count`` check; then optimizer, scheduler, teacher (through
-    ``teacher_state_loader``), and this rank's RNG state last, so nothing that runs during the
-    restore can move the generators afterwards (field notes: "RNG captured first, restored last").
+    Every check runs before the first restore, so a refused resume changes nothing (the seed's
+    order otherwise): completeness, schema, the resume mode's validation
+    (:func:`~opd_store.opd._resume.validate_resume`, docs/resume.md), the teacher's
+    ``update_count``; then optimizer, scheduler, teacher and this rank's RNG state last, so nothing
+    that runs during the restore moves the generators afterwards (field notes). Payloads load on
+    the CPU; ``Optimizer.load_state_dict`` moves the state to each parameter's device and dtype.
 
-    Under ``rollout_limit_change`` with a changed rollout limit, the returned state drops
-    ``validation_baseline``, ``last_validation_artifact`` and ``validation_baseline_step`` and
-    records ``rollout_limit_changed_at_update = successful_updates`` (seed); optimizer, teacher,
-    query and counters stay the parent's.
-
-    Optimizer state lands on the parameters' devices whatever device saved it: payloads load with
-    ``map_location="cpu"`` (a GPU checkpoint loads on a CPU-only host) and
-    ``Optimizer.load_state_dict`` moves each state tensor to its parameter's device and dtype
-    (``step`` counters stay on the CPU unless the optimizer is ``capturable``/``fused``).
-
-    Rank obligations: every rank calls this with its own ``rank`` and the same ``world_size``;
-    each gets its own RNG state (``rng-rank-XX.pt``) back. With a ``torch.distributed`` process
-    group of more than one rank initialised, both default to the group's and the load is a
-    collective: when any rank fails, every rank raises (see Raises); a world-size change
-    raises the same ``ResumeMismatchError`` on every rank, naming both sizes.
+    Rank obligations: every rank calls this with its own ``rank`` and the same ``world_size`` and
+    gets its own RNG state back; under a process group of more than one rank both default to the
+    group's and the load is a collective (a failure on any rank raises on every rank).
 
     Args:
         checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix's path or
@@ -141,23 +126,22 @@ def load_opd_checkpoint(
             only for local directories (a bucket checkpoint never runs code on load).
 
     Returns:
-        dict: the trainer state (tensors on the CPU).
+        dict: the trainer state (tensors on the CPU; under ``rollout_limit_change`` with a changed
+        limit, without the validation keys: docs/resume.md).
 
     Raises:
-        ValueError: the checkpoint is sharded (use :func:`~opd_store.opd._sharded_load.load_sharded_opd_checkpoint`),
-            is incomplete (:class:`~opd_store.errors.IncompleteCheckpointError`,
-            naming its URL), has an unknown schema, a malformed training state or a restored
-            teacher update count that differs from ``successful_updates``, or ``rank`` is out of
-            range.
-        opd_store.errors.ResumeMismatchError: (a ``ValueError``) the resume is refused; the message
-            names every differing field, or both world sizes.
+        ValueError: the checkpoint is sharded (load it with ``load_sharded_opd_checkpoint``), is
+            incomplete (:class:`~opd_store.errors.IncompleteCheckpointError`, naming its URL), has
+            an unknown schema, a malformed training state or a teacher update count other than
+            ``successful_updates``, or ``rank`` is out of range.
+        opd_store.errors.ResumeMismatchError: (a ``ValueError``) the resume is refused, naming every
+            differing field or both world sizes (the same on every rank).
         opd_store.errors.UnsafeCheckpointError: (a ``ValueError``) a payload needs plain pickle and
             ``allow_pickle`` is off, or ``allow_pickle`` was asked for a non-local store.
         opd_store.errors.IntegrityError: a payload's bytes differ from its manifest entry.
         FileNotFoundError: a payload (such as this rank's RNG file) is missing.
-        opd_store.errors.DistributedLoadError: (process group only, an ``OSError``) some ranks
-            failed and others did not, or they failed differently; raised on every rank, naming
-            each failing rank and its error.
+        opd_store.errors.DistributedLoadError: (an ``OSError``) ranks of a process group failed
+            differently, or some did not; raised on every rank, naming each failing rank.
     """
     load = functools.partial(
         _load_one, checkpoint, optimizer=optimizer, scheduler=scheduler, config=config,
