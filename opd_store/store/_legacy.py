@@ -64,23 +64,25 @@ def holds_legacy_marker(objects: Mapping[str, int]) -> bool:
 
 
 def refuse_legacy_step(storage: "Storage", step: int) -> None:
-    """Refuse a save of ``step`` where a legacy checkpoint is (one ``size`` request).
+    """Refuse a save of ``step`` where a legacy checkpoint is (one ``size`` request): a manifest
+    committed beside its files would make them a complete step's, which retention deletes.
 
     Raises:
         CommitConflictError: the step prefix holds the legacy marker.
     """
-    if storage.size(f"{step_dirname(step)}/{LEGACY_MARKER}") is not None:
+    if _marked(storage, step):
         raise CommitConflictError(
             f"checkpoint already exists: {storage.url(step_dirname(step))} (a legacy checkpoint of step {step})")
 
 
-def _marked(tier: "CheckpointStore", step: int) -> bool:
-    return tier.storage.size(f"{step_dirname(step)}/{LEGACY_MARKER}") is not None
+def _marked(storage: "Storage", step: int) -> bool:
+    """The step prefix holds the legacy marker (one ``size`` request)."""
+    return storage.size(f"{step_dirname(step)}/{LEGACY_MARKER}") is not None
 
 
 def _complete_or_legacy(tier: "CheckpointStore") -> Callable[[int, StepState], bool]:
     def accept(step: int, state: StepState) -> bool:
-        return state.status == COMPLETE or (state.status == UNCOMMITTED and _marked(tier, step))
+        return state.status == COMPLETE or (state.status == UNCOMMITTED and _marked(tier.storage, step))
 
     return accept
 
@@ -107,7 +109,7 @@ class LegacyReader(ReadableStore):
         """The plain store holding ``step`` as a legacy checkpoint, or ``None`` when it is not one."""
         if self.store.status(step) != UNCOMMITTED:
             return None
-        return next((tier for tier in self.store.tiers() if _marked(tier, step)), None)
+        return next((tier for tier in self.store.tiers() if _marked(tier.storage, step)), None)
 
     def files(self, step: int) -> tuple["CheckpointStore", list[SourceFile]]:
         """The tier holding legacy step ``step`` and its files (the marker left out), by name.
@@ -172,7 +174,7 @@ class LegacyReader(ReadableStore):
     def status(self, step: int) -> str:
         """The store's status of ``step``, or ``legacy``."""
         status = self.store.status(step)
-        if status == UNCOMMITTED and any(_marked(tier, step) for tier in self.store.tiers()):
+        if status == UNCOMMITTED and any(_marked(tier.storage, step) for tier in self.store.tiers()):
             return LEGACY
         return status
 
@@ -245,7 +247,7 @@ class LegacyReader(ReadableStore):
         (nothing to check it against)."""
         report = self.store.verify(step, deep=deep)
         if report.status == UNCOMMITTED:
-            tier = next((tier for tier in self.store.tiers() if _marked(tier, step)), None)
+            tier = next((tier for tier in self.store.tiers() if _marked(tier.storage, step)), None)
             if tier is not None:
                 return VerifyReport(url=tier.step_url(step), step=step, status=LEGACY, deep=deep,
                                     checked_objects=0, problems=())
