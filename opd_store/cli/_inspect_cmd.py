@@ -34,7 +34,7 @@ def add_parsers(subparsers) -> None:
 
     latest = subparsers.add_parser(
         "latest", help="print the newest complete step number (exit 3 when there is none)",
-        description="Print only the newest complete step (seed-layout steps count, as for resume).",
+        description="Print only the newest complete step (legacy steps count, as for resume).",
     )
     latest.add_argument("url", help="store URL")
     add_json_option(latest)
@@ -68,10 +68,10 @@ def _iso(value) -> str | None:
 def run_ls(args: argparse.Namespace) -> int:
     """``opd-store ls``: one row per step (exit 0; 2 when the store is unreachable)."""
     from ..retention import survey
-    from ..store import UNCOMMITTED, pinned_steps
+    from ..store import UNCOMMITTED, LegacyReader, pinned_steps
 
     store = open_store(args.url, args)
-    infos = [info for info in store.checkpoints() if args.all or info.status != UNCOMMITTED]
+    infos = [info for info in LegacyReader(store).checkpoints() if args.all or info.status != UNCOMMITTED]
     pinned = pinned_steps(store)
     leftovers: dict[int, list] = {}
     if args.all:
@@ -122,9 +122,11 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_latest(args: argparse.Namespace) -> int:
-    """``opd-store latest``: the newest complete step (exit 3 when none)."""
-    store = open_store(args.url, args)
-    step = store.latest_step(include_legacy=True)  # CheckpointNotFoundError: exit 3
+    """``opd-store latest``: the newest complete or legacy step (exit 3 when none)."""
+    from ..store import LegacyReader
+
+    store = LegacyReader(open_store(args.url, args))
+    step = store.latest_step()  # CheckpointNotFoundError: exit 3
     if args.json:
         print_json({"step": step, "url": store.step_url(step)})
     else:
@@ -137,17 +139,18 @@ def run_show(args: argparse.Namespace) -> int:
     import sys
 
     from ..errors import CheckpointNotFoundError, OpdStoreError
-    from ..store import LEGACY, pinned_steps
+    from ..store import LEGACY, LegacyReader, pinned_steps
 
-    store = open_store(args.url, args)
+    plain = open_store(args.url, args)
+    store = LegacyReader(plain)
     status = store.status(args.step)
-    pinned = args.step in pinned_steps(store)
+    pinned = args.step in pinned_steps(plain)
     if status == LEGACY:
         names = store.names(args.step)
         if args.json:
             print_json({"url": store.step_url(args.step), "status": status, "pinned": pinned, "files": names})
         else:
-            print(f"{store.step_url(args.step)}: legacy seed-layout checkpoint (no manifest); files:")
+            print(f"{store.step_url(args.step)}: legacy checkpoint (no manifest); files:")
             for name in names:
                 print(f"  {name}")
         return EXIT_OK
@@ -188,9 +191,9 @@ def run_show(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     """``opd-store verify``: sizes or checksums of one or all steps (exit 4 when any is bad, 3 when none)."""
-    from ..store import UNCOMMITTED
+    from ..store import UNCOMMITTED, LegacyReader
 
-    store = open_store(args.url, args)
+    store = LegacyReader(open_store(args.url, args))
     if args.step is not None:
         if store.status(args.step) == UNCOMMITTED:
             raise CliError(f"no checkpoint at {store.step_url(args.step)}", EXIT_NOT_FOUND)

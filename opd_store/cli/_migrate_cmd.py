@@ -1,4 +1,4 @@
-"""``opd-store migrate SRC DST``: import seed-layout checkpoints into any store."""
+"""``opd-store migrate SRC DST``: import legacy checkpoints into any store."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ._common import add_store_options, open_store, progress_callback, store_opt
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "migrate",
-        help="copy seed-layout (COMPLETE-marker) checkpoints into a store as manifest-committed ones",
+        help="copy legacy (COMPLETE-marker) checkpoints into a store as manifest-committed ones",
         description=(
             "Copies every step-NNNNNN directory with a COMPLETE marker under SRC (a local directory or a "
             "store URL, read with the same storage options) "
@@ -19,7 +19,7 @@ def add_parser(subparsers) -> None:
             "conflict (exit 6)."
         ),
     )
-    parser.add_argument("src", help="local directory or store URL holding seed-layout step-NNNNNN/ checkpoints")
+    parser.add_argument("src", help="local directory or store URL holding legacy step-NNNNNN/ checkpoints")
     parser.add_argument("dst", help="destination store URL (local path, s3://, gs://, ...)")
     parser.add_argument("--step", type=int, action="append", default=None, help="only this step (repeatable)")
     add_store_options(parser)
@@ -44,18 +44,18 @@ def run(args: argparse.Namespace) -> int:
     for url in result.skipped:
         print(f"skipped {url} (already committed with identical content)")
     if not result and not result.skipped:
-        print(f"no seed-layout checkpoints found under {args.src}")
+        print(f"no legacy checkpoints found under {args.src}")
     return 0
 
 
 def _migrate_with_progress(source, destination, steps, callback):
     """One ``migrate_legacy`` call per step, advancing a progress bar (a terminal only)."""
     from ..opd import MigrationResult, migrate_legacy
-    from ..store import LEGACY, as_store
+    from ..store import LEGACY, LegacyReader, as_store
 
     source_store = as_store(source)
     if steps is None:
-        steps = [info.step for info in source_store.checkpoints() if info.status == LEGACY]
+        steps = [info.step for info in LegacyReader(source_store).checkpoints() if info.status == LEGACY]
     result = MigrationResult()
     try:
         callback.set_size(len(steps))

@@ -91,7 +91,8 @@ def _protocol(url: str) -> str:
 
 def run_cp(args: argparse.Namespace) -> int:
     """``opd-store cp``: copy one step with :func:`opd_store.store._copy.copy_checkpoint` (exit 3/4/6 on errors)."""
-    from ..store import copy_checkpoint
+    from ..errors import CheckpointNotFoundError, IncompleteCheckpointError
+    from ..store import LEGACY, LegacyReader, copy_checkpoint
 
     src = open_store(args.src, args)
     if args.dst_storage_option is not None or args.dst_s3_endpoint_url:
@@ -105,6 +106,11 @@ def run_cp(args: argparse.Namespace) -> int:
     callback = progress_callback(f"cp step {args.step}")
     try:
         url = copy_checkpoint(src, args.step, dst, callback=callback)
+    except CheckpointNotFoundError:
+        if LegacyReader(src).status(args.step) == LEGACY:
+            raise IncompleteCheckpointError(f"{src.step_url(args.step)} is a legacy checkpoint without a manifest; "
+                                            "import it with `opd-store migrate` instead") from None
+        raise
     finally:
         if callback is not None:
             callback.close()
@@ -140,10 +146,10 @@ def run_unpin(args: argparse.Namespace) -> int:
 def run_delete(args: argparse.Namespace) -> int:
     """``opd-store delete``: remove a damaged step (exit 3: nothing there; exit 6: the step is intact)."""
     from ..errors import CheckpointNotFoundError, CommitConflictError
-    from ..store import UNCOMMITTED
+    from ..store import UNCOMMITTED, LegacyReader
 
     store = open_store(args.url, args, write=True)
-    report = store.verify(args.step, deep=True)
+    report = LegacyReader(store).verify(args.step, deep=True)  # a legacy step verifies: never deleted
     if report.status == UNCOMMITTED:
         raise CheckpointNotFoundError(f"{store.step_url(args.step)}: step {args.step} is not committed")
     if report.ok:

@@ -2,7 +2,8 @@
 
 The commit protocol (docs/protocol.md):
 
-1. ``begin``: refuse at once if the step already has a manifest or a legacy ``COMPLETE`` marker.
+1. ``begin`` (the store's): refuse at once if the step already has a manifest or holds a legacy
+   checkpoint.
 2. Payloads stream into ``step-NNNNNN/<attempt_id>/<name>``; size and CRC32C are computed on the
    bytes as they pass, never in a second pass.
 3. Local stores fsync every payload and directory.

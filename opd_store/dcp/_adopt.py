@@ -12,9 +12,11 @@ it one:
    is deserialised: objects with ``torch.load(weights_only=True)``, tensors likewise, each with the
    shape and dtype the metadata gives its chunk. DCP's files carry no checksums, so this structural
    check is what "verified" can mean for them.
-3. The files are copied, one at a time, into a new attempt of the destination step (CRC32C
-   computed as they stream) and the manifest is created only if absent. The source files are not
-   touched (opd_store never deletes what it did not write; remove them once the copy is verified).
+3. The files stream, one at a time, into a new attempt of the destination step through the one copy
+   routine (:func:`opd_store.store.copy_files`: CRC32C computed as they pass, bounded memory), each
+   item checked as its bytes go by (step 2: only the item being read is held, never a whole file),
+   and the manifest is created only if absent. The source files are not touched (opd_store never
+   deletes what it did not write; remove them once the copy is verified).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from ..errors import IncompleteCheckpointError
 from ..storage import open_storage
-from ..store import BaseStore, as_store
+from ..store import BaseStore, SourceFile, as_store, copy_files
 from ._items import check_weights_only
 from ._metadata_io import METADATA_NAME, describe_file, loads_metadata, writer_rank
 
@@ -46,27 +48,62 @@ def _chunk_of(metadata: Any, index: Any) -> tuple[list[int], Any] | None:
     raise ValueError(f"no chunk at offsets {offsets} of {index.fqn!r}")
 
 
-def _check_file(data: bytes, name: str, items: list, metadata: Any, where: str) -> None:
-    """Every item of one file deserialises as what the metadata says it is."""
-    for index, info in items:
-        if getattr(info, "transform_descriptors", None):
-            raise ValueError(f"{where}: item {index.fqn!r} uses stream transforms {list(info.transform_descriptors)}, "
-                             "which opd_store does not read")
-        end = info.offset + info.length
-        if end > len(data):
-            raise IncompleteCheckpointError(f"{where}: {describe_file(name)} is truncated: item {index.fqn!r} ends at "
-                                            f"byte {end}, the file has {len(data)} bytes")
-        view = memoryview(data)[info.offset:end]
-        chunk = _chunk_of(metadata, index)
+class _ItemCheck:
+    """Every item of one DCP file deserialises as what the metadata says it is, checked as the
+    file streams by: each item's bytes are kept only from its first byte to its last (a view of the
+    chunk when it lies within one), never the whole file (a :class:`~opd_store.store.FileCheck`)."""
+
+    def __init__(self, name: str, items: list, metadata: Any, where: str) -> None:
+        for index, info in items:
+            if getattr(info, "transform_descriptors", None):
+                raise ValueError(f"{where}: item {index.fqn!r} uses stream transforms "
+                                 f"{list(info.transform_descriptors)}, which opd_store does not read")
+        self._name, self._metadata, self._where = name, metadata, where
+        self._items = sorted(items, key=lambda item: item[1].offset)  # (MetadataIndex, _StorageInfo)
+        self._next = 0  # the first item not checked yet
+        self._pos = 0  # bytes of the file seen so far
+        self._held = bytearray()  # the bytes of the item under way that arrived in earlier chunks
+
+    def update(self, view: memoryview) -> None:
+        start, end = self._pos, self._pos + len(view)
+        while self._next < len(self._items):
+            index, info = self._items[self._next]
+            item_start, item_end = info.offset, info.offset + info.length
+            if item_start >= end:
+                break
+            have = view[max(item_start, start) - start:min(item_end, end) - start]
+            if item_end > end:  # the item goes on in the next chunk
+                self._held += have
+                break
+            if self._held:
+                self._held += have
+                have, self._held = bytes(self._held), bytearray()
+            self._check_item(index, have)
+            self._next += 1
+        self._pos = end
+
+    def finish(self) -> None:
+        if self._next < len(self._items):
+            index, info = self._items[self._next]
+            raise IncompleteCheckpointError(
+                f"{self._where}: {describe_file(self._name)} is truncated: item {index.fqn!r} ends at byte "
+                f"{info.offset + info.length}, the file has {self._pos} bytes")
+
+    def _check_item(self, index: Any, data: bytes | memoryview) -> None:
+        what = f"{self._where}: {describe_file(self._name)}"
+        chunk = _chunk_of(self._metadata, index)
         if chunk is None:
-            check_weights_only(view, what=f"{where}: {describe_file(name)}: key {index.fqn!r}")
-            continue
-        tensor = torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
+            check_weights_only(data, what=f"{what}: key {index.fqn!r}")
+            return
+        try:
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - damaged bytes, named with the item
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"{what}: {index.fqn!r} does not load as a tensor: {first}") from exc
         sizes, dtype = chunk
         if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != sizes or tensor.dtype != dtype:
             got = f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{where}: {describe_file(name)}: {index.fqn!r} holds {got}, the metadata says "
-                             f"{tuple(sizes)} {dtype}")
+            raise ValueError(f"{what}: {index.fqn!r} holds {got}, the metadata says {tuple(sizes)} {dtype}")
 
 
 def adopt_dcp_checkpoint(source: str | os.PathLike, store: BaseStore | str | os.PathLike, step: int, *,
@@ -115,10 +152,8 @@ def adopt_dcp_checkpoint(source: str | os.PathLike, store: BaseStore | str | os.
     txn = destination.begin(step, world_size=max(ranks) + 1 if ranks else 1, metadata={
         "checkpoint_format": "dcp", "dcp_world_size": max(ranks) + 1 if ranks else 1, "adopted_from": where})
     with txn:
-        for name in sorted(per_file):
-            data = source_storage.read_bytes(name)
-            _check_file(data, name, per_file[name], metadata, where)
-            txn.write_bytes(name, data)
+        copy_files(source_storage, [SourceFile(name, name, listed[name]) for name in sorted(per_file)], txn,
+                   what=f"{where}: DCP file", check=lambda file: _ItemCheck(file.name, per_file[file.name], metadata, where))
         txn.write_bytes(METADATA_NAME, metadata_bytes)
     return txn.committed_url
 

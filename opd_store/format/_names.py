@@ -5,7 +5,7 @@ Layout under a store root (a local directory or a bucket prefix)::
     step-000042/                          one prefix per step (seed naming, >= 6 digits)
     step-000042/manifest.json             the commit record; the step exists iff this exists
     step-000042/attempt-<utc>-<hex>/...   payload objects of one save attempt
-    step-000042/COMPLETE                  seed (legacy) layout marker, with its files beside it
+    step-000042/COMPLETE                  a legacy checkpoint's marker (opd_store.store._legacy)
     .opd-store-probe-<hex>                a reachability probe (created and deleted at once by
                                           ``check_reachable``); not a step, never listed as one
 
@@ -19,7 +19,6 @@ import secrets
 import time
 
 MANIFEST_NAME = "manifest.json"
-LEGACY_MARKER = "COMPLETE"
 STEP_PREFIX = "step-"
 PROBE_PREFIX = ".opd-store-probe-"
 
@@ -129,7 +128,6 @@ def check_payload_name(name: str) -> str:
 
 
 __all__ = [
-    "LEGACY_MARKER",
     "MANIFEST_NAME",
     "PROBE_PREFIX",
     "STEP_PREFIX",

@@ -12,14 +12,14 @@ from __future__ import annotations
 from ..errors import ResumeMismatchError
 from ..format import parse_step_dirname
 from ..opd import SCHEMA_SHARDED
-from ..store import BaseStore
+from ..store import ReadableStore
 
 
-def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard: bool) -> int | None:
+def check_checkpoint_kind(store: ReadableStore, checkpoint_url: str | None, *, shard: bool) -> int | None:
     """Refuse to resume ``checkpoint_url`` (a step of ``store``) when it was saved the other way.
 
     Args:
-        store (BaseStore): the job's store.
+        store (ReadableStore): the job's store.
         checkpoint_url (str | None): the step to resume (``.../step-NNNNNN``); ``None``: no resume.
         shard (bool): whether this run shards (``--shard``).
 
@@ -30,7 +30,7 @@ def check_checkpoint_kind(store: BaseStore, checkpoint_url: str | None, *, shard
     Raises:
         ResumeMismatchError: the step is sharded and ``shard`` is off, or the other way round; the
             message names the step, its URL and the flag. A step whose manifest cannot be read
-            (a seed-layout one) is left to the loader.
+            (a legacy one) is left to the loader.
     """
     if checkpoint_url is None:
         return None

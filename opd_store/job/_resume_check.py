@@ -8,14 +8,14 @@ that holds step 4) is refused too: the run would redo updates and then fail at t
 from __future__ import annotations
 
 from ..errors import CommitConflictError
-from ..store import BaseStore, newest_intact_step, refuse_damaged_step_ahead
+from ..store import ReadableStore, newest_intact_step, refuse_damaged_step_ahead
 
 
-def check_steps_ahead(store: BaseStore, resumed_step: int | None, updates: int) -> None:
+def check_steps_ahead(store: ReadableStore, resumed_step: int | None, updates: int) -> None:
     """Refuse a run that would save a step already committed (between its resume point and ``updates``).
 
     Args:
-        store (BaseStore): the job's store.
+        store (ReadableStore): the job's store.
         resumed_step (int | None): the step the run resumes from (``None``: from scratch).
         updates (int): the run's last step.
 

@@ -35,7 +35,7 @@ from ..opd import (
 )
 from ..retention import RetentionPolicy, RunLineage
 from ..runtime import PreemptionWatcher, kill_points
-from ..store import BaseStore
+from ..store import BaseStore, ReadableStore
 from ._checkpoint_kind import check_checkpoint_kind
 from ._corpus import CORPUS, prompts_at
 from ._models import ModelSpec, build_student, build_teacher, build_tokenizer
@@ -378,7 +378,7 @@ def train(
                        saves.saves, preempted)
 
 
-def _resume_target(store: BaseStore, resume: str, updates: int, group=None) -> str | None:
+def _resume_target(store: ReadableStore, resume: str, updates: int, group=None) -> str | None:
     """The checkpoint to resume (``auto``: the newest step that verifies deeply, damaged newer steps
     skipped with a warning), after refusing a run that would save a step already committed
     (:mod:`opd_store.job._resume_check`); with a process group, one decision (rank 0's) for every rank."""
@@ -394,7 +394,7 @@ def _resume_target(store: BaseStore, resume: str, updates: int, group=None) -> s
     return decide() if group is None else decide_on_rank0(group, decide)
 
 
-def _complete_step(store: BaseStore, step: int) -> int:
+def _complete_step(store: ReadableStore, step: int) -> int:
     if not store.is_complete(step):
         complete = [info.step for info in store.checkpoints() if info.status == "complete"]
         raise CheckpointNotFoundError(

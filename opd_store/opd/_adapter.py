@@ -10,21 +10,14 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointNotFoundError
-from ..store import COMPLETE, BaseStore
-from ._names import (
-    ADAPTER_DIR,
-    PROCESSOR_DIR,
-    PROCESSOR_MARKERS,
-    CheckpointRef,
-    require_complete,
-    resolve_checkpoint,
-)
+from ..store import COMPLETE, ReadableStore
+from ._names import ADAPTER_DIR, PROCESSOR_DIR, PROCESSOR_MARKERS, CheckpointRef, open_checkpoint
 from ._safe_load import load_payload
 
 DCP_METADATA = ".metadata"  # a sharded (DCP) checkpoint; opd_store.dcp._metadata_io.METADATA_NAME
 
 
-def _adapter_weights(store: BaseStore, step: int, names: list[str], prefix: str, url: str) -> dict:
+def _adapter_weights(store: ReadableStore, step: int, names: list[str], prefix: str, url: str) -> dict:
     safetensors_name = f"{prefix}adapter_model.safetensors"
     bin_name = f"{prefix}adapter_model.bin"
     if safetensors_name in names:
@@ -36,7 +29,7 @@ def _adapter_weights(store: BaseStore, step: int, names: list[str], prefix: str,
     raise CheckpointNotFoundError(f"{url} has no adapter weights ({safetensors_name} or {bin_name})")
 
 
-def _restore_peft_adapter(store: BaseStore, step: int, names: list[str], model: Any, url: str) -> None:
+def _restore_peft_adapter(store: ReadableStore, step: int, names: list[str], model: Any, url: str) -> None:
     peft_config = getattr(model, "peft_config", None)
     if not isinstance(peft_config, Mapping) or not peft_config:
         raise TypeError(
@@ -95,11 +88,11 @@ def _processor_class(name: str | None) -> Any:
     return None
 
 
-def _load_processor(store: BaseStore, step: int, names: list[str], url: str, class_name: str | None) -> Any:
+def _load_processor(store: ReadableStore, step: int, names: list[str], url: str, class_name: str | None) -> Any:
     prefix = f"{PROCESSOR_DIR}/"
     chosen = [name for name in names if name.startswith(prefix)]
     if not chosen:
-        # Seed layout: the seed's save_adapter wrote the processor beside the adapter.
+        # A legacy step: the seed's save_adapter wrote the processor beside the adapter.
         adapter_prefix = f"{ADAPTER_DIR}/"
         if not any(f"{adapter_prefix}{marker}" in names for marker in PROCESSOR_MARKERS):
             return None
@@ -124,7 +117,7 @@ def _load_processor(store: BaseStore, step: int, names: list[str], url: str, cla
         raise ValueError(f"cannot load the processor saved at {url}: {'; '.join(errors)}")
 
 
-def _restore_from_shards(store: BaseStore, step: int, model: Any, url: str) -> None:
+def _restore_from_shards(store: ReadableStore, step: int, model: Any, url: str) -> None:
     """Gather the adapter of a sharded checkpoint (DCP) into this process's unsharded PEFT model.
 
     One process, no collectives: DCP's planner reads every shard of each adapter tensor from the
@@ -171,7 +164,7 @@ def load_adapter(checkpoint: CheckpointRef, model: Any, *, storage_options: dict
     restore would train a different adapter than the one saved).
     Tensors land on the device of the adapter's parameters.
 
-    The processor is rebuilt from ``processor/`` (seed layout: from the processor files inside
+    The processor is rebuilt from ``processor/`` (a legacy step: from the processor files inside
     ``adapter/``) in a temporary directory, with the class recorded in the manifest when it is a
     ``transformers`` tokenizer/processor class, else ``AutoProcessor`` then ``AutoTokenizer``
     (``trust_remote_code=False``: no code from the checkpoint runs).
@@ -179,7 +172,7 @@ def load_adapter(checkpoint: CheckpointRef, model: Any, *, storage_options: dict
     Rank obligations: every rank that holds a replica of the student calls this.
 
     Args:
-        checkpoint (str | os.PathLike | tuple[BaseStore, int]): the step prefix or
+        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix or
             ``(store, step)``.
         model (Any): a PEFT model whose adapters were created with the saved configuration.
         storage_options (dict | None): fsspec options for a URL.
@@ -195,12 +188,11 @@ def load_adapter(checkpoint: CheckpointRef, model: Any, *, storage_options: dict
         FileNotFoundError: no adapter weights for one of the model's adapters.
         opd_store.errors.IntegrityError: a payload's bytes differ from its manifest entry.
     """
-    store, step = resolve_checkpoint(checkpoint, storage_options)
-    report = require_complete(store, step)
+    store, step, report = open_checkpoint(checkpoint, storage_options)
     url = report.url
     names = store.names(step)
     if DCP_METADATA in names:
-        _restore_from_shards(store, step, model, url)
+        _restore_from_shards(store.store, step, model, url)  # a sharded step is never legacy
     else:
         _restore_peft_adapter(store, step, names, model, url)
     class_name = None

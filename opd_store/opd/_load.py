@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from ..errors import CheckpointNotFoundError
-from ..store import BaseStore, as_store
+from ..store import BaseStore, LegacyReader, ReadableStore, as_store
 from ._distributed import check_group_args, current_group, decide_on_rank0, load_collective
 from ._elastic import ElasticResume
 from ._names import (
@@ -32,8 +32,7 @@ from ._names import (
     CheckpointRef,
     check_pickle_opt_in,
     check_rank,
-    require_complete,
-    resolve_checkpoint,
+    open_checkpoint,
     rng_payload_name,
 )
 from ._resume import validate_resume
@@ -41,7 +40,7 @@ from ._rng import restore_rng_state
 from ._safe_load import load_payload
 
 
-def read_config_dict(store: BaseStore, step: int) -> dict | None:
+def read_config_dict(store: ReadableStore, step: int) -> dict | None:
     """The step's ``config.yaml`` as a dict (``None`` when absent or not a mapping): consulted
     only when the config fingerprints differ (:func:`~opd_store.opd._resume.validate_resume`)."""
     try:
@@ -98,35 +97,20 @@ def load_opd_checkpoint(
 ) -> dict:
     """Restore the exact next-update state of one rank from an OPD checkpoint.
 
-    Order (seed, with every check moved before the first restore so a refused resume changes
-    nothing): completeness; schema; resume validation by
-    :func:`opd_store.opd._resume.validate_resume` (config fingerprint, provenance and world size
-    under ``config.checkpoint.resume_mode``; a world-size change is refused except under
-    ``elastic``, whose policy is :mod:`opd_store.opd._elastic`: a rank beyond the saved world size
-    gets an RNG state derived from the checkpoint); the seed's
-    teacher ``update_count`` check; then optimizer, scheduler, teacher (through
-    ``teacher_state_loader``), and this rank's RNG state last, so nothing that runs during the
-    restore can move the generators afterwards (field notes: "RNG captured first, restored last").
+    Every check runs before the first restore, so a refused resume changes nothing (the seed's
+    order otherwise): completeness, schema, the resume mode's validation
+    (:func:`~opd_store.opd._resume.validate_resume`, docs/resume.md), the teacher's
+    ``update_count``; then optimizer, scheduler, teacher and this rank's RNG state last, so nothing
+    that runs during the restore moves the generators afterwards (field notes). Payloads load on
+    the CPU; ``Optimizer.load_state_dict`` moves the state to each parameter's device and dtype.
 
-    Under ``rollout_limit_change`` with a changed rollout limit, the returned state drops
-    ``validation_baseline``, ``last_validation_artifact`` and ``validation_baseline_step`` and
-    records ``rollout_limit_changed_at_update = successful_updates`` (seed); optimizer, teacher,
-    query and counters stay the parent's.
-
-    Optimizer state lands on the parameters' devices whatever device saved it: payloads load with
-    ``map_location="cpu"`` (a GPU checkpoint loads on a CPU-only host) and
-    ``Optimizer.load_state_dict`` moves each state tensor to its parameter's device and dtype
-    (``step`` counters stay on the CPU unless the optimizer is ``capturable``/``fused``).
-
-    Rank obligations: every rank calls this with its own ``rank`` and the same ``world_size``;
-    each gets its own RNG state (``rng-rank-XX.pt``) back. With a ``torch.distributed`` process
-    group of more than one rank initialised, both default to the group's and the load is a
-    collective: when any rank fails, every rank raises (see Raises); a world-size change
-    raises the same ``ResumeMismatchError`` on every rank, naming both sizes.
+    Rank obligations: every rank calls this with its own ``rank`` and the same ``world_size`` and
+    gets its own RNG state back; under a process group of more than one rank both default to the
+    group's and the load is a collective (a failure on any rank raises on every rank).
 
     Args:
-        checkpoint (str | os.PathLike | tuple[BaseStore, int]): the step prefix's path or
-            URL, or ``(store, step)``; a seed-layout directory works too.
+        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix's path or
+            URL, or ``(store, step)``; a legacy step (the seed's own directory) works too.
         optimizer (torch.optim.Optimizer): built over the same parameters as when saved.
         scheduler (Any): LR scheduler with ``load_state_dict``.
         config (Any): the current config (``fingerprint()``, ``as_dict()``, optional
@@ -142,23 +126,22 @@ def load_opd_checkpoint(
             only for local directories (a bucket checkpoint never runs code on load).
 
     Returns:
-        dict: the trainer state (tensors on the CPU).
+        dict: the trainer state (tensors on the CPU; under ``rollout_limit_change`` with a changed
+        limit, without the validation keys: docs/resume.md).
 
     Raises:
-        ValueError: the checkpoint is sharded (use :func:`~opd_store.opd._sharded_load.load_sharded_opd_checkpoint`),
-            is incomplete (:class:`~opd_store.errors.IncompleteCheckpointError`,
-            naming its URL), has an unknown schema, a malformed training state or a restored
-            teacher update count that differs from ``successful_updates``, or ``rank`` is out of
-            range.
-        opd_store.errors.ResumeMismatchError: (a ``ValueError``) the resume is refused; the message
-            names every differing field, or both world sizes.
+        ValueError: the checkpoint is sharded (load it with ``load_sharded_opd_checkpoint``), is
+            incomplete (:class:`~opd_store.errors.IncompleteCheckpointError`, naming its URL), has
+            an unknown schema, a malformed training state or a teacher update count other than
+            ``successful_updates``, or ``rank`` is out of range.
+        opd_store.errors.ResumeMismatchError: (a ``ValueError``) the resume is refused, naming every
+            differing field or both world sizes (the same on every rank).
         opd_store.errors.UnsafeCheckpointError: (a ``ValueError``) a payload needs plain pickle and
             ``allow_pickle`` is off, or ``allow_pickle`` was asked for a non-local store.
         opd_store.errors.IntegrityError: a payload's bytes differ from its manifest entry.
         FileNotFoundError: a payload (such as this rank's RNG file) is missing.
-        opd_store.errors.DistributedLoadError: (process group only, an ``OSError``) some ranks
-            failed and others did not, or they failed differently; raised on every rank, naming
-            each failing rank and its error.
+        opd_store.errors.DistributedLoadError: (an ``OSError``) ranks of a process group failed
+            differently, or some did not; raised on every rank, naming each failing rank.
     """
     load = functools.partial(
         _load_one, checkpoint, optimizer=optimizer, scheduler=scheduler, config=config,
@@ -186,9 +169,9 @@ def _load_one(
     checkpoint: CheckpointRef, *, optimizer, scheduler, config, provenance_fingerprints, teacher_state_loader,
     rank: int, world_size: int, storage_options, allow_pickle: bool,
 ) -> dict:
-    store, step = resolve_checkpoint(checkpoint, storage_options)
     check_rank(rank, world_size)
-    url = require_complete(store, step).url
+    store, step, report = open_checkpoint(checkpoint, storage_options)
+    url = report.url
     check_pickle_opt_in(store, allow_pickle, url)
 
     # store.open: a local payload is read once by torch.load from the verified file (no bytes copy
@@ -250,8 +233,8 @@ def _load_one(
     return state
 
 
-def _metadata_of(store: BaseStore, step: int) -> dict:
-    """The step's manifest metadata, empty when it has no readable manifest (a seed-layout step)."""
+def _metadata_of(store: ReadableStore, step: int) -> dict:
+    """The step's manifest metadata, empty when it has no readable manifest (a legacy step)."""
     try:
         return dict(store.manifest(step).metadata)
     except (FileNotFoundError, ValueError):
@@ -261,7 +244,7 @@ def _metadata_of(store: BaseStore, step: int) -> dict:
 def latest_complete_checkpoint(
     checkpoints_dir: str | os.PathLike | BaseStore, *, storage_options: dict[str, Any] | None = None
 ) -> str:
-    """The newest complete checkpoint (manifest-committed or seed-layout) under a directory.
+    """The newest complete checkpoint (manifest-committed or legacy) under a directory.
 
     Steps are ordered numerically. Uncommitted, incomplete and corrupt steps are skipped (and
     logged), never chosen (field notes: a half-written newest checkpoint must not win).
@@ -281,14 +264,14 @@ def latest_complete_checkpoint(
         FileNotFoundError: no complete checkpoint
             (:class:`~opd_store.errors.CheckpointNotFoundError`; seed message).
     """
-    store = as_store(checkpoints_dir, storage_options)
+    reader = LegacyReader(as_store(checkpoints_dir, storage_options))
 
     def decide() -> str:
         try:
-            step = store.latest_step(include_legacy=True)
+            step = reader.latest_step()
         except CheckpointNotFoundError as exc:
             raise CheckpointNotFoundError(f"in-place OPD resume has no complete checkpoint: {exc}") from exc
-        return store.step_url(step)
+        return reader.step_url(step)
 
     group = current_group()
     return decide() if group is None else decide_on_rank0(group, decide)

@@ -16,8 +16,9 @@ the seed's payload names inside the committed attempt:
 
 The manifest's metadata repeats the trainer counters and fingerprints (readable without torch) and
 names the processor class. The checkpoint exists exactly when its manifest does (the store's
-commit), which replaces the seed's ``COMPLETE`` marker plus directory rename; seed-layout
-directories (``COMPLETE`` marker, no manifest) still load with the same calls.
+commit), which replaces the seed's ``COMPLETE`` marker plus directory rename; the seed's own
+directories (legacy steps: the marker, no manifest) still load with the same calls, read through
+:class:`~opd_store.store.LegacyReader` (:func:`open_checkpoint`).
 
 Where a checkpoint is named, these are accepted: a local path or fsspec URL of the step prefix
 (``/runs/a/step-000042``, ``s3://bucket/run/step-000042``), or a ``(store, step)`` pair (a
@@ -33,7 +34,7 @@ from typing import Any, Union
 
 from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
 from ..format import parse_step_dirname, step_dirname
-from ..store import COMPLETE, LEGACY, BaseStore, CheckpointStore, VerifyReport, split_checkpoint_url
+from ..store import CheckpointStore, LegacyReader, ReadableStore, VerifyReport, split_checkpoint_url
 
 SCHEMA_V1 = "opd_checkpoint_v1"
 SCHEMA_V2 = "opd_checkpoint_v2"
@@ -52,7 +53,7 @@ PAYLOAD_KEYS = (
 )
 PROCESSOR_MARKERS = ("tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
-CheckpointRef = Union[str, os.PathLike, "tuple[BaseStore, int]"]
+CheckpointRef = Union[str, os.PathLike, "tuple[ReadableStore, int]"]
 
 
 def rng_payload_name(rank: int, world_size: int) -> str:
@@ -62,11 +63,11 @@ def rng_payload_name(rank: int, world_size: int) -> str:
 
 def resolve_checkpoint(
     checkpoint: CheckpointRef, storage_options: dict[str, Any] | None = None
-) -> tuple[BaseStore, int]:
+) -> tuple[ReadableStore, int]:
     """Turn a checkpoint reference into ``(store, step)``.
 
     Args:
-        checkpoint (str | os.PathLike | tuple[BaseStore, int]): the step prefix's local path
+        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix's local path
             or URL (as returned by :func:`save_opd_checkpoint` and
             :func:`latest_complete_checkpoint`), or a store and a step.
         storage_options (dict | None): fsspec options for a URL (ignored for a store).
@@ -76,11 +77,11 @@ def resolve_checkpoint(
             not a non-negative int.
         TypeError: a bare store (it names no step).
     """
-    if isinstance(checkpoint, tuple) and len(checkpoint) == 2 and isinstance(checkpoint[0], BaseStore):
+    if isinstance(checkpoint, tuple) and len(checkpoint) == 2 and isinstance(checkpoint[0], ReadableStore):
         store, step = checkpoint
         step_dirname(step)  # validates
         return store, step
-    if isinstance(checkpoint, BaseStore):
+    if isinstance(checkpoint, ReadableStore):
         raise TypeError("a store names no checkpoint: pass (store, step) or the step's URL")
     text = os.fspath(checkpoint)
     if "://" not in text:
@@ -94,16 +95,36 @@ def resolve_checkpoint(
     return split_checkpoint_url(checkpoint, storage_options)
 
 
-def require_complete(store: BaseStore, step: int) -> VerifyReport:
-    """The step's report, or raise when it is not complete (manifest-committed or seed marker)."""
+def require_complete(store: ReadableStore, step: int) -> VerifyReport:
+    """The step's report (sizes checked), or raise when it is not complete (a legacy step is,
+    read through a :class:`~opd_store.store.LegacyReader`).
+
+    Raises:
+        IncompleteCheckpointError: naming the URL, the status and every problem.
+    """
     report = store.verify(step)
-    if report.status not in (COMPLETE, LEGACY):
+    if not report.ok:
         reasons = "; ".join(problem.detail for problem in report.problems) or report.status
         raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} ({report.status}: {reasons})")
     return report
 
 
-def check_pickle_opt_in(store: BaseStore, allow_pickle: bool, url: str) -> None:
+def open_checkpoint(
+    checkpoint: CheckpointRef, storage_options: dict[str, Any] | None = None
+) -> tuple[LegacyReader, int, VerifyReport]:
+    """A checkpoint reference as a reader of its store that also reads legacy steps, its step and
+    its report, once it is complete (:func:`resolve_checkpoint`, :func:`require_complete`).
+
+    Raises:
+        ValueError, TypeError: as :func:`resolve_checkpoint`.
+        IncompleteCheckpointError: as :func:`require_complete`.
+    """
+    store, step = resolve_checkpoint(checkpoint, storage_options)
+    reader = LegacyReader(store)
+    return reader, step, require_complete(reader, step)
+
+
+def check_pickle_opt_in(store: ReadableStore, allow_pickle: bool, url: str) -> None:
     """Refuse ``allow_pickle`` for a store that is not a local directory (a bucket checkpoint
     never runs code on load).
 
@@ -149,6 +170,7 @@ __all__ = [
     "check_pickle_opt_in",
     "check_rank",
     "check_world_size",
+    "open_checkpoint",
     "require_complete",
     "resolve_checkpoint",
     "rng_payload_name",

@@ -117,7 +117,7 @@ def save_opd_checkpoint(
         ValueError: a rule is broken (:class:`~opd_store.errors.UnsafeCheckpointError` names the key
             path of state or config that cannot be restored), or a ``retention`` a tiered store
             with ``bucket_retention`` refuses. Nothing is written.
-        FileExistsError: (``CommitConflictError``) the step is committed, or holds a seed-layout checkpoint.
+        FileExistsError: (``CommitConflictError``) the step is committed, or holds a legacy checkpoint.
         opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
         opd_store.errors.DistributedSaveError: (multi-rank) any rank failed, on every rank, naming
             each; ``DistributedCommitConflictError`` for a committed step. Nothing is committed.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ..errors import RetentionError
 from ..runtime import kill_points
 from ..storage import describe
-from ..store import COMPLETE, CORRUPT, CheckpointInfo, CheckpointStore, pinned_steps
+from ..store import COMPLETE, CORRUPT, CheckpointInfo, CheckpointStore, LegacyReader, pinned_steps
 from ._policy import RetentionPlan, RetentionPolicy, RunLineage, StepRecord, plan_retention
 
 if TYPE_CHECKING:
@@ -120,7 +120,9 @@ def plan_store_retention(
     Returns:
         tuple[RetentionPlan, dict[int, int]]: the plan and each step's size in bytes.
     """
-    records = step_records(store.checkpoints())
+    # Legacy steps are listed as such (the plan reports and keeps them, as every step but a
+    # complete one), in the same one listing.
+    records = step_records(LegacyReader(store).checkpoints())
     if deep:
         records = _deep_checked(store, records, policy)
     plan = plan_retention(records, policy, pinned=pinned_steps(store), just_committed=just_committed,
@@ -180,7 +182,7 @@ def retention_after_commit(
     policy: RetentionPolicy, step: int, *, lineage: RunLineage | None = None, url: str | None = None
 ):
     """The after-commit retention hook of a save of ``step``: ``hook(durable_store)``, run by
-    :meth:`BaseStore.when_durable <opd_store.store._api.BaseStore.when_durable>` once the step is
+    :meth:`Durability.when_durable <opd_store.store._api.Durability.when_durable>` once the step is
     durable (at once on a plain store, after the upload on a tiered one, against the bucket).
 
     ``step`` (just committed) and ``lineage.parent_step`` (until the run has a second checkpoint)

@@ -38,8 +38,8 @@ The grace period must exceed the longest time a live save goes without writing: 
 parts, on GCS its temporary part objects and on local disk its bytes count as writes while it
 streams; a payload of at most one part is one request, invisible until it lands.
 
-A tiered store is collected tier by tier (:meth:`BaseStore.retention_tiers
-<opd_store.store._api.BaseStore.retention_tiers>`), each tier on its own clock: the bucket with the
+A tiered store is collected tier by tier (:meth:`Durability.retention_tiers
+<opd_store.store._api.Durability.retention_tiers>`), each tier on its own clock: the bucket with the
 policy asked for, the local tier with its own, and a local step that is not durable yet is never
 deleted. Attempts written by the tier uploader (the bucket copy of a step) and by an asynchronous
 save's background writer are judged by the same rule: only their objects' times count.
@@ -53,7 +53,8 @@ import time
 from collections.abc import Iterable
 
 from ..format import MANIFEST_NAME, attempt_created_secs, is_attempt_id, parse_step_dirname, step_dirname
-from ..store import LEGACY, BaseStore, CheckpointStore
+from ..storage import MultipartUploads
+from ..store import CheckpointStore, Durability, holds_legacy_marker
 from ._executor import GcReport, apply_retention, execute_plan
 from ._policy import RetentionPolicy
 
@@ -150,9 +151,12 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
            now_secs: float | None = None) -> Survey:
     """Orphan attempts and stale multipart uploads of ``store`` (module docstring), read only.
 
-    One reading of the store's clock, one flat listing, one listing of multipart uploads (S3), one
-    ``ListParts`` per upload initiated longer ago than the grace period, one manifest read per
-    committed step (which attempt it names), one listing per step without a manifest (legacy?).
+    One reading of the store's clock, one flat listing, one listing of multipart uploads (where the
+    backend has them: :meth:`Storage.multipart_uploads
+    <opd_store.storage._base.Storage.multipart_uploads>`), one ``ListParts`` per upload initiated
+    longer ago than the grace period, one manifest read per
+    committed step (which attempt it names); a step without a manifest is judged from the listing
+    (a legacy step's marker keeps it).
 
     Args:
         store (CheckpointStore): the store (one tier).
@@ -179,8 +183,9 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
             attempt.size_bytes += size
             attempt.saw(modified)
     uploads: list[tuple[str, str, float]] = []
-    for rel, upload_id, initiated in storage.list_uploads():
-        last = _upload_activity(storage, now, older_than_secs, rel, upload_id, initiated)
+    multipart = storage.multipart_uploads()
+    for rel, upload_id, initiated in multipart.list() if multipart is not None else []:
+        last = _upload_activity(multipart, now, older_than_secs, rel, upload_id, initiated)
         uploads.append((rel, upload_id, last))
         key = _attempt_of(rel)
         if key is not None:
@@ -211,14 +216,14 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
     return Survey(now, orphans, stale, live)
 
 
-def _upload_activity(storage, now: float, older_than_secs: float, rel: str, upload_id: str,
+def _upload_activity(multipart: MultipartUploads, now: float, older_than_secs: float, rel: str, upload_id: str,
                      initiated: float) -> float:
     """The last activity of one multipart upload on the store's clock: its ``Initiated``, or its
     newest part's time when it was initiated longer ago than the grace period (a live upload has a
     recent part; moto also reports one fixed ``Initiated`` for every upload)."""
     if now - initiated < older_than_secs:
         return initiated
-    newest_part = storage.newest_part_secs(rel, upload_id)
+    newest_part = multipart.newest_part_secs(rel, upload_id)
     return initiated if newest_part is None else max(initiated, newest_part)
 
 
@@ -234,7 +239,7 @@ def _committed_attempts(store: CheckpointStore, by_step: dict[int, dict[str, int
             if manifest is None:  # unreadable manifest: which attempt it names is unknown
                 continue
             out[step] = manifest.attempt_id
-        elif store.status(step) != LEGACY:
+        elif not holds_legacy_marker(objects):
             out[step] = None
     return out
 
@@ -260,7 +265,8 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
     """
     orphans = list(orphans)
     now = store.storage.clock_secs() if orphans and older_than_secs is not None else None
-    open_uploads = store.storage.list_uploads() if now is not None else []
+    multipart = store.storage.multipart_uploads()
+    open_uploads = multipart.list() if now is not None and multipart is not None else []
     deleted = []
     for orphan in orphans:
         try:
@@ -272,7 +278,7 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
             continue
         if now is not None:
             times = [modified for _size, modified in store.storage.list_tree_modified(orphan.rel).values()]
-            times += [_upload_activity(store.storage, now, older_than_secs, rel, upload_id, initiated)
+            times += [_upload_activity(multipart, now, older_than_secs, rel, upload_id, initiated)
                       for rel, upload_id, initiated in open_uploads if rel.startswith(f"{orphan.rel}/")]
             if any(modified is None or now - modified < older_than_secs for modified in times):
                 logger.warning("gc: %s was written to meanwhile; kept", orphan.url)
@@ -283,7 +289,7 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
 
 
 def collect_garbage(
-    store: BaseStore,
+    store: Durability,
     policy: RetentionPolicy,
     *,
     orphans_older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS,
@@ -294,7 +300,7 @@ def collect_garbage(
     """Retention, orphan removal and stale-upload aborts in one pass (``opd-store gc``).
 
     Args:
-        store (BaseStore): a plain store, or a tiered store (each tier is collected; see the
+        store (Durability): a plain store, or a tiered store (each tier is collected; see the
             module docstring).
         policy (RetentionPolicy): steps to keep (a policy with no rule deletes no step); on a
             tiered store, the bucket's.
@@ -319,7 +325,7 @@ def collect_garbage(
 
 
 def collect_garbage_tiers(
-    store: BaseStore,
+    store: Durability,
     policy: RetentionPolicy,
     *,
     orphans_older_than_secs: float = DEFAULT_ORPHAN_GRACE_SECS,
@@ -352,8 +358,9 @@ def _collect_tier(store: CheckpointStore, policy: RetentionPolicy, not_durable: 
     # An upload under an attempt lives and dies with it: none of an orphan kept at its deletion.
     kept = {(o.step, o.attempt_id) for o in found.orphans} - {(o.step, o.attempt_id) for o in report.orphans}
     report.uploads = [u for u in report.uploads if _attempt_of(u.rel) not in kept]
-    for upload in report.uploads:
-        store.storage.abort_upload(upload.rel, upload.upload_id)
+    multipart = store.storage.multipart_uploads()
+    for upload in report.uploads:  # found only where the backend has multipart uploads
+        multipart.abort(upload.rel, upload.upload_id)
     return report
 
 

@@ -1,4 +1,4 @@
-"""Per-backend create-only writes, probes and clocks.
+"""Per-backend create-only writes, reachability probes and clocks.
 
 How each backend makes the manifest create-only (the commit point):
 
@@ -30,7 +30,7 @@ from typing import BinaryIO
 from ..errors import UnsupportedBackendError
 from ..format import Crc32c
 from . import _reachability as reachability
-from ._fsspec import FsspecStorage, NoMultipartUploads
+from ._fsspec import FsspecStorage
 
 _MEMORY_LOCK = threading.Lock()
 
@@ -78,7 +78,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LocalStorage(NoMultipartUploads, FsspecStorage):
+class LocalStorage(FsspecStorage):
     """A local directory. Payloads are fsynced at close; the manifest is linked into place."""
 
     # Payload writes reach the kernel 512 KiB at a time. On this project's VMs (Linux 6.18 with
@@ -120,11 +120,8 @@ class LocalStorage(NoMultipartUploads, FsspecStorage):
             handle.close()
             raise
 
-    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
-        reachability.local_probe_read(self, stage)
-
-    def probe_write(self, stage: dict[str, str]) -> None:
-        reachability.local_probe_write(self, stage)
+    def reachability_probe(self) -> reachability.Probe:
+        return reachability.LocalProbe(self)
 
     def clock_secs(self) -> float:
         # The filesystem's clock where a file can be created (a network filesystem stamps files
@@ -161,7 +158,7 @@ class LocalStorage(NoMultipartUploads, FsspecStorage):
             _fsync_dir(directory)
 
 
-class MemoryStorage(NoMultipartUploads, FsspecStorage):
+class MemoryStorage(FsspecStorage):
     """fsspec's process-global ``memory://`` store."""
 
     commit_primitive = "exists check + put under a process-wide lock"
@@ -182,7 +179,7 @@ class MemoryStorage(NoMultipartUploads, FsspecStorage):
             self.fs.pipe_file(path, data)
 
 
-class CheckThenPutStorage(NoMultipartUploads, FsspecStorage):
+class CheckThenPutStorage(FsspecStorage):
     """Any other fsspec backend. Refuses to commit unless check-then-put was opted into."""
 
     commit_primitive = "exists check, then plain put (NOT atomic: racing writers can both win)"

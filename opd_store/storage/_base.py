@@ -7,13 +7,12 @@ naming the missing verbs), not when a commit first needs it:
 
 ==========================  =========================================================================
 reads                       :meth:`~Storage.list_children`, :meth:`~Storage.list_tree`,
-                            :meth:`~Storage.size`, :meth:`~Storage.read_bytes`
+                            :meth:`~Storage.list_tree_modified`, :meth:`~Storage.size`,
+                            :meth:`~Storage.read_bytes`
 writes, overwrite mode      :meth:`~Storage.open_write` (a streaming writer; published by
                             :meth:`~Storage.finish_write`, discarded by :meth:`~Storage.abort_write`)
 writes, create-only mode    :meth:`~Storage.create_exclusive` (the commit point of every checkpoint)
 deletes                     :meth:`~Storage.delete`, :meth:`~Storage.delete_tree`
-multipart uploads           :meth:`~Storage.list_uploads`, :meth:`~Storage.abort_upload` (a backend
-                            without them says so with :class:`~opd_store.storage._fsspec.NoMultipartUploads`)
 ==========================  =========================================================================
 
 The other verbs have defaults built on these. Every verb that can decide a checkpoint's state
@@ -21,11 +20,14 @@ The other verbs have defaults built on these. Every verb that can decide a check
 :class:`~opd_store.storage._fsspec.FsspecStorage`). ``tests/core/test_storage_conformance.py``
 checks every verb of every backend against the backend's own client.
 
-Two more things every backend answers, both on the *store's* clock (never the caller's):
-:meth:`~Storage.list_tree_modified` (each object's modification time as the backend records it)
-and :meth:`~Storage.clock_secs` (the backend's notion of now). Garbage collection compares the
-two (:mod:`opd_store.retention._gc`). :meth:`~Storage.check_reachable` proves, in bounded time, that the
-store can be used the way a read or a save will use it (:mod:`opd_store.storage._reachability`).
+Beside the verbs, a storage holds what it is composed of: its parallel transfers
+(``storage.transfers``, :class:`~opd_store.storage.transfers.Transfers`: settings and part pools),
+the probe a reachability check runs (:meth:`~Storage.reachability_probe`,
+:mod:`opd_store.storage._reachability`) and, on a backend that has them (S3), its unfinished
+multipart uploads (:meth:`~Storage.multipart_uploads`, a :class:`MultipartUploads`; ``None``
+elsewhere). The store's clock (:meth:`~Storage.clock_secs`) and each object's modification time on
+it (:meth:`~Storage.list_tree_modified`) are what garbage collection compares
+(:mod:`opd_store.retention._gc`).
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ import time
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from ._client_options import ClientTimeouts
-from .transfers import PartPool, TransferSettings, transfer_pools
+from .transfers import Transfers
 
 if TYPE_CHECKING:
+    from ._reachability import Probe
     from .transfers import Completion
 
 logger = logging.getLogger("opd_store.storage")
@@ -70,7 +73,8 @@ class Storage(abc.ABC):
             not name one itself.
         credential_sources (str | None): where the client looks for credentials, named when it
             finds none.
-        transfers (TransferSettings): part size and parts in flight of parallel transfers.
+        transfers (Transfers): the settings (storage options ``part_size_bytes``,
+            ``parts_in_flight``) and part pools of parallel transfers (set by ``open_storage``).
     """
 
     commit_primitive = "none"
@@ -82,8 +86,6 @@ class Storage(abc.ABC):
     endpoint: str | None = None
     credential_sources: str | None = None
 
-    transfers = TransferSettings()  # storage options part_size_bytes and parts_in_flight
-
     def __init__(self, fs: Any | Callable[[], Any], root: str, url_root: str, *,
                  timeouts: ClientTimeouts | None = None) -> None:
         self._fs_factory = fs if callable(fs) else None
@@ -91,7 +93,7 @@ class Storage(abc.ABC):
         self._fs_lock = threading.Lock()
         self.timeouts = timeouts or ClientTimeouts()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
-        self._part_pool, self._read_pool = transfer_pools(self.transfers)  # not use_transfers: wrappers forward it
+        self.transfers = Transfers()
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.
@@ -126,21 +128,6 @@ class Storage(abc.ABC):
     @fs.setter
     def fs(self, value: Any) -> None:
         self._fs = value
-
-    def use_transfers(self, settings: TransferSettings) -> None:
-        """Move payloads with ``settings`` from now on (before the first transfer), with new pools
-        of ``parts_in_flight`` buffers of ``part_size_bytes`` (allocated on first use): one for
-        uploads, one for :meth:`open_read_stream` readers (a reader never waits for an upload)."""
-        self.transfers = settings
-        self._part_pool, self._read_pool = transfer_pools(settings)
-
-    def part_pool(self) -> PartPool:
-        """This store's reused upload part buffers (:meth:`use_transfers`)."""
-        return self._part_pool
-
-    def read_pool(self) -> PartPool:
-        """This store's reused buffers of copy readers (:meth:`use_transfers`)."""
-        return self._read_pool
 
     # -- names -------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -251,23 +238,6 @@ class Storage(abc.ABC):
     def delete_tree(self, rel: str) -> None:
         """Delete every object below ``rel``; a missing prefix is not an error."""
 
-    # -- multipart uploads (abstract) ----------------------------------------------------------
-    @abc.abstractmethod
-    def list_uploads(self) -> list[tuple[str, str, float]]:
-        """Unfinished multipart uploads under the root: ``(rel, upload_id, initiated_secs)``.
-
-        They are invisible to listings but billed (S3), so garbage collection aborts old ones.
-        """
-
-    @abc.abstractmethod
-    def abort_upload(self, rel: str, upload_id: str) -> None:
-        """Abort one unfinished multipart upload from :meth:`list_uploads`."""
-
-    def newest_part_secs(self, rel: str, upload_id: str) -> float | None:
-        """When the newest part of an unfinished multipart upload was stored (the store's clock),
-        or ``None`` when it has no part yet; ``None`` on backends without multipart uploads."""
-        return None
-
     # -- defaults built on the verbs above -----------------------------------------------------
     def refresh(self) -> None:
         """Drop whatever the backend client cached (listings, sizes); nothing by default."""
@@ -350,60 +320,43 @@ class Storage(abc.ABC):
         data = self.read_bytes(rel)
         return io.BytesIO(data), len(data), crc32c_hex(data)
 
-    def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
-        """Fail fast when the store cannot be used, within ``timeout_secs`` whatever the backend does.
+    # -- what the storage is composed of --------------------------------------------------------
+    def multipart_uploads(self) -> "MultipartUploads | None":
+        """This backend's unfinished multipart uploads under the root, or ``None`` when it has no
+        multipart uploads to list or abort (the default: local, memory, GCS, whose resumable
+        uploads gcsfs completes or cancels itself)."""
+        return None
 
-        See :func:`opd_store.storage._reachability.check_storage`.
+    def reachability_probe(self) -> "Probe":
+        """The probe :func:`~opd_store.storage._reachability.check_reachable` runs on this backend:
+        by default a listing of the root, and for writers a probe object created with the
+        create-only write and deleted. Backends whose client would retry for longer than the
+        check's bound return a bounded probe."""
+        from ._reachability import Probe
 
-        Args:
-            write (bool): prove a save can write here too (a probe object is created and deleted;
-                a missing local root is created); ``False`` for read-only use.
-            timeout_secs (float | None): the bound; the store's ``connect_timeout_secs`` by default.
+        return Probe(self)
 
-        Raises:
-            StoreUnreachableError: naming the store URL, the operation and the cause.
-            StoreNotFoundError: ``write`` is false and a local root does not exist.
-        """
-        from ._reachability import check_storage
 
-        check_storage(self, write=write, timeout_secs=timeout_secs or self.timeouts.connect_timeout_secs)
+class MultipartUploads(abc.ABC):
+    """Unfinished multipart uploads under a store's root: invisible to listings but billed (S3), so
+    garbage collection aborts the old ones. A capability: :meth:`Storage.multipart_uploads` returns
+    one on a backend that has them (:class:`~opd_store.storage.s3._uploads.S3Uploads`).
 
-    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
-        """The read half of :meth:`check_reachable`: authenticate and list the root once. Backends
-        whose client would retry for longer than ``timeout_secs`` override it with a bounded probe.
+    Every method answers on the store's clock and raises the backend's failure
+    (:class:`~opd_store.errors.StoreUnreachableError` when the store cannot be reached).
+    """
 
-        Args:
-            timeout_secs (float): the check's bound (for the requests' own timeouts).
-            stage (dict[str, str]): ``stage["operation"]`` is set to the operation under way
-                (``list the store``), which the check names if it fails or runs out of time.
+    @abc.abstractmethod
+    def list(self) -> list[tuple[str, str, float]]:
+        """Every unfinished upload under the root: ``(rel, upload_id, initiated_secs)``."""
 
-        Raises:
-            Exception: whatever the backend raised (the check names the cause).
-        """
-        stage["operation"] = "list the store"
-        self.list_children("")
+    @abc.abstractmethod
+    def abort(self, rel: str, upload_id: str) -> None:
+        """Abort one upload from :meth:`list`."""
 
-    def probe_write(self, stage: dict[str, str]) -> None:
-        """The write half of :meth:`check_reachable`: create a probe object under a reserved name
-        with the create-only write every commit uses, then delete it (a save's cleanup and
-        retention delete too). The name (:func:`opd_store.format._names.probe_name`) is no step and no
-        attempt: no listing, ``ls`` or ``gc`` sees it, and one left behind by a killed check is
-        harmless.
-
-        Args:
-            stage (dict[str, str]): as for :meth:`probe_read`.
-
-        Raises:
-            Exception: whatever the backend raised (the check names the cause).
-        """
-        from ..format import probe_name
-        from ._reachability import PROBE_BYTES
-
-        name = probe_name()
-        stage["operation"] = "write a probe object"
-        self.create_exclusive(name, PROBE_BYTES)
-        stage["operation"] = "delete the probe object"
-        self.delete(name)
+    @abc.abstractmethod
+    def newest_part_secs(self, rel: str, upload_id: str) -> float | None:
+        """When the newest part of one upload was stored, or ``None`` when it has no part yet."""
 
 
 def _unchanged(fs: Any) -> None:
@@ -415,4 +368,4 @@ def join(*parts: str) -> str:
     return posixpath.join(*[p for p in parts if p])
 
 
-__all__ = ["Storage", "join"]
+__all__ = ["MultipartUploads", "Storage", "join"]

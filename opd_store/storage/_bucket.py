@@ -48,7 +48,7 @@ class BucketStorage(FsspecStorage):
         bucket, _, key = self.path(rel).partition("/")
         url = self.url(rel)
         return RangeStream(self.fs.loop, range_fetcher(range_opener(self.fs, bucket, key), url, size_bytes), url,  # type: ignore[return-value]
-                           size_bytes, self.read_pool(), self.transfers.parts_in_flight,
+                           size_bytes, self.transfers.read_pool, self.transfers.settings.parts_in_flight,
                            translate=lambda exc: self.unreachable_error(rel, "read", exc))
 
     # Payload writers are parallel part writers (opd_store.storage.transfers._part_writer): publishing runs in

@@ -1,5 +1,5 @@
 """The storage verbs over one fsspec filesystem (every backend of :mod:`opd_store.storage._backends` and
-:mod:`opd_store.storage._bucket`), and the mixin of backends without multipart uploads.
+:mod:`opd_store.storage._bucket`).
 
 Every verb that can decide a checkpoint's state (list, size, read) sees the backend as it is now:
 s3fs and gcsfs cache listings and object sizes per instance (field notes: a stale cached size made
@@ -22,12 +22,14 @@ from __future__ import annotations
 import datetime
 import functools
 import threading
-from typing import BinaryIO
+from typing import BinaryIO, Callable, TypeVar
 
 from ..errors import OpdStoreError, StoreUnreachableError
 from ..runtime import register_io_thread
 from ._backend_errors import is_missing, is_unreachable
 from ._base import Storage
+
+T = TypeVar("T")
 
 # The verbs whose failures name an object, and what each was doing: ``<URL>: cannot <operation>:
 # <cause>``, so each operation is a whole phrase after the URL (never one ending in "of").
@@ -35,24 +37,30 @@ _VERB_OPERATIONS = {
     "list_children": "list", "list_tree": "list", "list_tree_modified": "list", "size": "read its size",
     "read_bytes": "read", "open_read": "open", "open_read_stream": "open", "open_checked": "read", "open_write": "start writing",
     "finish_write": "write", "create_exclusive": "create", "delete": "delete", "delete_tree": "delete",
-    "sync_prefix": "sync", "list_uploads": "list its multipart uploads", "abort_upload": "abort an upload under it",
-    "newest_part_secs": "list the parts of an upload under it", "clock_secs": "read the store's clock",
+    "sync_prefix": "sync", "clock_secs": "read the store's clock",
 }
+
+
+def translated(storage: "FsspecStorage", rel: str, operation: str, call: Callable[[], T]) -> T:
+    """``call()``, with a failure to reach the store raised as the
+    :class:`~opd_store.errors.StoreUnreachableError` of ``operation`` on ``rel`` (module docstring);
+    any other failure propagates as it is. Every verb, and the multipart uploads of S3, go through it."""
+    try:
+        return call()
+    except OpdStoreError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - only unreachable-store failures are translated
+        error = storage.unreachable_error(rel, operation, exc)
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _translating(operation: str, method):
     @functools.wraps(method)
     def verb(self: "FsspecStorage", *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except OpdStoreError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - only unreachable-store failures are translated
-            rel = kwargs.get("rel") or next((arg for arg in args if isinstance(arg, str)), "")  # finish_write(handle, rel)
-            translated = self.unreachable_error(rel, operation, exc)
-            if translated is None:
-                raise
-            raise translated from exc
+        rel = kwargs.get("rel") or next((arg for arg in args if isinstance(arg, str)), "")  # finish_write(handle, rel)
+        return translated(self, rel, operation, lambda: method(self, *args, **kwargs))
 
     verb.translates_failures = True
     return verb
@@ -96,8 +104,7 @@ register_io_thread(fsspec_loop_thread)
 class FsspecStorage(Storage):
     """The listing, reading, writing and deleting verbs of :class:`Storage` over ``self.fs``.
 
-    A concrete backend adds the create-only write (:meth:`Storage.create_exclusive`) and says
-    whether it has multipart uploads (:class:`NoMultipartUploads`).
+    A concrete backend adds the create-only write (:meth:`Storage.create_exclusive`).
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
@@ -233,24 +240,6 @@ class FsspecStorage(Storage):
             self.refresh()
 
 
-
-class NoMultipartUploads:
-    """Mixin of a backend without multipart uploads to list or abort (local, memory, GCS: gcsfs
-    completes or cancels its resumable uploads itself, and GCS lists none)."""
-
-    def list_uploads(self) -> list[tuple[str, str, float]]:
-        """None: this backend has no unfinished multipart uploads."""
-        return []
-
-    def abort_upload(self, rel: str, upload_id: str) -> None:
-        """Refused: there are no multipart uploads on this backend.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
-
-
 def _translate_verbs(cls: type, *, inherited: bool = False) -> None:
     for name, operation in _VERB_OPERATIONS.items():
         method = cls.__dict__.get(name) or (getattr(cls, name, None) if inherited else None)
@@ -261,4 +250,4 @@ def _translate_verbs(cls: type, *, inherited: bool = False) -> None:
 _translate_verbs(FsspecStorage, inherited=True)  # with the defaults of Storage (finish_write, ...)
 
 
-__all__ = ["FsspecStorage", "NoMultipartUploads", "modified_secs"]
+__all__ = ["FsspecStorage", "modified_secs", "translated"]

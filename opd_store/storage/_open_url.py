@@ -25,7 +25,7 @@ from ._base import Storage
 from ._client_options import split_options
 from .gcs import GCSStorage
 from .s3 import S3Storage
-from .transfers import TransferSettings
+from .transfers import Transfers, TransferSettings
 
 _BY_PROTOCOL: dict[str, type[Storage]] = {
     "file": LocalStorage,
@@ -114,7 +114,7 @@ def open_storage(
         else:
             storage = cls(build_client, root, url_root, timeouts=timeouts)
     storage.client_options = options
-    storage.use_transfers(transfers)
+    storage.transfers = Transfers(transfers)
     return storage
 
 

@@ -1,16 +1,16 @@
 """Fail fast: prove in bounded time that a store can be used the way a read or a save will use it.
 
-:func:`check_storage` is what ``check_reachable`` runs before any work (the CLI's commands, the
-main job before its first update):
+:func:`check_reachable` is what ``CheckpointStore.check_reachable`` runs before any work (the CLI's
+commands, the main job before its first update), with the :class:`Probe` the backend gives
+(:meth:`Storage.reachability_probe <opd_store.storage._base.Storage.reachability_probe>`):
 
-1. **Read half** (:meth:`Storage.probe_read <opd_store.storage._base.Storage.probe_read>`): a local
-   root must be a directory that can be listed (a missing one is :class:`StoreNotFoundError` for a
-   read: a typo must not look like an empty store); a bucket store authenticates and lists its
-   prefix once, with opd_store's own timeouts and at most one retry
-   (:mod:`opd_store.storage._bucket_probes`).
-2. **Write half** (``write=True``, :meth:`Storage.probe_write
-   <opd_store.storage._base.Storage.probe_write>`): a local root is created if missing and a probe
-   file is written, fsynced and deleted in it; a bucket store creates a probe object with the
+1. **Read half** (:meth:`Probe.read`): a local root must be a directory that can be listed
+   (:class:`LocalProbe`; a missing one is :class:`StoreNotFoundError` for a read: a typo must not
+   look like an empty store); a bucket store authenticates and lists its prefix once, with
+   opd_store's own timeouts and at most one retry (:mod:`opd_store.storage.s3._probes`,
+   :mod:`opd_store.storage.gcs._probes`).
+2. **Write half** (``write=True``, :meth:`Probe.write`): a local root is created if missing and a
+   probe file is written, fsynced and deleted in it; a bucket store creates a probe object with the
    create-only write every commit uses and deletes it. Asking ``os.access`` is no proof: a root
    process passes it on a read-only mount or an NFS export with root squash and then cannot write.
 
@@ -77,37 +77,84 @@ def call_within(timeout_secs: float, fn: Callable[[], Any], *, name: str = "opd-
     return outcome.get("value")
 
 
-def check_storage(storage: "Storage", *, write: bool, timeout_secs: float) -> None:
+class Probe:
+    """How :func:`check_reachable` proves one backend usable; this one suits any backend whose
+    client answers within the check's bound (memory, other fsspec protocols).
+
+    Args:
+        storage (Storage): the backend probed (its errors and URLs are the ones named).
+    """
+
+    def __init__(self, storage: "Storage") -> None:
+        self.storage = storage
+
+    def read(self, timeout_secs: float, stage: dict[str, str]) -> None:
+        """The read half: authenticate and list the root once.
+
+        Args:
+            timeout_secs (float): the check's bound (for the requests' own timeouts).
+            stage (dict[str, str]): ``stage["operation"]`` is set to the operation under way
+                (``list the store``), which the check names if it fails or runs out of time.
+
+        Raises:
+            Exception: whatever the backend raised (the check names the cause).
+        """
+        stage["operation"] = "list the store"
+        self.storage.list_children("")
+
+    def write(self, stage: dict[str, str]) -> None:
+        """The write half: create a probe object under a reserved name with the create-only write
+        every commit uses, then delete it (a save's cleanup and retention delete too). The name
+        (:func:`opd_store.format._names.probe_name`) is no step and no attempt: no listing, ``ls``
+        or ``gc`` sees it, and one left behind by a killed check is harmless.
+
+        Raises:
+            Exception: whatever the backend raised (the check names the cause).
+        """
+        name = probe_name()
+        stage["operation"] = "write a probe object"
+        self.storage.create_exclusive(name, PROBE_BYTES)
+        stage["operation"] = "delete the probe object"
+        self.storage.delete(name)
+
+
+def check_reachable(storage: "Storage", *, write: bool = True, timeout_secs: float | None = None) -> None:
     """Prove ``storage`` usable (see the module docstring) within ``timeout_secs``.
 
     Args:
-        storage (Storage): the backend.
-        write (bool): also prove a save can write (and create a missing local root).
-        timeout_secs (float): the bound, in seconds (> 0).
+        storage (Storage): the backend (a wrapper's probe is its inner backend's).
+        write (bool): also prove a save can write (and create a missing local root); ``False``
+            for read-only use.
+        timeout_secs (float | None): the bound, in seconds (> 0); the storage's
+            ``connect_timeout_secs`` when not given.
 
     Raises:
         StoreUnreachableError: naming the URL, the operation and the cause.
         StoreNotFoundError: a read-only check of a local root that does not exist.
         ValueError: ``timeout_secs`` is not positive.
     """
+    probe = storage.reachability_probe()
+    storage = probe.storage
+    if timeout_secs is None:
+        timeout_secs = storage.timeouts.connect_timeout_secs
     if not timeout_secs > 0:
         raise ValueError(f"timeout_secs must be > 0, got {timeout_secs!r}")
     stage: dict[str, str] = {"operation": "connect"}
 
-    def probe() -> None:
+    def run() -> None:
         try:
-            storage.probe_read(timeout_secs, stage)
+            probe.read(timeout_secs, stage)
         except StoreNotFoundError:
             if not write:
                 raise
-            storage.probe_write(stage)  # a save creates a missing root: so does its check
-            storage.probe_read(timeout_secs, stage)
+            probe.write(stage)  # a save creates a missing root: so does its check
+            probe.read(timeout_secs, stage)
             return
         if write:
-            storage.probe_write(stage)
+            probe.write(stage)
 
     try:
-        call_within(timeout_secs, probe)
+        call_within(timeout_secs, run)
     except _NoAnswer:
         raise StoreUnreachableError(
             f"{storage.url_root}: cannot {stage['operation']}: {no_answer(storage, stage['operation'], timeout_secs)}"
@@ -144,56 +191,57 @@ def missing_bucket(storage: "Storage", exc: BaseException) -> StoreUnreachableEr
     return error
 
 
-# -- local roots -------------------------------------------------------------------------------
-def local_probe_read(storage: "Storage", stage: dict[str, str]) -> None:
-    """The root is a directory this process can list.
+class LocalProbe(Probe):
+    """A local root: read a directory listing, write a file fsynced in it (module docstring)."""
 
-    Raises:
-        StoreNotFoundError: the root does not exist.
-        StoreUnreachableError: it is not a directory, or it cannot be listed.
-    """
-    root = storage.root
-    stage["operation"] = "list the store root"
-    try:
-        mode = os.stat(root).st_mode
-    except FileNotFoundError:
-        raise StoreNotFoundError(f"{root}: no such directory (a save creates it; check the path)") from None
-    except NotADirectoryError:
-        raise StoreUnreachableError(f"{root}: not a directory (a component of the path is a file)") from None
-    if not stat.S_ISDIR(mode):
-        raise StoreUnreachableError(f"{root}: exists and is not a directory")
-    os.listdir(root)
+    def read(self, timeout_secs: float, stage: dict[str, str]) -> None:
+        """The root is a directory this process can list.
 
-
-def local_probe_write(storage: "Storage", stage: dict[str, str]) -> None:
-    """Create the root if missing, then write, fsync and delete a probe file in it.
-
-    Raises:
-        StoreUnreachableError: the root cannot be created, or a file cannot be written in it
-            (a read-only mount, root squash, a full disk), naming the OS's reason.
-    """
-    root = storage.root
-    stage["operation"] = "create the store root"
-    try:
-        os.makedirs(root, exist_ok=True)
-    except FileExistsError:
-        raise StoreUnreachableError(f"{root}: exists and is not a directory") from None
-    except OSError as exc:
-        raise StoreUnreachableError(f"{root}: cannot create the store root ({exc.strerror or exc})") from exc
-    stage["operation"] = "write a probe file in the store root"
-    path = os.path.join(root, probe_name())
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        Raises:
+            StoreNotFoundError: the root does not exist.
+            StoreUnreachableError: it is not a directory, or it cannot be listed.
+        """
+        root = self.storage.root
+        stage["operation"] = "list the store root"
         try:
-            os.write(fd, PROBE_BYTES)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.unlink(path)
-    except OSError as exc:
-        raise StoreUnreachableError(
-            f"{root}: cannot write in the store root ({exc.strerror or exc})"
-        ) from exc
+            mode = os.stat(root).st_mode
+        except FileNotFoundError:
+            raise StoreNotFoundError(f"{root}: no such directory (a save creates it; check the path)") from None
+        except NotADirectoryError:
+            raise StoreUnreachableError(f"{root}: not a directory (a component of the path is a file)") from None
+        if not stat.S_ISDIR(mode):
+            raise StoreUnreachableError(f"{root}: exists and is not a directory")
+        os.listdir(root)
+
+    def write(self, stage: dict[str, str]) -> None:
+        """Create the root if missing, then write, fsync and delete a probe file in it.
+
+        Raises:
+            StoreUnreachableError: the root cannot be created, or a file cannot be written in it
+                (a read-only mount, root squash, a full disk), naming the OS's reason.
+        """
+        root = self.storage.root
+        stage["operation"] = "create the store root"
+        try:
+            os.makedirs(root, exist_ok=True)
+        except FileExistsError:
+            raise StoreUnreachableError(f"{root}: exists and is not a directory") from None
+        except OSError as exc:
+            raise StoreUnreachableError(f"{root}: cannot create the store root ({exc.strerror or exc})") from exc
+        stage["operation"] = "write a probe file in the store root"
+        path = os.path.join(root, probe_name())
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, PROBE_BYTES)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(path)
+        except OSError as exc:
+            raise StoreUnreachableError(
+                f"{root}: cannot write in the store root ({exc.strerror or exc})"
+            ) from exc
 
 
 def local_clock_secs(storage: "Storage") -> float | None:
@@ -216,12 +264,12 @@ def local_clock_secs(storage: "Storage") -> float | None:
 
 __all__ = [
     "PROBE_BYTES",
+    "LocalProbe",
+    "Probe",
     "call_within",
     "check_cause",
-    "check_storage",
+    "check_reachable",
     "local_clock_secs",
-    "local_probe_read",
-    "local_probe_write",
     "missing_bucket",
     "no_answer",
 ]

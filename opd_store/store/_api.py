@@ -1,12 +1,20 @@
-"""The API every store offers: the read API, ``begin``, and what "durable" means for it.
+"""The API every store offers, in three parts: what readers need, what writers need, and what
+*durable* means.
 
-Two classes implement it: :class:`~opd_store.store._checkpoint_store.CheckpointStore` (checkpoints under one URL)
-and :class:`~opd_store.tiered._store.TieredStore` (a local store in front of a bucket store, composed of
-two ``CheckpointStore`` objects). The OPD layer, the save pipeline, retention and the main job
-take any :class:`BaseStore` and never ask which one they hold.
+* :class:`ReadableStore`: identity and reads (steps, statuses, manifests, verified payloads). A
+  loader takes one.
+* :class:`WritableStore`: ``begin``, ``begin_part`` and ``delete``. A save's write stage takes one.
+* :class:`Durability`: when a committed step survives losing this machine, the work that gets it
+  there (``when_durable``, ``flush``, ``close``) and the plain stores retention runs on.
+
+:class:`BaseStore` is the three together; two classes implement it:
+:class:`~opd_store.store._checkpoint_store.CheckpointStore` (checkpoints under one URL) and
+:class:`~opd_store.tiered._store.TieredStore` (a local store in front of a bucket store, composed of
+two ``CheckpointStore`` objects). The code above the store layer takes the part it uses and never
+asks which store it holds.
 
 *Durable* is the one notion that differs: a step of a plain store is durable once its manifest
-is committed; a step of a tiered store once it is complete in the bucket. :meth:`BaseStore.when_durable`
+is committed; a step of a tiered store once it is complete in the bucket. :meth:`Durability.when_durable`
 is how the save pipeline runs its after-commit hooks (retention) at the right time and against
 the right store: at once on a plain store, after the upload on a tiered one.
 """
@@ -22,7 +30,7 @@ if TYPE_CHECKING:
     from ._checkpoint_store import CheckpointStore
     from ._status import CheckpointInfo, VerifyReport
 
-DurableHook = Callable[["BaseStore"], object]
+DurableHook = Callable[["CheckpointStore"], object]
 """Work to run once a step is durable: ``hook(durable_store)``, where ``durable_store`` is the plain
 store that holds the durable copy (the store itself, or a tiered store's bucket)."""
 
@@ -42,8 +50,8 @@ class RetentionTier:
     not_durable: frozenset = frozenset()
 
 
-class BaseStore(abc.ABC):
-    """What a store is to the code above the store layer (see the module docstring)."""
+class ReadableStore(abc.ABC):
+    """What a reader needs of a store: its identity and its checkpoints, verified on the way out."""
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -59,6 +67,10 @@ class BaseStore(abc.ABC):
     @abc.abstractmethod
     def step_url(self, step: int) -> str:
         """URL of ``step``'s checkpoint (its step prefix)."""
+
+    @abc.abstractmethod
+    def tiers(self) -> list["CheckpointStore"]:
+        """The plain stores this store reads from: itself, or a tiered store's local tier and bucket."""
 
     @abc.abstractmethod
     def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
@@ -90,10 +102,10 @@ class BaseStore(abc.ABC):
 
     @abc.abstractmethod
     def status(self, step: int) -> str:
-        """``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``."""
+        """``complete``, ``incomplete``, ``corrupt`` or ``uncommitted``."""
 
     @abc.abstractmethod
-    def latest_step(self, *, include_legacy: bool = False) -> int:
+    def latest_step(self) -> int:
         """The newest complete step.
 
         Raises:
@@ -125,7 +137,10 @@ class BaseStore(abc.ABC):
     def verify(self, step: int, *, deep: bool = False) -> "VerifyReport":
         """Check one step's objects (sizes; with ``deep`` their CRC32C too)."""
 
-    # -- writes --------------------------------------------------------------------------------
+
+class WritableStore(abc.ABC):
+    """What a writer needs of a store: save attempts, and deleting a step."""
+
     @abc.abstractmethod
     def begin(self, step: int, *, world_size: int = 1, metadata: dict[str, Any] | None = None,
               attempt_id: str | None = None, rank: int = 0):
@@ -139,7 +154,12 @@ class BaseStore(abc.ABC):
     def delete(self, step: int) -> None:
         """Delete ``step`` (manifest first); a missing step is not an error."""
 
-    # -- durability ----------------------------------------------------------------------------
+
+class Durability(abc.ABC):
+    """The durability protocol: when a committed step survives losing this machine, and the work
+    that gets it there. The defaults are those of a store whose commits are durable when they
+    return and that holds no background work (a plain store)."""
+
     @abc.abstractmethod
     def durable_steps(self) -> list[int]:
         """Steps complete where they survive losing this machine, ascending."""
@@ -166,40 +186,43 @@ class BaseStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    def upload_pending(self) -> list[int]:
-        """Resume durability work an earlier process left unfinished; returns the steps queued
-        (a plain store has none)."""
-
-    @abc.abstractmethod
-    def flush(self, timeout_secs: float | None = None) -> None:
-        """Block until every committed step is durable; raise background failures not raised yet."""
-
-    @abc.abstractmethod
-    def close(self, timeout_secs: float | None = None) -> None:
-        """Flush, then release background resources; saves are refused afterwards where the store
-        has any (reads keep working)."""
-
-    @abc.abstractmethod
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """The plain stores a retention or gc pass with ``policy`` runs on, durable tier first: the
         store itself, or a tiered store's bucket (``policy``) and local tier (its own policy,
         every step that is not durable yet protected)."""
 
-    @abc.abstractmethod
+    def upload_pending(self) -> list[int]:
+        """Resume durability work an earlier process left unfinished; returns the steps queued
+        (none by default)."""
+        return []
+
+    def flush(self, timeout_secs: float | None = None) -> None:
+        """Block until every committed step is durable; raise background failures not raised yet
+        (nothing to wait for by default)."""
+
+    def close(self, timeout_secs: float | None = None) -> None:
+        """Flush, then release background resources; saves are refused afterwards where the store
+        has any (reads keep working). Nothing to release by default."""
+
     def check_save_retention(self, policy: Any) -> None:
         """Refuse a save's retention policy that would compete with retention the store applies
-        itself.
+        itself (any policy is accepted by default).
 
         Raises:
             ValueError: the store applies its own retention to the durable tier (a tiered store's
                 ``bucket_retention``) and ``policy`` would run beside it.
         """
 
-    def __enter__(self) -> "BaseStore":
+    def __enter__(self) -> "Durability":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
 
 
-__all__ = ["BaseStore", "DurableHook", "RetentionTier"]
+class BaseStore(ReadableStore, WritableStore, Durability):
+    """The whole store API (see the module docstring): what ``CheckpointStore`` and ``TieredStore``
+    implement, and what the save entry points accept."""
+
+
+__all__ = ["BaseStore", "DurableHook", "Durability", "ReadableStore", "RetentionTier", "WritableStore"]

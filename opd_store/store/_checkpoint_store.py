@@ -4,46 +4,36 @@ The rule everything here is built on: **a checkpoint exists exactly when its man
 it is *complete* when that manifest parses and every object it lists exists with its recorded size.
 Payloads without a manifest, attempt leftovers, zero-byte or short objects and unparsable manifests
 never count. Local, memory, S3 and GCS stores answer the same way because every answer comes from
-the backend as it is now (see :mod:`opd_store.storage._base`).
+the backend as it is now (see :mod:`opd_store.storage._base`). A legacy checkpoint (no manifest) is
+read through :class:`~opd_store.store._legacy.LegacyReader`; this store only refuses to commit over
+one.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from typing import Any, BinaryIO
 
 from ..commit import PartTransaction, Transaction
 from ..errors import CheckpointNotFoundError, CommitConflictError, UnsupportedBackendError
-from ..format import (
-    LEGACY_MARKER,
-    MANIFEST_NAME,
-    Manifest,
-    check_attempt_id,
-    new_attempt_id,
-    parse_step_dirname,
-    step_dirname,
-)
+from ..format import MANIFEST_NAME, Manifest, check_attempt_id, new_attempt_id, step_dirname
 from ..runtime import kill_points
-from ..storage import Storage, open_storage
+from ..storage import Storage, check_reachable, open_storage
 from ._api import BaseStore, DurableHook, RetentionTier
+from ._legacy import holds_legacy_marker, refuse_legacy_step
 from ._status import (
     COMPLETE,
-    CORRUPT,
-    INCOMPLETE,
-    LEGACY,
-    UNCOMMITTED,
     CheckpointInfo,
-    Problem,
     StepState,
     VerifyReport,
     checkpoint_info,
+    newest_step,
     objects_by_step,
     read_manifest,
     step_state,
 )
-from ._verified_reads import open_payload, read_legacy, verify_step
+from ._verified_reads import open_payload, verify_step
 
 logger = logging.getLogger("opd_store.store")
 
@@ -99,6 +89,10 @@ class CheckpointStore(BaseStore):
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
 
+    def tiers(self) -> list["CheckpointStore"]:
+        """``[self]``: a plain store reads from itself."""
+        return [self]
+
     def check_reachable(self, *, write: bool = True, timeout_secs: float | None = None) -> None:
         """Fail fast, before any work, when the store cannot be used: a real probe (a listing;
         with ``write`` a probe object created and deleted, a missing local root created) that
@@ -110,13 +104,9 @@ class CheckpointStore(BaseStore):
                 in time, a local root that cannot be created or written (URL, operation, cause).
             StoreNotFoundError: ``write`` is false and the local root does not exist.
         """
-        self.storage.check_reachable(write=write, timeout_secs=timeout_secs)
+        check_reachable(self.storage, write=write, timeout_secs=timeout_secs)
 
     # -- listing ---------------------------------------------------------------------------
-    def _step_prefixes(self) -> list[int]:
-        dirs, _files = self.storage.list_children("")
-        return sorted(step for step in (parse_step_dirname(name) for name in dirs) if step is not None)
-
     def steps(self) -> list[int]:
         """Steps whose manifest object exists, ascending (numeric order).
 
@@ -160,41 +150,27 @@ class CheckpointStore(BaseStore):
         return self.step_state(step).status == COMPLETE
 
     def status(self, step: int) -> str:
-        """``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted`` (nothing there too)."""
+        """``complete``, ``incomplete``, ``corrupt`` or ``uncommitted`` (nothing there too)."""
         return self.step_state(step).status
 
-    def latest_step(self, *, include_legacy: bool = False) -> int:
+    def latest_step(self) -> int:
         """The newest complete step.
 
         Lists the step prefixes (one delimiter listing), then checks candidates newest first: one
         manifest read and one listing of its attempt prefix each. Skipped candidates (uncommitted,
-        incomplete, corrupt) are logged as warnings naming the step and the reason.
-
-        Args:
-            include_legacy (bool): also accept seed-layout checkpoints (``COMPLETE`` marker, no
-                manifest), as the OPD layer does.
+        incomplete, corrupt) are logged as warnings naming the step and the reason
+        (:func:`opd_store.store._status.newest_step`).
 
         Raises:
             CheckpointNotFoundError: no complete step in the store.
         """
-        skipped: list[str] = []
-        for step in reversed(self._step_prefixes()):
-            state = self.step_state(step)
-            status, problems = state.status, state.problems
-            if status == COMPLETE or (include_legacy and status == LEGACY):
-                for line in skipped:
-                    logger.warning("latest_step(%s): skipped %s", self.url, line)
-                return step
-            skipped.append(f"step {step} ({status}: {'; '.join(p.detail for p in problems) or 'legacy layout'})")
-        raise CheckpointNotFoundError(
-            f"no complete checkpoint in {self.url}" + (f" (skipped: {', '.join(skipped)})" if skipped else "")
-        )
+        return newest_step(self.storage, lambda _step, state: state.status == COMPLETE)
 
     def holds_step(self, step: int) -> bool:
-        """True when ``step`` has a manifest or a legacy marker, whatever its status (one
+        """True when ``step`` has a manifest, whatever its status, or a legacy checkpoint (one
         delimiter listing of the step prefix: one request on S3 and GCS)."""
         _prefixes, files = self.storage.list_children(step_dirname(step))
-        return MANIFEST_NAME in files or LEGACY_MARKER in files
+        return MANIFEST_NAME in files or holds_legacy_marker(files)
 
     def manifest(self, step: int) -> Manifest:
         """The parsed manifest of ``step``.
@@ -210,24 +186,16 @@ class CheckpointStore(BaseStore):
 
     # -- payload reads -----------------------------------------------------------------------
     def names(self, step: int) -> list[str]:
-        """Payload names of ``step`` (from its manifest, or from the directory of a legacy step).
+        """Payload names of ``step`` (from its manifest).
 
         Raises:
-            CheckpointNotFoundError: neither a manifest nor a legacy checkpoint at ``step``.
+            CheckpointNotFoundError: no manifest at ``step``.
             ManifestError: unreadable manifest.
         """
-        manifest = self.find_manifest(step)
-        if manifest is not None:
-            return [entry.name for entry in manifest.payloads]
-        objects = self.storage.list_tree(step_dirname(step))
-        if LEGACY_MARKER in objects:
-            return sorted(name for name in objects if name != LEGACY_MARKER)
-        raise CheckpointNotFoundError(f"no checkpoint at {self.step_url(step)} (no manifest, no {LEGACY_MARKER})")
+        return [entry.name for entry in self.manifest(step).payloads]
 
     def read(self, step: int, name: str, *, manifest: Manifest | None = None) -> bytes:
         """Bytes of the payload ``name`` of ``step``, checked against the manifest's size and CRC32C.
-
-        Legacy (seed layout) steps have no manifest: their files are read unchecked.
 
         Args:
             step (int): the step.
@@ -236,13 +204,11 @@ class CheckpointStore(BaseStore):
                 (saves one request per payload when reading several).
 
         Raises:
-            CheckpointNotFoundError: no such step or no such payload name.
+            CheckpointNotFoundError: no manifest at ``step``, or no such payload name.
             IncompleteCheckpointError: the manifest lists the object but it is absent.
             IntegrityError: size or checksum differ (the message names URL, step, object, expected
                 and actual values).
             ManifestError: unreadable manifest.
-            ValueError: a legacy step was asked for a name that is not a safe relative name
-                (``../``, absolute, another protocol; see :func:`opd_store.format._names.check_payload_name`).
         """
         with self.open(step, name, manifest=manifest) as reader:
             return reader.read()
@@ -255,11 +221,7 @@ class CheckpointStore(BaseStore):
             CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, ManifestError:
                 as :meth:`read`.
         """
-        if manifest is None:
-            manifest = self.find_manifest(step)
-            if manifest is None:
-                return io.BytesIO(read_legacy(self.storage, step, name))
-        return open_payload(self.storage, step, name, manifest)
+        return open_payload(self.storage, step, name, self.manifest(step) if manifest is None else manifest)
 
     def verify(self, step: int, *, deep: bool = False) -> VerifyReport:
         """Check one step: sizes of every listed object, and with ``deep`` their CRC32C too."""
@@ -286,8 +248,9 @@ class CheckpointStore(BaseStore):
             rank (int): the committing rank, recorded as the writer.
 
         Raises:
-            CommitConflictError: ``step`` already has a manifest or a legacy checkpoint; raised
-                before anything is uploaded.
+            CommitConflictError: ``step`` already has a manifest, or holds a legacy checkpoint
+                (:func:`~opd_store.store._legacy.refuse_legacy_step`); raised before anything is
+                uploaded.
             UnsupportedBackendError: the backend cannot commit atomically and check-then-put was
                 not allowed.
         """
@@ -299,10 +262,7 @@ class CheckpointStore(BaseStore):
         prefix = step_dirname(step)
         if self.storage.size(f"{prefix}/{MANIFEST_NAME}") is not None:
             raise CommitConflictError(f"checkpoint already exists: {self.step_url(step)} (step {step} is committed)")
-        if self.storage.size(f"{prefix}/{LEGACY_MARKER}") is not None:
-            raise CommitConflictError(
-                f"checkpoint already exists: {self.step_url(step)} (legacy seed-layout checkpoint of step {step})"
-            )
+        refuse_legacy_step(self.storage, step)
         return Transaction(
             self.storage,
             step,
@@ -337,15 +297,15 @@ class CheckpointStore(BaseStore):
         return PartTransaction(self.storage, step, attempt_id, world_size=world_size, rank=rank)
 
     def delete(self, step: int) -> None:
-        """Delete ``step``: its manifest (or legacy marker) first, so it stops being complete at
-        once, then every object under its prefix. A missing step is not an error."""
+        """Delete ``step``: its manifest first, so it stops being complete at once, then every
+        object under its prefix. A missing step is not an error."""
         prefix = step_dirname(step)
         self.storage.delete(f"{prefix}/{MANIFEST_NAME}")
         kill_points.reach("step_delete", step=step)  # test-only (the soak); nothing when not armed
-        self.storage.delete(f"{prefix}/{LEGACY_MARKER}")
         self.storage.delete_tree(prefix)
 
-    # -- durability: a committed step of a plain store is durable --------------------------------
+    # -- durability: a committed step of a plain store is durable (Durability's defaults: no
+    # background work to flush, close or resume, any save retention accepted) -------------------
     def durable_steps(self) -> list[int]:
         """Complete steps, ascending (committed is durable here)."""
         return [info.step for info in self.checkpoints() if info.status == COMPLETE]
@@ -367,35 +327,9 @@ class CheckpointStore(BaseStore):
         exception propagates to the caller."""
         hook(self)
 
-    def upload_pending(self) -> list[int]:
-        """Nothing: a plain store uploads nothing in the background. Returns ``[]``."""
-        return []
-
-    def flush(self, timeout_secs: float | None = None) -> None:
-        """Nothing to wait for: every commit of a plain store is durable when it returns."""
-
-    def close(self, timeout_secs: float | None = None) -> None:
-        """Nothing to release: a plain store holds no background work (reads and saves go on)."""
-
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """One tier: this store, with ``policy``."""
         return [RetentionTier(self, policy)]
 
-    def check_save_retention(self, policy: Any) -> None:
-        """Accept any policy: a plain store applies no retention of its own."""
 
-
-__all__ = [
-    "COMPLETE",
-    "CORRUPT",
-    "INCOMPLETE",
-    "LEGACY",
-    "UNCOMMITTED",
-    "BaseStore",
-    "CheckpointInfo",
-    "CheckpointStore",
-    "Problem",
-    "StepState",
-    "VerifyReport",
-    "objects_by_step",
-]
+__all__ = ["CheckpointStore"]

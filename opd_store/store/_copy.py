@@ -1,35 +1,71 @@
-"""Copy one committed checkpoint between stores, committed at the destination with the same protocol.
+"""The one copy routine: files of a source storage streamed into the payloads of a save attempt.
 
-Used by ``opd-store cp`` and by the tiered store's uploads. The copy streams payload by payload (never
-a whole payload in memory): each source object is read in chunks through one reused buffer straight
-into a destination payload writer, and its size and CRC32C are computed over the bytes as they pass;
-a size or CRC32C that differs from the source manifest aborts the attempt before anything is
-committed. The source is read with ``Storage.open_read_stream`` of the manifest's size: from S3,
-``parts_in_flight`` ranged GETs of ``part_size_bytes`` at once in at most that many reused part
-buffers (:mod:`opd_store.storage.transfers._range_stream`), so a copy moves over several connections in
-bounded memory; the destination writes in parallel parts as every save does. After the commit, the destination
-is verified deeply (every object read back, sizes and CRC32C against its manifest); a copy that
-fails that check is deleted again (manifest first) and reported.
+:func:`copy_files` serves every copy: ``opd-store cp`` and the tiered store's uploads
+(:func:`copy_checkpoint`, a committed step between stores), the import of legacy steps
+(:mod:`opd_store.store._legacy`, ``opd-store migrate``) and of DCP's own checkpoints
+(:mod:`opd_store.dcp._adopt`, ``opd-store import-dcp``). Each file is read with
+``Storage.open_read_stream`` of the size expected of it (from S3 or GCS, ``parts_in_flight`` ranged
+GETs at once into the store's reused read buffers, :mod:`opd_store.storage.transfers._range_stream`)
+and passes through one reused chunk into a payload writer, which writes in parallel parts as every
+save does: memory stays bounded by the chunk and the two part pools, whatever the file sizes. Size
+and CRC32C are computed as the bytes pass and compared with what the source records before the
+payload is closed; each caller adds its own check of a file as it streams (a :class:`FileCheck`:
+a legacy pickle proven weights-only, DCP's items deserialised). Any failure aborts the attempt:
+nothing is committed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING, BinaryIO, Callable, Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, SaveAbandonedError
-from ..format import Crc32c, PayloadEntry, step_dirname
+from ..format import Crc32c, step_dirname
 from ..storage import is_missing
-from ._checkpoint_store import CheckpointStore
-from ._status import COMPLETE, LEGACY
+from ._status import COMPLETE, UNCOMMITTED
 
 if TYPE_CHECKING:
-    from ..commit import Transaction
+    from ..commit import Attempt
+    from ..storage import Storage
+    from ._checkpoint_store import CheckpointStore
 
 logger = logging.getLogger("opd_store.store")
 
-_CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 8 << 20
+"""The reused buffer each read of a copy lands in."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    """One file a copy streams into a payload.
+
+    Attributes:
+        name (str): the payload's name in the destination attempt.
+        rel (str): the object in the source storage, relative to its root.
+        size_bytes (int): the size expected (the source manifest's entry, or its listing).
+        crc32c (str | None): the CRC32C expected (the source manifest's), ``None`` where the source
+            records none (a legacy step, DCP's files).
+    """
+
+    name: str
+    rel: str
+    size_bytes: int
+    crc32c: str | None = None
+
+
+class FileCheck(Protocol):
+    """A caller's check of one file as it streams; raising from either method stops the copy
+    (the payload is discarded, nothing is committed)."""
+
+    def update(self, view: memoryview) -> None:
+        """One chunk of the file, in order, before it is written (a view of the reused chunk,
+        valid during the call only)."""
+
+    def finish(self) -> None:
+        """The whole file passed (its size and CRC32C matched), before its payload is closed."""
 
 
 class Progress(Protocol):
@@ -41,6 +77,88 @@ class Progress(Protocol):
     def relative_update(self, inc: int = 1) -> None: ...
 
 
+def copy_files(source: "Storage", files: Iterable[SourceFile], txn: "Attempt", *, what: str,
+               check: Callable[[SourceFile], FileCheck | None] | None = None,
+               each_chunk: Callable[[int], None] | None = None) -> dict[str, tuple[int, str]]:
+    """Stream each of ``files`` from ``source`` into the payload of its name in ``txn``, one file at
+    a time through one reused chunk (module docstring).
+
+    Args:
+        source (Storage): where the files are.
+        files (Iterable[SourceFile]): the files, with what is expected of each.
+        txn (Attempt): the destination attempt (a transaction, not committed here).
+        what (str): the files in words for errors (``step 2: source payload``); the name follows.
+        check (Callable[[SourceFile], FileCheck | None] | None): the caller's check of each file
+            (``None``: none for that file).
+        each_chunk (Callable[[int], None] | None): called with each chunk's byte count once it was
+            written (progress; it may raise to stop the copy).
+
+    Returns:
+        dict[str, tuple[int, str]]: ``{name: (size_bytes, crc32c)}`` of the bytes copied.
+
+    Raises:
+        IncompleteCheckpointError: a source file is missing (gone since it was listed).
+        IntegrityError: a file's size or CRC32C differs from what is expected of it, or a ranged
+            read came back short or found an object of another size (names the file, its URL and
+            the destination, where nothing is committed).
+        Exception: whatever a check, ``each_chunk``, the source or the writer raise.
+    """
+    chunk = bytearray(CHUNK_BYTES)
+    copied: dict[str, tuple[int, str]] = {}
+    for file in files:
+        copied[file.name] = _copy_file(source, file, txn, chunk, what, check(file) if check else None, each_chunk)
+    return copied
+
+
+def _copy_file(source: "Storage", file: SourceFile, txn: "Attempt", chunk: bytearray, what: str,
+               file_check: FileCheck | None, each_chunk: Callable[[int], None] | None) -> tuple[int, str]:
+    url = source.url(file.rel)
+    label = f"{what} {file.name!r}"
+
+    def missing() -> IncompleteCheckpointError:
+        return IncompleteCheckpointError(f"{label} is missing at {url}; nothing committed at {txn.url}")
+
+    try:
+        reader = source.open_read_stream(file.rel, file.size_bytes)
+    except Exception as exc:  # noqa: BLE001 - a missing file is named; anything else propagates
+        if not is_missing(exc):
+            raise
+        raise missing() from exc
+    crc = Crc32c()
+    view = memoryview(chunk)
+    try:
+        with reader, txn.open(file.name) as writer:
+            while crc.size_bytes <= file.size_bytes:
+                try:
+                    count = reader.readinto(view)
+                except IntegrityError as exc:  # a short range, an object of another size
+                    raise IntegrityError(f"{label}: {exc}; nothing committed at {txn.url}") from exc
+                except Exception as exc:  # noqa: BLE001 - a file gone since it was listed is named
+                    if not is_missing(exc):
+                        raise
+                    raise missing() from exc
+                if not count:
+                    break
+                crc.update(view[:count])
+                if file_check is not None:
+                    file_check.update(view[:count])
+                writer.write(view[:count])
+                if each_chunk is not None:
+                    each_chunk(count)
+            read = f"read {crc.size_bytes} bytes, crc32c {crc.hexdigest()}"
+            if file.crc32c is not None and (crc.size_bytes != file.size_bytes or crc.hexdigest() != file.crc32c):
+                raise IntegrityError(f"{label} at {url} does not match its manifest (expected {file.size_bytes} "
+                                     f"bytes, crc32c {file.crc32c}; {read}); nothing committed at {txn.url}")
+            if crc.size_bytes != file.size_bytes:
+                raise IntegrityError(f"{label} at {url} was listed with {file.size_bytes} bytes but {read}: it "
+                                     f"changed while it was copied; nothing committed at {txn.url}")
+            if file_check is not None:
+                file_check.finish()
+    finally:
+        view.release()
+    return crc.size_bytes, crc.hexdigest()
+
+
 class _NoProgress:
     def set_size(self, size: int) -> None:
         pass
@@ -50,27 +168,29 @@ class _NoProgress:
 
 
 def copy_checkpoint(
-    src: CheckpointStore,
+    src: "CheckpointStore",
     step: int,
-    dst: CheckpointStore,
+    dst: "CheckpointStore",
     *,
     callback: Progress | None = None,
     verify_deep: bool = True,
     cancelled: threading.Event | None = None,
 ) -> str:
-    """Copy the committed checkpoint ``step`` of ``src`` into ``dst`` and commit it there.
+    """Copy the committed checkpoint ``step`` of ``src`` into ``dst`` and commit it there, each
+    payload through :func:`copy_files` against its manifest entry.
 
     The destination manifest lists the same payload names, sizes and CRC32C values, the same
     ``world_size`` and the same ``metadata`` as the source manifest; it gets its own attempt id,
-    writer and ``created_at``.
+    writer and ``created_at``. After the commit the copy is verified deeply (every object read
+    back); a copy that fails is deleted again (manifest first).
 
     Args:
         src (CheckpointStore): the source store.
         step (int): a complete (manifest-committed) step of ``src``.
         dst (CheckpointStore): the destination store (any backend).
         callback (Progress | None): told the total payload bytes, then the bytes copied.
-        verify_deep (bool): after the commit, read the destination copy back whole and check every
-            CRC32C (``opd-store cp``; default). ``False`` relies on the checks made while streaming
+        verify_deep (bool): read the committed copy back whole and check every CRC32C
+            (``opd-store cp``; default). ``False`` relies on the checks made while streaming
             (source CRC32C, the destination writer's own CRC32C and the commit's stored-size
             listing) and saves a second transfer of every byte: the local tier's uploads use it.
         cancelled (threading.Event | None): once set, the copy stops before its commit (between
@@ -82,12 +202,11 @@ def copy_checkpoint(
 
     Raises:
         CheckpointNotFoundError: ``src`` has no checkpoint at ``step`` (``FileNotFoundError``).
-        IncompleteCheckpointError: the source step is not complete (incomplete, corrupt, or a
-            legacy seed-layout step, which has no manifest: use ``opd-store migrate``).
-        IntegrityError: a source payload's bytes differ from its manifest entry, or a ranged read
-            of it came back short or found an object of another size (the message names the step,
-            the payload and the object; nothing is committed), or the committed destination copy
-            fails deep verification (it is deleted).
+        IncompleteCheckpointError: the source step is not complete, or a payload its manifest
+            lists is missing.
+        IntegrityError: a source payload differs from its manifest entry, or a ranged read of it
+            came back short or found an object of another size (nothing is committed), or the
+            committed copy fails deep verification (it is deleted).
         CommitConflictError: ``dst`` already holds ``step`` (``FileExistsError``); nothing written.
         ManifestError: the source manifest is unreadable.
         SaveAbandonedError: ``cancelled`` was set; nothing committed at ``dst``.
@@ -95,29 +214,29 @@ def copy_checkpoint(
             source endpoint: :class:`~opd_store.errors.StoreUnreachableError` naming the object).
     """
     callback = callback or _NoProgress()
-    status = src.status(step)
-    if status == LEGACY:
-        raise IncompleteCheckpointError(
-            f"{src.step_url(step)} is a seed-layout (legacy) checkpoint without a manifest; "
-            "import it with `opd-store migrate` instead"
-        )
-    if status != COMPLETE:
-        if status == "uncommitted":
+    state = src.step_state(step)
+    if state.status != COMPLETE:
+        if state.status == UNCOMMITTED:
             raise CheckpointNotFoundError(f"no checkpoint at {src.step_url(step)} (step {step} is not committed)")
-        report = src.verify(step)
-        raise IncompleteCheckpointError(
-            f"cannot copy {src.step_url(step)}: step {step} is {status} "
-            f"({'; '.join(p.detail for p in report.problems)})"
-        )
-    manifest = src.manifest(step)
+        raise IncompleteCheckpointError(f"cannot copy {src.step_url(step)}: step {step} is {state.status} "
+                                        f"({'; '.join(p.detail for p in state.problems)})")
+    manifest = state.manifest
     callback.set_size(manifest.total_size_bytes)
     prefix = step_dirname(step)
+    files = [SourceFile(entry.name, f"{prefix}/{entry.path}", entry.size_bytes, entry.crc32c)
+             for entry in manifest.payloads]
+
+    def each_chunk(count: int) -> None:
+        callback.relative_update(count)
+        if cancelled is not None and cancelled.is_set():
+            raise SaveAbandonedError(
+                f"copy of step {step} to {dst.url} abandoned before its commit (exit deadline passed); "
+                "nothing committed there")
+
     with dst.begin(step, world_size=manifest.world_size, metadata=dict(manifest.metadata)) as txn:
         if cancelled is not None:
             txn.cancel_when(cancelled)
-        chunk = bytearray(_CHUNK_BYTES)  # one reused buffer between the source reader and the writer
-        for entry in manifest.payloads:
-            _copy_payload(src, step, entry, txn, dst.url, chunk, callback, cancelled)
+        copy_files(src.storage, files, txn, what=f"step {step}: source payload", each_chunk=each_chunk)
     url = txn.committed_url
     report = dst.verify(step, deep=True) if verify_deep else None
     if report is not None and not report.ok:
@@ -130,85 +249,4 @@ def copy_checkpoint(
     return url
 
 
-def stream_payload(read_into: Callable[[memoryview], int], writer: BinaryIO, chunk: bytearray, crc: Crc32c, *,
-                   limit_bytes: int, each_chunk: Callable[[int], None] | None = None) -> None:
-    """Copy a source into ``writer`` through the reused buffer ``chunk``, updating ``crc`` (size
-    and CRC32C) with every byte before it is written; stops at the end of the source or once more
-    than ``limit_bytes`` passed (the caller compares ``crc`` with what it expected).
-
-    Args:
-        read_into (Callable[[memoryview], int]): fills the view it is given from the source and
-            returns the bytes filled, 0 at its end (a reader's ``readinto``, from
-            ``Storage.open_read_stream``).
-        writer (BinaryIO): a payload writer (``Transaction.open``).
-        chunk (bytearray): the buffer each read lands in (its length is the chunk size).
-        crc (Crc32c): updated in place.
-        limit_bytes (int): the size expected of the source.
-        each_chunk (Callable[[int], None] | None): called with each chunk's byte count after it
-            was written (progress; it may raise to stop the copy).
-
-    Raises:
-        Exception: whatever ``read_into``, the writer or ``each_chunk`` raise.
-    """
-    view = memoryview(chunk)
-    try:
-        while crc.size_bytes <= limit_bytes:
-            count = read_into(view)
-            if not count:
-                return
-            crc.update(view[:count])
-            writer.write(view[:count])
-            if each_chunk is not None:
-                each_chunk(count)
-    finally:
-        view.release()
-
-
-def _copy_payload(src: CheckpointStore, step: int, entry: PayloadEntry, txn: "Transaction", dst_url: str,
-                  chunk: bytearray, callback: Progress, cancelled: threading.Event | None) -> None:
-    """Stream one source payload into ``txn`` through ``chunk``, checking its size and CRC32C
-    against ``entry`` before the payload is closed (see :func:`copy_checkpoint` for the errors)."""
-    rel = f"{step_dirname(step)}/{entry.path}"
-    source_url = src.storage.url(rel)
-
-    def missing(exc: BaseException) -> IncompleteCheckpointError:
-        return IncompleteCheckpointError(
-            f"step {step}: payload {entry.name!r} listed in the manifest is missing at {source_url}")
-
-    try:
-        reader = src.storage.open_read_stream(rel, entry.size_bytes)
-    except Exception as exc:  # noqa: BLE001 - a missing payload is named; anything else propagates
-        if not is_missing(exc):
-            raise
-        raise missing(exc) from exc
-
-    def read_into(view: memoryview) -> int:
-        try:
-            return reader.readinto(view)
-        except IntegrityError as exc:  # a short range, an object of another size: named with the step
-            raise IntegrityError(f"step {step}: source payload {entry.name!r}: {exc}; nothing committed at "
-                                 f"{dst_url}") from exc
-        except Exception as exc:  # noqa: BLE001 - a payload gone since the listing is named
-            if not is_missing(exc):
-                raise
-            raise missing(exc) from exc
-
-    def each_chunk(count: int) -> None:
-        callback.relative_update(count)
-        if cancelled is not None and cancelled.is_set():
-            raise SaveAbandonedError(
-                f"copy of step {step} to {dst_url} abandoned before its commit (exit deadline passed); "
-                "nothing committed there")
-
-    crc = Crc32c()
-    with reader, txn.open(entry.name) as writer:
-        stream_payload(read_into, writer, chunk, crc, limit_bytes=entry.size_bytes, each_chunk=each_chunk)
-        if crc.size_bytes != entry.size_bytes or crc.hexdigest() != entry.crc32c:
-            raise IntegrityError(
-                f"step {step}: source payload {entry.name!r} at {source_url} does not match its "
-                f"manifest (expected {entry.size_bytes} bytes, crc32c {entry.crc32c}; read "
-                f"{crc.size_bytes} bytes, crc32c {crc.hexdigest()}); nothing committed at {dst_url}"
-            )
-
-
-__all__ = ["copy_checkpoint", "stream_payload"]
+__all__ = ["CHUNK_BYTES", "FileCheck", "Progress", "SourceFile", "copy_checkpoint", "copy_files"]

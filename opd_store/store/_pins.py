@@ -22,7 +22,8 @@ from ..errors import CheckpointNotFoundError
 from ..format import parse_step_dirname, step_dirname
 from ..storage import Meaning, classify
 from ._checkpoint_store import CheckpointStore
-from ._status import COMPLETE, CORRUPT, INCOMPLETE, LEGACY
+from ._legacy import LegacyReader
+from ._status import UNCOMMITTED
 
 PINS_DIR = "pins"
 _SUFFIX = ".json"
@@ -51,7 +52,7 @@ def pin(store: CheckpointStore, step: int, *, reason: str = "") -> bool:
     Args:
         store (CheckpointStore): the store.
         step (int): a committed step (any status but ``uncommitted``: a damaged step may be pinned
-            for inspection).
+            for inspection, a legacy one too).
         reason (str): free text kept in the pin object.
 
     Returns:
@@ -60,8 +61,7 @@ def pin(store: CheckpointStore, step: int, *, reason: str = "") -> bool:
     Raises:
         CheckpointNotFoundError: ``step`` has no manifest and no legacy marker (nothing to pin).
     """
-    status = store.status(step)
-    if status not in (COMPLETE, INCOMPLETE, CORRUPT, LEGACY):
+    if LegacyReader(store).status(step) == UNCOMMITTED:
         raise CheckpointNotFoundError(f"cannot pin step {step}: no checkpoint at {store.step_url(step)}")
     body = {
         "step": step,

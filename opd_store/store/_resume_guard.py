@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 
 from ..errors import IntegrityError
-from ._api import BaseStore
-from ._status import COMPLETE, LEGACY
+from ._api import ReadableStore
+from ._legacy import LEGACY, LegacyReader
+from ._status import COMPLETE
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +34,15 @@ def damage(report) -> str:
     return f"{report.status}: {'; '.join(p.detail for p in report.problems) or 'no manifest'}"
 
 
-def newest_intact_step(store: BaseStore) -> int | None:
+def newest_intact_step(store: ReadableStore) -> int | None:
     """The newest step that verifies deeply (every payload's size and CRC32C), or ``None``.
 
     Steps are tried newest first (one recursive listing and one manifest read per committed step,
     then every payload of each candidate read once). Each skipped step is logged as a warning
-    ``URL: skipped step N (corrupt: <path>: expected crc32c ..., found ...)``. Seed-layout
-    (legacy) steps are accepted as the OPD layer accepts them.
+    ``URL: skipped step N (corrupt: <path>: expected crc32c ..., found ...)``. Legacy steps are
+    accepted as the OPD layer accepts them (:class:`~opd_store.store._legacy.LegacyReader`).
     """
-    for info in reversed(store.checkpoints()):
+    for info in reversed(LegacyReader(store).checkpoints()):
         if info.status == LEGACY:
             return info.step
         report = store.verify(info.step, deep=info.status == COMPLETE)
@@ -51,11 +52,11 @@ def newest_intact_step(store: BaseStore) -> int | None:
     return None
 
 
-def refuse_damaged_step_ahead(store: BaseStore, start: int, last: int | None, run: str) -> None:
+def refuse_damaged_step_ahead(store: ReadableStore, start: int, last: int | None, run: str) -> None:
     """Refuse a run that would save a committed step that is damaged.
 
     Args:
-        store (BaseStore): the run's store.
+        store (ReadableStore): the run's store.
         start (int): the step the run resumes from (0: from scratch).
         last (int | None): the run's last step (``None``: unknown, every newer step counts).
         run (str): the run in words for the message (``resuming from step 2, --updates 4``).

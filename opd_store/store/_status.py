@@ -1,22 +1,23 @@
-"""What a step of a store is: complete, incomplete, corrupt, legacy or uncommitted.
+"""What a step of a store is: complete, incomplete, corrupt or uncommitted.
 
 The rule everything is built on: **a checkpoint exists exactly when its manifest does**, and it is
 *complete* when that manifest parses and every object it lists exists with its recorded size.
 Payloads without a manifest, attempt leftovers, zero-byte or short objects and unparsable
-manifests never count. The functions here decide a step's status from one storage's answers
-(:class:`~opd_store.storage.Storage`), which are always fresh, so local, memory, S3 and GCS stores
-answer the same way.
+manifests never count (a legacy checkpoint, which has no manifest, is read by its own adapter:
+:mod:`opd_store.store._legacy`). The functions here decide a step's status from one storage's
+answers (:class:`~opd_store.storage.Storage`), which are always fresh, so local, memory, S3 and
+GCS stores answer the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import ManifestError
+from ..errors import CheckpointNotFoundError, ManifestError
 from ..format import (
-    LEGACY_MARKER,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -30,10 +31,11 @@ from ..storage import is_missing
 if TYPE_CHECKING:
     from ..storage import Storage
 
+logger = logging.getLogger("opd_store.store")
+
 COMPLETE = "complete"
 INCOMPLETE = "incomplete"
 CORRUPT = "corrupt"
-LEGACY = "legacy"
 UNCOMMITTED = "uncommitted"
 
 
@@ -43,7 +45,7 @@ class Problem:
 
     Attributes:
         name: payload name (or ``manifest.json``).
-        kind: ``missing``, ``size``, ``checksum``, ``manifest`` or ``legacy``.
+        kind: ``missing``, ``size``, ``checksum`` or ``manifest``.
         detail: human-readable description with expected and actual values.
     """
 
@@ -57,8 +59,8 @@ class StepState:
     """The status of one step with the manifest it was decided from.
 
     Attributes:
-        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
-        manifest: the parsed manifest, or ``None`` (absent, unreadable, legacy).
+        status: ``complete``, ``incomplete``, ``corrupt`` or ``uncommitted``.
+        manifest: the parsed manifest, or ``None`` (absent or unreadable).
         problems: why the step is not complete (empty when it is).
     """
 
@@ -74,7 +76,8 @@ class VerifyReport:
     Attributes:
         url: checkpoint URL.
         step: its step.
-        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
+        status: ``complete``, ``incomplete``, ``corrupt`` or ``uncommitted`` (``legacy`` from
+            the legacy adapter).
         deep: whether checksums were recomputed.
         checked_objects: number of payload objects examined.
         problems: every defect found (empty when ``ok``).
@@ -89,8 +92,9 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        """True when the checkpoint is complete and no problem was found."""
-        return self.status in (COMPLETE, LEGACY) and not self.problems
+        """True when no problem was found: the step is complete (or, from the legacy adapter,
+        legacy). An uncommitted, incomplete or corrupt step always has a problem."""
+        return not self.problems and self.status not in (UNCOMMITTED, INCOMPLETE, CORRUPT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +104,8 @@ class CheckpointInfo:
     Attributes:
         step: the step.
         url: checkpoint URL (its step prefix).
-        status: ``complete``, ``incomplete``, ``corrupt``, ``legacy`` or ``uncommitted``.
+        status: ``complete``, ``incomplete``, ``corrupt`` or ``uncommitted`` (``legacy`` from
+            the legacy adapter).
         manifest: the parsed manifest, when there is a readable one.
         created_at: commit time (UTC) from the manifest, else ``None``.
         total_size_bytes: bytes of every object under the step prefix.
@@ -135,6 +140,35 @@ def objects_by_step(tree: dict[str, int]) -> dict[int, dict[str, int]]:
     return by_step
 
 
+def step_prefixes(storage: "Storage") -> list[int]:
+    """Every step with a prefix under the root, ascending (one delimiter listing)."""
+    dirs, _files = storage.list_children("")
+    return sorted(step for step in (parse_step_dirname(name) for name in dirs) if step is not None)
+
+
+def newest_step(storage: "Storage", accept: Callable[[int, StepState], bool]) -> int:
+    """The newest step whose state ``accept`` takes (a complete one, for ``latest_step``).
+
+    Lists the step prefixes (one delimiter listing), then decides candidates newest first: one
+    manifest read and one listing of its attempt prefix each. Skipped candidates are logged as
+    warnings naming the step and the reason (a half-written newest step never wins silently).
+
+    Raises:
+        CheckpointNotFoundError: no step is accepted (the message names every step skipped).
+    """
+    skipped: list[str] = []
+    for step in reversed(step_prefixes(storage)):
+        state = step_state(storage, step)
+        if accept(step, state):
+            for line in skipped:
+                logger.warning("latest_step(%s): skipped %s", storage.url_root, line)
+            return step
+        skipped.append(f"step {step} ({state.status}: {'; '.join(p.detail for p in state.problems)})")
+    raise CheckpointNotFoundError(
+        f"no complete checkpoint in {storage.url_root}" + (f" (skipped: {', '.join(skipped)})" if skipped else "")
+    )
+
+
 def read_manifest(storage: "Storage", step: int) -> Manifest | None:
     """The parsed manifest of ``step``, or ``None`` when there is none (one small read).
 
@@ -167,12 +201,6 @@ def step_state(storage: "Storage", step: int, objects: dict[str, int] | None = N
     except ManifestError as exc:
         return StepState(CORRUPT, None, (Problem(MANIFEST_NAME, "manifest", str(exc)),))
     if manifest is None:
-        if objects is not None:
-            legacy = LEGACY_MARKER in objects
-        else:
-            legacy = storage.size(f"{step_dirname(step)}/{LEGACY_MARKER}") is not None
-        if legacy:
-            return StepState(LEGACY, None, ())
         return StepState(UNCOMMITTED, None, (Problem(MANIFEST_NAME, "missing", "no manifest: the step was never committed"),))
     if objects is None:
         listed = storage.list_tree(f"{step_dirname(step)}/{manifest.attempt_id}")
@@ -209,14 +237,15 @@ __all__ = [
     "COMPLETE",
     "CORRUPT",
     "INCOMPLETE",
-    "LEGACY",
     "UNCOMMITTED",
     "CheckpointInfo",
     "Problem",
     "StepState",
     "VerifyReport",
     "checkpoint_info",
+    "newest_step",
     "objects_by_step",
     "read_manifest",
+    "step_prefixes",
     "step_state",
 ]

@@ -1,4 +1,4 @@
-"""Reads checked against the manifest: one payload's bytes, a seed-layout file, a deep verify.
+"""Reads checked against the manifest: one payload's bytes, a deep verify.
 
 A payload is never handed to a caller before its size and CRC32C equal the manifest's entry
 (``torch.load`` of a damaged archive could otherwise fail anywhere, or worse, load). Remote
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
-from ..format import LEGACY_MARKER, Manifest, check_payload_name, step_dirname
+from ..format import Manifest, step_dirname
 from ..storage import is_missing
 from ._status import COMPLETE, CORRUPT, Problem, StepState, VerifyReport
 
@@ -54,28 +54,6 @@ def open_payload(storage: "Storage", step: int, name: str, manifest: Manifest) -
     return reader
 
 
-def read_legacy(storage: "Storage", step: int, name: str) -> bytes:
-    """A file of a seed-layout step (``COMPLETE`` marker, no manifest), unchecked: the seed wrote
-    no checksums.
-
-    Raises:
-        ValueError: ``name`` is not a safe relative name (no manifest to look it up in, so it
-            must never leave the step prefix).
-        CheckpointNotFoundError: no legacy checkpoint at ``step``, or no such file in it.
-    """
-    check_payload_name(name)
-    prefix = step_dirname(step)
-    where = storage.url(prefix)
-    if storage.size(f"{prefix}/{LEGACY_MARKER}") is None:
-        raise CheckpointNotFoundError(f"no checkpoint at {where} (no manifest, no {LEGACY_MARKER})")
-    try:
-        return storage.read_bytes(f"{prefix}/{name}")
-    except Exception as exc:  # noqa: BLE001 - a missing file is named; anything else propagates
-        if is_missing(exc):
-            raise CheckpointNotFoundError(f"legacy step {step} at {where} has no file {name!r}") from exc
-        raise
-
-
 def verify_step(storage: "Storage", step: int, state: StepState, *, deep: bool = False) -> VerifyReport:
     """The :class:`VerifyReport` of ``step`` from its state; with ``deep`` every payload is read
     and its CRC32C recomputed (a complete step with a checksum problem becomes ``corrupt``)."""
@@ -104,4 +82,4 @@ def verify_step(storage: "Storage", step: int, state: StepState, *, deep: bool =
                         checked_objects=checked, problems=tuple(problems))
 
 
-__all__ = ["open_payload", "read_legacy", "verify_step"]
+__all__ = ["open_payload", "verify_step"]

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ..format import new_attempt_id
-from ..storage import Meaning, Storage, classify
+from ..storage import Meaning, Storage, check_reachable, classify
 
 # CRC32C of READ_DATA as 8 hex digits, computed once with the ``crc32c`` package (not opd_store's).
 READ_DATA = bytes(range(256)) * 8
@@ -74,7 +74,7 @@ class StorageConformance:
     fixtures (each test gets a fresh, empty location)::
 
         class TestMyStorage(StorageConformance):
-            multipart_uploads = False  # True: list_uploads/abort_upload are checked through raw's hooks
+            multipart_uploads = False  # True: storage.multipart_uploads() is checked through raw's hooks
 
             @pytest.fixture
             def storage(self, tmp_path):
@@ -90,7 +90,8 @@ class StorageConformance:
     when finished, and the store's clock on list times (garbage collection compares the two).
 
     Attributes:
-        multipart_uploads (bool): the backend has multipart uploads to list and abort.
+        multipart_uploads (bool): the backend offers multipart uploads (``Storage.multipart_uploads``)
+            to list and abort.
         clock_skew_secs (float): how far the store's clock may be from this machine's (2 s: S3 and
             GCS give whole seconds in their ``Date`` header; raise it for a server elsewhere).
     """
@@ -181,17 +182,16 @@ class StorageConformance:
         storage.delete_tree("d/x")  # missing: no error
 
     def test_multipart_upload_listing_and_abort(self, storage: Storage, raw: RawBackend) -> None:
+        uploads = storage.multipart_uploads()
         if not self.multipart_uploads:
-            assert storage.list_uploads() == []
-            with pytest.raises(NotImplementedError):
-                storage.abort_upload("k", "id")
+            assert uploads is None  # no multipart uploads to list or abort on this backend
             return
         key = f"step-000001/{new_attempt_id()}/model.bin"
         upload_id = raw.start_upload(key)
         outside = raw.start_upload_outside_root()  # no listing of the root may show it
-        (listed,) = storage.list_uploads()
+        (listed,) = uploads.list()
         assert listed[:2] == (key, upload_id) and listed[2] <= time.time()
-        storage.abort_upload(key, upload_id)
+        uploads.abort(key, upload_id)
         assert raw.unfinished_uploads() == [outside]
 
     def test_the_store_clock_and_modification_times(self, storage: Storage, raw: RawBackend) -> None:
@@ -210,18 +210,19 @@ class StorageConformance:
             assert before - skew <= modified <= now + 1
         assert storage.list_tree_modified("a") == {"b.bin": listed["a/b.bin"]}
         assert storage.list_tree_modified("missing") == {}
+        uploads = storage.multipart_uploads()
         if not self.multipart_uploads:
-            assert storage.newest_part_secs("a/b.bin", "id") is None
+            assert uploads is None  # no upload whose parts could be aged
             return
         rel = f"step-000001/{new_attempt_id()}/model.bin"
         upload_id = raw.start_upload(rel)
-        assert storage.newest_part_secs(rel, upload_id) is None
+        assert uploads.newest_part_secs(rel, upload_id) is None
         raw.upload_part(rel, upload_id, 1, b"x" * 10)
-        assert before - skew <= storage.newest_part_secs(rel, upload_id) <= time.time() + 1
+        assert before - skew <= uploads.newest_part_secs(rel, upload_id) <= time.time() + 1
         raw.abort_upload(rel, upload_id)
 
     def test_check_reachable_and_names(self, storage: Storage, raw: RawBackend) -> None:
-        storage.check_reachable()  # an empty store is usable: the first save creates it
+        check_reachable(storage)  # an empty store is usable: the first save creates it
         assert storage.url("step-000001/manifest.json") == f"{storage.url_root}/step-000001/manifest.json"
         assert storage.path("a/b").endswith("/a/b")
 

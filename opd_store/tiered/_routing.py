@@ -13,7 +13,7 @@ import threading
 
 from ..errors import ManifestError
 from ..format import Manifest
-from ..store import COMPLETE, LEGACY, CheckpointInfo, CheckpointStore
+from ..store import COMPLETE, CheckpointInfo, CheckpointStore
 
 logger = logging.getLogger("opd_store.tiered")
 
@@ -33,7 +33,7 @@ def same_payloads(a: Manifest, b: Manifest) -> bool:
 def pick_tier(local: CheckpointStore, bucket: CheckpointStore, step: int) -> CheckpointStore:
     """The tier reads of ``step`` go to, of a tiered store's ``local`` and ``bucket`` tiers.
 
-    The local tier when its copy is complete (or legacy) and the bucket has no manifest for
+    The local tier when its copy is complete and the bucket has no manifest for
     the step or one naming the same payload entries (:func:`same_payloads`); the bucket
     otherwise (including when the local copy differs from a complete bucket copy: the
     bucket is the durable one, and a warning names both URLs); the local tier again when the
@@ -41,7 +41,7 @@ def pick_tier(local: CheckpointStore, bucket: CheckpointStore, step: int) -> Che
     local check and one small bucket read (the manifest), never a payload read.
     """
     local_state = local.step_state(step)
-    if local_state.status not in (COMPLETE, LEGACY):
+    if local_state.status != COMPLETE:
         return bucket
     try:
         bucket_manifest = bucket.find_manifest(step)

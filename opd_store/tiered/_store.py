@@ -156,6 +156,10 @@ class TieredStore(BaseStore):
         self.bucket.check_reachable(write=write, timeout_secs=timeout_secs)
 
     # -- choosing a tier -----------------------------------------------------------------------
+    def tiers(self) -> list[CheckpointStore]:
+        """``[local, bucket]``: the plain stores reads come from."""
+        return [self.local, self.bucket]
+
     def tier_for(self, step: int) -> CheckpointStore:
         """The tier reads of ``step`` go to (see :func:`opd_store.tiered._routing.pick_tier`)."""
         return pick_tier(self.local, self.bucket, step)
@@ -183,7 +187,7 @@ class TieredStore(BaseStore):
         """``step``'s status in the tier it would be read from (:meth:`tier_for`)."""
         return self.tier_for(step).status(step)
 
-    def latest_step(self, *, include_legacy: bool = False) -> int:
+    def latest_step(self) -> int:
         """The newest step complete in either tier (durable or not; see :meth:`latest_durable_step`).
 
         Raises:
@@ -192,7 +196,7 @@ class TieredStore(BaseStore):
         found, reasons = [], []
         for tier in (self.local, self.bucket):
             try:
-                found.append(tier.latest_step(include_legacy=include_legacy))
+                found.append(tier.latest_step())
             except CheckpointNotFoundError as exc:
                 reasons.append(str(exc))
         if not found:

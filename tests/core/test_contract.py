@@ -26,7 +26,7 @@ from opd_store import (
     IntegrityError,
     ManifestError,
 )
-from opd_store.store import split_checkpoint_url
+from opd_store.store import LegacyReader, split_checkpoint_url
 
 from .helpers import crc_hex, open_store, save
 
@@ -362,21 +362,24 @@ def test_uncommitted_payloads_never_count(backend, raw, caplog):
 
 
 def test_legacy_seed_layout(backend, raw, caplog):
+    """A legacy step (the seed's COMPLETE marker, no manifest) is read through the legacy adapter;
+    to the generic store it is uncommitted, and a save of it is refused."""
     store = open_store(backend)
+    legacy = LegacyReader(store)
     save(store, 3, {"model.pt": b"new-layout"})
     raw.put("step-000005/COMPLETE", b"")
     raw.put("step-000005/training_state.pt", b"legacy-state")
     raw.put("step-000005/adapter/adapter_model.bin", b"legacy-adapter")
 
-    assert [(i.step, i.status) for i in store.checkpoints()] == [(3, "complete"), (5, "legacy")]
-    assert store.status(5) == "legacy"
-    assert not store.is_complete(5)
-    assert store.steps() == [3]
+    assert [(i.step, i.status) for i in legacy.checkpoints()] == [(3, "complete"), (5, "legacy")]
+    assert legacy.status(5) == "legacy" and store.status(5) == "uncommitted"
+    assert not store.is_complete(5) and not legacy.is_complete(5)
+    assert store.steps() == [3] and legacy.steps() == [3]
     assert store.latest_step() == 3
-    assert store.latest_step(include_legacy=True) == 5
-    assert store.verify(5).ok and store.verify(5).status == "legacy"
-    assert store.names(5) == ["adapter/adapter_model.bin", "training_state.pt"]
-    assert store.read(5, "training_state.pt") == b"legacy-state"
+    assert legacy.latest_step() == 5
+    assert legacy.verify(5).ok and legacy.verify(5).status == "legacy"
+    assert legacy.names(5) == ["adapter/adapter_model.bin", "training_state.pt"]
+    assert legacy.read(5, "training_state.pt") == b"legacy-state"
     with pytest.raises(CommitConflictError) as caught:
         store.begin(5)
     assert isinstance(caught.value, FileExistsError)
@@ -387,7 +390,7 @@ def test_legacy_seed_layout(backend, raw, caplog):
     ]
     store.delete(5)
     assert not any(k.startswith("step-000005/") for k in raw.keys())
-    assert store.latest_step(include_legacy=True) == 3
+    assert legacy.latest_step() == 3
 
 
 def test_delete_removes_manifest_first_then_prefix(backend, raw):

@@ -25,7 +25,7 @@ from opd_store import (
     UnsupportedBackendError,
 )
 from opd_store.storage import CheckThenPutStorage
-from opd_store.store import split_checkpoint_url
+from opd_store.store import LegacyReader, split_checkpoint_url
 
 from .helpers import Raw, save
 
@@ -73,11 +73,11 @@ def test_backend_errors_kept_as_cause(tmp_path):
     with pytest.raises(ManifestError) as caught:
         store.manifest(1)
     assert type(caught.value.__cause__).__name__ == "JSONDecodeError"
-    # Legacy step with a missing file.
+    # Legacy step with a missing file (read through the legacy adapter).
     (tmp_path / "s" / "step-000004").mkdir()
     (tmp_path / "s" / "step-000004" / "COMPLETE").write_bytes(b"")
     with pytest.raises(CheckpointNotFoundError) as caught:
-        store.read(4, "nope.pt")
+        LegacyReader(store).read(4, "nope.pt")
     assert isinstance(caught.value.__cause__, FileNotFoundError)
 
 

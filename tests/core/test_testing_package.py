@@ -87,11 +87,6 @@ class DictStorage(Storage):
         for key in [key for key in self.objects if key.startswith(f"{rel}/")]:
             del self.objects[key]
 
-    def list_uploads(self):
-        return []
-
-    def abort_upload(self, rel, upload_id):
-        raise NotImplementedError("DictStorage has no multipart uploads")
 
 
 class DictRaw(RawBackend):
@@ -202,8 +197,8 @@ def test_the_wrapper_is_the_wrapped_storage_plus_a_record(tmp_path):
     spy = FaultyStorage(inner, Fault(when=lambda op: op.kind == "create"))
     assert isinstance(spy, Storage) and isinstance(inner, LocalStorage)
     # The wrapped backend's settings, not Storage's defaults (8 MiB slices, its own pools).
-    assert (spy.write_slice_bytes, spy.transfers, spy.part_pool(), spy.commit_primitive) == (
-        512 << 10, inner.transfers, inner.part_pool(), inner.commit_primitive)
+    assert (spy.write_slice_bytes, spy.transfers, spy.transfers.part_pool, spy.commit_primitive) == (
+        512 << 10, inner.transfers, inner.transfers.part_pool, inner.commit_primitive)
     assert isinstance(spy.open_write("x.bin"), FaultyWriter)
     with pytest.raises(OSError, match="step 1 is not committed"):
         with CheckpointStore.from_storage(spy).begin(1) as txn:

@@ -174,3 +174,33 @@ def test_a_sharded_opd_save_runs_the_after_commit_stage_every_save_runs(tmp_path
     assert store.manifest(3).metadata["checkpoint_format"] == "dcp"
     with pytest.raises(ValueError, match="after-commit stage of step 4"):
         StoreWriter(store, 5, after_commit=AfterCommit(store, 4))
+
+
+def test_import_dcp_checks_items_that_span_the_copy_chunks(tmp_path, monkeypatch):
+    """``import-dcp`` streams each DCP file through the copy routine's chunk and checks each item
+    as its bytes go by: with a chunk far smaller than the items, every item spans several chunks
+    (the check holds the item only), the copy is bit exact and loads; an item altered inside the
+    file is refused and nothing is committed."""
+    import opd_store.store._copy as copy_module
+
+    monkeypatch.setattr(copy_module, "CHUNK_BYTES", 37)  # no item fits in one chunk
+    source = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(5), storage_writer=dcp.FileSystemWriter(str(source)), no_dist=True)
+    store = CheckpointStore(tmp_path / "store")
+    assert adopt_dcp_checkpoint(source, store, 5) == store.step_url(5)
+    for name in (".metadata", "__0_0.distcp"):
+        assert store.read(5, name) == (source / name).read_bytes()
+    target = _state(2)
+    load(target, store, 5)
+    _assert_equal_states(_state(5), target)
+
+    metadata = loads_metadata((source / ".metadata").read_bytes(), source="test")
+    (index, info), *_ = sorted(metadata.storage_data.items(), key=lambda item: -item[1].length)
+    data = bytearray((source / info.relative_path).read_bytes())
+    data[info.offset:info.offset + info.length] = bytes(info.length)  # the largest item zeroed, same size
+    (source / info.relative_path).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"rank 0's DCP file {info.relative_path}: '{index.fqn}' does not load"):
+        adopt_dcp_checkpoint(source, store, 6)
+    assert store.status(6) == "uncommitted" and store.steps() == [5]

@@ -21,7 +21,7 @@ from opd_store.opd import (
     migrate_legacy,
     save_opd_checkpoint,
 )
-from opd_store.store import CheckpointStore
+from opd_store.store import CheckpointStore, LegacyReader
 
 
 def _peft_state(model):
@@ -76,7 +76,7 @@ def test_seed_checkpoint_with_peft_adapter_loads_with_the_same_calls(tmp_path, p
         teacher_state={"update_count": 2},
         rank_rng_states=[rng],
     )
-    assert CheckpointStore(str(tmp_path / "ckpts")).status(2) == "legacy"
+    assert LegacyReader(CheckpointStore(str(tmp_path / "ckpts"))).status(2) == "legacy"
     latest = latest_complete_checkpoint(tmp_path / "ckpts")
     assert latest == str(path)
 

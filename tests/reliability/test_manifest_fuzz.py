@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from opd_store.errors import ManifestError
 from opd_store.format import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, check_payload_name, parse_manifest
+from opd_store.store import LegacyReader
 
 AID = "attempt-20260101T000000Z-0123456789ab"
 URL = "memory://fuzz/step-000007/manifest.json"
@@ -197,7 +198,8 @@ def test_a_legacy_step_refuses_names_that_leave_its_prefix(local_backend, tmp_pa
     (step_dir / "COMPLETE").write_bytes(b"")
     (step_dir / "training_state.pt").write_bytes(b"legacy")
     (tmp_path / "store" / "secret.txt").write_bytes(b"outside the step")
-    assert store.read(4, "training_state.pt") == b"legacy"
+    legacy = LegacyReader(store)
+    assert legacy.read(4, "training_state.pt") == b"legacy"
     for name in ("../secret.txt", "/etc/passwd", "file:///etc/passwd", "..\\secret.txt"):
         with pytest.raises(ValueError):
-            store.read(4, name)
+            legacy.read(4, name)

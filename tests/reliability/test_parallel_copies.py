@@ -106,7 +106,7 @@ def test_cp_to_local_keeps_ranges_in_flight_in_bounded_buffers(committed, tmp_pa
         thread = threading.Thread(target=lambda: outcome.append(copy_checkpoint(src, 2, dst)), daemon=True)
         thread.start()
         held = proxy.wait_held(IN_FLIGHT)
-        pool = src.storage.read_pool()
+        pool = src.storage.transfers.read_pool
         assert pool.stats()["in_use"] == IN_FLIGHT and pool.stats()["allocated"] == IN_FLIGHT
         assert _ranges(_model_gets(proxy, committed)) == RANGES[:IN_FLIGHT]
         assert len(held) == IN_FLIGHT and thread.is_alive() and dst.steps() == []
@@ -193,7 +193,7 @@ def test_closing_a_reader_early_cancels_its_ranges(committed):
             del reader
             gc.collect()
         assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
-        assert storage.read_pool().stats() == {"in_use": 0, "in_flight": 0, "free": IN_FLIGHT,
+        assert storage.transfers.read_pool.stats() == {"in_use": 0, "in_flight": 0, "free": IN_FLIGHT,
                                                "allocated": IN_FLIGHT, "peak_in_use": IN_FLIGHT}
         assert len(proxy.held) == IN_FLIGHT  # the fourth range never started
     finally:

@@ -94,7 +94,7 @@ def test_parts_go_up_at_once_and_the_pool_bounds_the_buffers(server):
         store = open_store(through_proxy(backend, proxy, part_size_bytes=PART, parts_in_flight=3))
         thread, outcome = _saving(store, {"model.bin": LARGE})
         proxy.wait_held(3)
-        pool = store.storage.part_pool()
+        pool = store.storage.transfers.part_pool
         assert sorted(dialect.part_number(r) for r in proxy.requests if r.op == dialect.part_op) == [1, 2, 3]
         assert pool.stats()["in_flight"] == 3 and pool.stats()["allocated"] == 3
         assert thread.is_alive() and not outcome  # the writer waits for a buffer; nothing is committed
@@ -544,7 +544,7 @@ def test_a_part_buffer_whose_views_outlive_a_request_is_reused_as_it_is(s3_backe
 
     store = open_store(dataclasses.replace(s3_backend, storage_options=dict(
         s3_backend.storage_options, part_size_bytes=PART, parts_in_flight=2)))
-    pool = store.storage.part_pool()
+    pool = store.storage.transfers.part_pool
     buffers = [pool.acquire() for _ in range(2)]
     lingering = [memoryview(buffer)[:10] for buffer in buffers]  # what a failed request's traceback keeps
     for buffer in buffers:

@@ -334,3 +334,22 @@ def test_bucket_down_local_reads_and_saves_go_on_upload_failure_raised(bucket_ba
     assert store.durable_steps() == [1] and store.upload_pending() == [2]
     store.close()
     assert store.durable_steps() == [1, 2]
+
+
+def test_a_legacy_step_in_the_local_tier_is_read_through_the_legacy_adapter(tmp_path):
+    """The tiered store knows manifests only; the legacy adapter finds a legacy step in either
+    tier, reads it from there, and a save of that step is refused."""
+    from opd_store.store import LegacyReader
+
+    step_dir = tmp_path / "local" / "step-000004"
+    step_dir.mkdir(parents=True)
+    (step_dir / "COMPLETE").write_bytes(b"")
+    (step_dir / "training_state.pt").write_bytes(b"legacy-state")
+    with TieredStore(tmp_path / "local", tmp_path / "bucket") as store:
+        reader = LegacyReader(store)
+        assert store.status(4) == "uncommitted" and reader.status(4) == "legacy"
+        assert reader.latest_step() == 4 and reader.step_url(4) == str(step_dir)
+        assert reader.names(4) == ["training_state.pt"] and reader.read(4, "training_state.pt") == b"legacy-state"
+        assert [(info.step, info.status) for info in reader.checkpoints()] == [(4, "legacy")]
+        with pytest.raises(CommitConflictError, match="legacy"):
+            store.begin(4)

@@ -11,18 +11,18 @@ import os
 from typing import BinaryIO
 
 from .._bucket import BucketStorage
-from .._fsspec import NoMultipartUploads
 from . import _probes
 
 
-class GCSStorage(NoMultipartUploads, BucketStorage):
+class GCSStorage(BucketStorage):
     """Google Cloud Storage through gcsfs.
 
     Payloads move in parallel: uploads (:mod:`opd_store.storage.gcs._composite`) as parallel
-    composite uploads (temporary part objects of ``transfers.part_size_bytes``, up to
-    ``transfers.parts_in_flight`` at once across the store's payloads, composed into the payload and
+    composite uploads (temporary part objects of ``part_size_bytes``, up to
+    ``parts_in_flight`` at once across the store's payloads, composed into the payload and
     deleted before it is reported published); reads (:mod:`opd_store.storage.gcs._reads`) as parallel
-    ranged downloads into one buffer. No upload is left open to list: a failed payload's temporary
+    ranged downloads into one buffer. No upload is left open to list (no
+    :meth:`~opd_store.storage._base.Storage.multipart_uploads`): a failed payload's temporary
     objects are deleted, and any a killed writer left lie in its uncommitted attempt, which ``gc``
     removes.
     """
@@ -52,8 +52,8 @@ class GCSStorage(NoMultipartUploads, BucketStorage):
             return "https://storage.googleapis.com"
         return location if location.startswith(("http://", "https://")) else f"http://{location}"
 
-    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
-        _probes.gcs_probe_read(self, timeout_secs, stage)
+    def reachability_probe(self) -> _probes.GCSProbe:
+        return _probes.GCSProbe(self)
 
     def clock_secs(self) -> float:
         return _probes.gcs_clock_secs(self)
@@ -64,7 +64,7 @@ class GCSStorage(NoMultipartUploads, BucketStorage):
 
         bucket, _, key = self.path(rel).partition("/")
         upload = GCSComposite(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
-        return PartWriter(upload, self.part_pool())  # type: ignore[return-value]
+        return PartWriter(upload, self.transfers.part_pool)  # type: ignore[return-value]
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
         from ._reads import range_opener
@@ -75,7 +75,7 @@ class GCSStorage(NoMultipartUploads, BucketStorage):
         from ._reads import read_checked
 
         bucket, _, key = self.path(rel).partition("/")
-        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers,  # type: ignore[return-value]
+        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers.settings,  # type: ignore[return-value]
                             self._expected_size(rel, size_bytes))
 
 

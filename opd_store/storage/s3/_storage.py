@@ -8,20 +8,22 @@ conditions on ``CompleteMultipartUpload``; field notes).
 from __future__ import annotations
 
 import os
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from .._bucket import BucketStorage
 from . import _probes
+from ._uploads import S3Uploads
 
 
 class S3Storage(BucketStorage):
     """Amazon S3 (or an S3-compatible server) through s3fs.
 
     Payloads move in parallel: uploads (:mod:`opd_store.storage.s3._multipart`) as multipart parts
-    of ``transfers.part_size_bytes``, up to ``transfers.parts_in_flight`` at once across the
+    of ``part_size_bytes``, up to ``parts_in_flight`` at once (``transfers.settings``) across the
     store's payloads; reads (:mod:`opd_store.storage.s3._reads`) as parallel ranged GETs into one
     buffer; streaming reads for copies (:mod:`opd_store.storage.transfers._range_stream`) as parallel ranged
-    GETs into ``parts_in_flight`` reused part buffers, handed out in order.
+    GETs into ``parts_in_flight`` reused part buffers, handed out in order. Its unfinished
+    multipart uploads are :mod:`opd_store.storage.s3._uploads`.
     """
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
@@ -41,17 +43,15 @@ class S3Storage(BucketStorage):
         return (options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
                 or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
 
-    def probe_read(self, timeout_secs: float, stage: dict[str, str]) -> None:
-        # Only requests inside the store's prefix (least privilege: deploy/iam/s3-policy.json
-        # grants s3:ListBucket only for the run's prefix; HeadBucket would be denied). The prefix
-        # listing alone tells a missing bucket (NoSuchBucket) from an empty store (no keys).
-        _probes.s3_probe_read(self, timeout_secs, stage)
+    def reachability_probe(self) -> _probes.S3Probe:
+        return _probes.S3Probe(self)
+
+    def multipart_uploads(self) -> S3Uploads:
+
+        return S3Uploads(self)
 
     def clock_secs(self) -> float:
         return _probes.s3_clock_secs(self)
-
-    def newest_part_secs(self, rel: str, upload_id: str) -> float | None:
-        return _probes.s3_newest_part_secs(self, rel, upload_id)
 
     def _list_dir(self, base: str) -> list[dict]:
         from fsspec.asyn import sync
@@ -82,10 +82,6 @@ class S3Storage(BucketStorage):
             return self.fs.cat_file(self.path(rel), max_concurrency=1)
         return self.fs.cat_file(self.path(rel))
 
-    def _bucket_and_prefix(self) -> tuple[str, str]:
-        bucket, _, prefix = self.root.partition("/")
-        return bucket, prefix
-
     def _bucket_and_key(self, rel: str) -> tuple[str, str]:
         bucket, _, key = self.path(rel).partition("/")
         return bucket, key
@@ -96,42 +92,19 @@ class S3Storage(BucketStorage):
 
         bucket, key = self._bucket_and_key(rel)
         upload = S3Multipart(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
-        return PartWriter(upload, self.part_pool())  # type: ignore[return-value]
+        return PartWriter(upload, self.transfers.part_pool)  # type: ignore[return-value]
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         from ._reads import read_checked
 
         bucket, key = self._bucket_and_key(rel)
-        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers,  # type: ignore[return-value]
+        return read_checked(self.fs, bucket, key, self.url(rel), self.transfers.settings,  # type: ignore[return-value]
                             self._expected_size(rel, size_bytes))
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
         from ._reads import range_opener
 
         return self._range_stream(rel, size_bytes, range_opener)
-
-    def list_uploads(self) -> list[tuple[str, str, float]]:
-        # ListMultipartUploads with the store's prefix (s3fs's list_multipart_uploads lists the
-        # whole bucket and drops pagination); a prefix on a key boundary only.
-        bucket, prefix = self._bucket_and_prefix()
-        key_prefix = f"{prefix}/" if prefix else ""
-        found: list[tuple[str, str, float]] = []
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": key_prefix}
-        while True:
-            out = self.fs.call_s3("list_multipart_uploads", **kwargs)
-            for upload in out.get("Uploads", []) or []:
-                key = upload["Key"]
-                if key.startswith(key_prefix):
-                    found.append((key[len(key_prefix):], upload["UploadId"], upload["Initiated"].timestamp()))
-            if not out.get("IsTruncated"):
-                return found
-            kwargs["KeyMarker"] = out.get("NextKeyMarker")
-            kwargs["UploadIdMarker"] = out.get("NextUploadIdMarker")
-
-    def abort_upload(self, rel: str, upload_id: str) -> None:
-        bucket, prefix = self._bucket_and_prefix()
-        key = f"{prefix}/{rel}" if prefix else rel
-        self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
 
 
 __all__ = ["S3Storage"]

@@ -246,12 +246,26 @@ class Completion:
             self._future.result()
 
 
-def transfer_pools(settings: TransferSettings) -> tuple[PartPool, PartPool]:
-    """A store's upload buffers and its copy readers' buffers (``settings.parts_in_flight`` of
-    ``settings.part_size_bytes`` each, allocated on first use)."""
-    size, count = settings.part_size_bytes, settings.parts_in_flight
-    return PartPool(size, count), PartPool(size, count)
+class Transfers:
+    """How one store moves payloads: its :class:`TransferSettings` and its two pools of
+    ``parts_in_flight`` buffers of ``part_size_bytes`` (allocated on first use), one for uploads and
+    one for copy readers (``Storage.open_read_stream``), so a reader never waits for an upload.
+
+    A :class:`~opd_store.storage.Storage` holds one (``storage.transfers``); ``open_storage`` gives
+    it the settings of the storage options before the first transfer.
+
+    Attributes:
+        settings (TransferSettings): part size and parts in flight.
+        part_pool (PartPool): the upload part buffers (the bound on upload memory).
+        read_pool (PartPool): the copy readers' buffers.
+    """
+
+    def __init__(self, settings: TransferSettings | None = None) -> None:
+        self.settings = settings or TransferSettings()
+        size, count = self.settings.part_size_bytes, self.settings.parts_in_flight
+        self.part_pool = PartPool(size, count)
+        self.read_pool = PartPool(size, count)
 
 
 __all__ = ["Completion", "DEFAULT_PARTS_IN_FLIGHT", "DEFAULT_PART_SIZE_BYTES", "MAX_PARTS", "MIN_PART_SIZE_BYTES",
-           "MemoryReader", "PartPool", "TransferSettings", "transfer_pools"]
+           "MemoryReader", "PartPool", "TransferSettings", "Transfers"]
