@@ -39,6 +39,7 @@ import time
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from ._client_options import ClientTimeouts
+from ._request_tally import RequestTally
 from .transfers import PartPool, TransferSettings, transfer_pools
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class Storage(abc.ABC):
         credential_sources (str | None): where the client looks for credentials, named when it
             finds none.
         transfers (TransferSettings): part size and parts in flight of parallel transfers.
+        requests (RequestTally): the requests this store sent, by kind
+            (:mod:`opd_store.storage._request_tally`).
     """
 
     commit_primitive = "none"
@@ -90,6 +93,7 @@ class Storage(abc.ABC):
         self._fs = None if callable(fs) else fs
         self._fs_lock = threading.Lock()
         self.timeouts = timeouts or ClientTimeouts()
+        self.requests = RequestTally()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
         self._part_pool, self._read_pool = transfer_pools(self.transfers)  # not use_transfers: wrappers forward it
         self.root = root.rstrip("/") or "/"

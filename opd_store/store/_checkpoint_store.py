@@ -377,6 +377,10 @@ class CheckpointStore(BaseStore):
     def close(self, timeout_secs: float | None = None) -> None:
         """Nothing to release: a plain store holds no background work (reads and saves go on)."""
 
+    def durable_store(self) -> "CheckpointStore":
+        """This store: every committed step of a plain store is durable."""
+        return self
+
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """One tier: this store, with ``policy``."""
         return [RetentionTier(self, policy)]

@@ -124,6 +124,7 @@ class FaultyStorage(Storage):
     def __init__(self, inner: Storage, faults=None, *, read_fault: Fault | None = None, before_create=None) -> None:
         super().__init__(inner.fs, inner.root, inner.url_root)
         self.inner = inner
+        self.requests = inner.requests  # the requests are the inner store's, sent by its verbs
         self.commit_primitive = inner.commit_primitive
         self.atomic_create = inner.atomic_create
         if faults is None:

@@ -64,7 +64,7 @@ class GCSStorage(NoMultipartUploads, BucketStorage):
 
         bucket, _, key = self.path(rel).partition("/")
         upload = GCSComposite(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
-        return PartWriter(upload, self.part_pool())  # type: ignore[return-value]
+        return PartWriter(upload, self.part_pool(), self.requests)  # type: ignore[return-value]
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
         from ._reads import range_opener

@@ -96,7 +96,7 @@ class S3Storage(BucketStorage):
 
         bucket, key = self._bucket_and_key(rel)
         upload = S3Multipart(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
-        return PartWriter(upload, self.part_pool())  # type: ignore[return-value]
+        return PartWriter(upload, self.part_pool(), self.requests)  # type: ignore[return-value]
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         from ._reads import read_checked
