@@ -82,6 +82,7 @@ class Storage(abc.ABC):
     # 1 GiB tensor would cost ~3 GiB of RSS. 8 MiB slices keep it to one part.
     write_slice_bytes = 8 << 20
     bucketed = False
+    counts_own_requests = False  # S3, GCS: counted at the client (count_client_requests), not per verb
     endpoint: str | None = None
     credential_sources: str | None = None
 
@@ -123,13 +124,19 @@ class Storage(abc.ABC):
         if fs is None:
             with self._fs_lock:
                 if self._fs is None:
-                    self._fs = self._fs_factory()
+                    built = self._fs_factory()
+                    self.count_client_requests(built)
+                    self._fs = built
                 fs = self._fs
         return fs
 
     @fs.setter
     def fs(self, value: Any) -> None:
         self._fs = value
+
+    def count_client_requests(self, fs: Any) -> None:
+        """Make the client just built count its requests in :attr:`requests` (S3, GCS); nothing by
+        default, where each verb counts itself (:mod:`opd_store.storage._request_tally`)."""
 
     def use_transfers(self, settings: TransferSettings) -> None:
         """Move payloads with ``settings`` from now on (before the first transfer), with new pools

@@ -15,8 +15,8 @@ cause (``s3://b/run/step-000002/manifest.json: cannot read: endpoint http://HOST
 answer within 60 s``) with the client's error as ``__cause__``: botocore raises those failures
 as its own exception types, which are neither the builtins callers catch nor anything a person
 can act on. Every backend below gets this by subclassing (:meth:`FsspecStorage.__init_subclass__`),
-and each outermost verb call counts one request of its kind in ``storage.requests``
-(:mod:`opd_store.storage._request_tally`).
+and, on a backend whose client does not count its own requests, each outermost verb call counts
+one request of its kind in ``storage.requests`` (:mod:`opd_store.storage._request_tally`).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from ..runtime import register_io_thread
 from ._backend_errors import is_missing, is_unreachable
 from ._base import Storage
 
-# The kind of request each verb is (opd_store.storage._request_tally); open_write and sync_prefix
-# send nothing themselves (a part writer counts its own requests, a local sync is no request).
+# The kind of request each verb is on a backend that sends none (local, memory:
+# opd_store.storage._request_tally); open_write and sync_prefix count nothing (the write is
+# counted when published, a sync is no request).
 _VERB_KINDS = {
     "list_children": "list", "list_tree": "list", "list_tree_modified": "list", "list_uploads": "list",
     "newest_part_secs": "list", "size": "head", "clock_secs": "head", "read_bytes": "get", "open_read": "get",
@@ -59,7 +60,7 @@ def _translating(name: str, operation: str, method):
         tally = self.requests
         outermost = tally.enter_verb()
         try:
-            if outermost and kind is not None:
+            if outermost and kind is not None and not self.counts_own_requests:
                 tally.add(kind)
             return method(self, *args, **kwargs)
         except OpdStoreError:

@@ -1,31 +1,33 @@
 """Requests a store sent, by kind: what the run journal records per save and the cost report prices.
 
 Every :class:`~opd_store.storage._base.Storage` holds one :class:`RequestTally` (``storage.requests``).
-The verbs count themselves (:mod:`opd_store.storage._fsspec` counts each outermost verb call once,
-so a verb built on another is one request), and a parallel part writer counts the requests it
-sends (:class:`~opd_store.storage.transfers._part_writer.PartWriter`: a single-request object is
-one ``put``; a multipart object one ``post`` to start, one ``put`` per part and one ``post`` to
-assemble). The kinds follow the object stores' price classes:
+S3 and GCS count at their client, one count per API request it sends (every page of a listing,
+every part, every ranged GET; :func:`count_calls` wraps s3fs's ``_call_s3`` and gcsfs's
+``_request``, the funnels every request of theirs and of opd_store's goes through, and the GCS
+ranged reads count their own). On the other backends (local, memory) nothing is sent: each
+outermost verb call counts as the one request it would be (:mod:`opd_store.storage._fsspec`). The
+kinds follow the object stores' price classes:
 
 ========  ====================================================  =====================================
 kind      requests                                               S3 / GCS price class
 ========  ====================================================  =====================================
-list      listings (one per page the client asked for: counted   PUT/COPY/POST/LIST / class A
-          once per verb)
-head      an object's size or the store's clock                  GET and others / class B
-get       an object's bytes (a parallel ranged read counts once) GET and others / class B
+list      listings (one per page)                                PUT/COPY/POST/LIST / class A
+head      an object's metadata or size                           GET and others / class B
+get       an object's bytes (one per range)                      GET and others / class B
 put       an object or one part of it                            PUT/COPY/POST/LIST / class A
 post      a multipart upload started or assembled (GCS compose)  PUT/COPY/POST/LIST / class A
 delete    an object or a prefix deleted, an upload aborted       free on both
 ========  ====================================================  =====================================
 
-What is counted is what opd_store asks for, not what crossed the wire: a client's own retries of
-one request are one request here (a failed S3 request is not billed; docs/ledger.md).
+A client's own retries of one request count once (botocore's inside ``_call_s3``, and so do the
+retries of gcsfs's ``_request``: docs/ledger.md).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+from typing import Any, Callable
 
 KINDS = ("list", "head", "get", "put", "post", "delete")
 
@@ -65,9 +67,23 @@ class RequestTally:
         self._depth.value -= 1
 
 
+def count_calls(client: Any, attribute: str, kind_of: Callable[..., str], tally: RequestTally) -> None:
+    """Count every call of the coroutine method ``client.<attribute>`` in ``tally``, under the kind
+    ``kind_of(*args, **kwargs)`` names (a wrapper set on the instance: the client's own calls of
+    ``self.<attribute>`` go through it too)."""
+    method = getattr(client, attribute)
+
+    @functools.wraps(method)
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        tally.add(kind_of(*args, **kwargs))
+        return await method(*args, **kwargs)
+
+    setattr(client, attribute, counted)
+
+
 def difference(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     """Requests counted between two snapshots, by kind (kinds with none left out)."""
     return {kind: after.get(kind, 0) - before.get(kind, 0) for kind in KINDS if after.get(kind, 0) != before.get(kind, 0)}
 
 
-__all__ = ["KINDS", "RequestTally", "difference"]
+__all__ = ["KINDS", "RequestTally", "count_calls", "difference"]

@@ -89,14 +89,10 @@ class PartWriter:
     Args:
         multipart (Multipart): the backend's requests for the object.
         pool (PartPool): the store's part buffers (their size is the part size).
-        requests (RequestTally | None): counts each request sent (``put`` for the object or a part,
-            ``post`` to start and to assemble, ``delete`` to abort;
-            :mod:`opd_store.storage._request_tally`).
     """
 
-    def __init__(self, multipart: Multipart, pool: PartPool, requests=None) -> None:
+    def __init__(self, multipart: Multipart, pool: PartPool) -> None:
         self._multipart = multipart
-        self._requests = requests
         self.url = multipart.url
         self._pool = pool
         self._buffer: bytearray | None = None
@@ -160,7 +156,6 @@ class PartWriter:
         """Upload the full current buffer as the next part (starting the upload first)."""
         if not self._started:
             self._started = True
-            self._count("post")
             self._multipart.start()
         buffer, self._buffer, self._fill = self._buffer, None, 0
         self._pool.flying()
@@ -170,7 +165,6 @@ class PartWriter:
         """Upload ``body`` (``buffer`` itself by default, or a view of its first bytes) as the next
         part; ``buffer`` goes back to the pool when the request has settled."""
         number = len(self._parts) + 1
-        self._count("put")
         future = self._run(self._multipart.upload_part(number, buffer if body is None else body))
         future.add_done_callback(lambda done: self._part_done(done, buffer))
         self._parts.append(future)
@@ -253,12 +247,7 @@ class PartWriter:
             self._pool.release(self._buffer, was_flying=False)
             self._buffer, self._fill = None, 0
 
-    def _count(self, kind: str) -> None:
-        if self._requests is not None:
-            self._requests.add(kind)
-
     async def _put(self, body: bytearray | memoryview) -> None:
-        self._count("put")
         await self._multipart.put(body)
         self._state = "done"
 
@@ -271,7 +260,6 @@ class PartWriter:
         failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failed is None:
             try:
-                self._count("post")
                 await self._multipart.complete(outcomes)
                 self._state = "done"
                 return
@@ -288,7 +276,6 @@ class PartWriter:
         could otherwise be stored after it; GCS: a temporary object created after the deletes)."""
         await self._settled_parts()
         self._aborted = True
-        self._count("delete")
         await self._multipart.abort()
 
 
