@@ -6,7 +6,8 @@ out); :func:`report_store` reads them from a store. The rules (docs/ledger.md sa
 * A **start** is one process lifetime (its events share a ``start_id``). It ended ``finished``,
   ``preempted`` (a notice) or ``failed`` when it wrote an ``exit`` event, ``killed`` when it wrote
   none and a later start exists (SIGKILL, a lost machine), ``running`` when it is the last one.
-* A **preemption** is a start that ended ``killed`` or ``preempted`` and was followed by another.
+* A **preemption** is a start that ended ``killed``, ``preempted`` or ``failed`` (a rank lost on
+  another machine fails the job's other ranks) and was followed by another.
   Its **updates lost** are the steps it reached beyond the step the next start resumed from (the
   work the next start redoes); its **seconds lost** the update seconds it spent on them. Progress
   between a start's last event and its death is unknown: with ``progress_every_secs`` > 0 the
@@ -58,7 +59,7 @@ class StartRow(BaseModel):
 
 class PreemptionRow(BaseModel):
     start_index: int
-    how: str  # "killed" or the notice's source
+    how: str  # the notice's source, else "killed" or "failed"
     killed_secs: float
     last_step: int | None
     resumed_step: int | None
@@ -194,7 +195,7 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
         resumed = starts[index + 1].resumed_step
         kept_secs = min(row.update_secs, _update_secs_at(group, resumed or 0, row.resumed_step))
         kept += kept_secs
-        if row.outcome not in ("killed", "preempted"):
+        if row.outcome not in ("killed", "preempted", "failed"):
             continue
         notice = next((e for e in group if e.kind == "notice"), None)
         notice_outcome = None
@@ -212,7 +213,7 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
         exact = row.outcome == "preempted" or (start_event is not None and start_event.progress_every_secs == 0)
         updates_lost = max(0, (row.last_step or 0) - (resumed or 0))
         preemptions.append(PreemptionRow(
-            start_index=index, how=notice.source if notice is not None else "killed", killed_secs=row.ended_secs,
+            start_index=index, how=notice.source if notice is not None else row.outcome, killed_secs=row.ended_secs,
             last_step=row.last_step, resumed_step=resumed, updates_lost=updates_lost,
             seconds_lost=max(0.0, row.update_secs - kept_secs), exact=exact, notice_outcome=notice_outcome))
         kept_event = next((e for e in group if getattr(e, "step", None) == resumed and e.kind in ("save", "progress")),
