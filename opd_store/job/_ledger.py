@@ -7,9 +7,10 @@
   (one GET) gives the interval in force and the save cost measured so far;
 * after each update, ``first_update`` once and ``progress`` at most every ``progress_every_secs``
   (every update with 0), written before the next update starts, so a kill anywhere later finds it;
-* after each committed save, one ``save`` event: the only request the journal adds to a save
-  (``save`` requests are counted on the durable tier, :mod:`opd_store.storage._request_tally`,
-  every rank's summed; the journal's own writes are left out);
+* after each committed save, one ``save`` event: the only request the journal adds to a save,
+  written on the journal's writer thread so the save does not wait for it (the next event written
+  at once waits for it first); the save's requests are counted on the durable tier
+  (:mod:`opd_store.storage._request_tally`), every rank's summed, the journal's own left out;
 * on a notice, the final save planned against the deadline (:func:`~opd_store.ledger.plan_final_save`;
   rank 0 decides for every rank) and one ``notice`` event;
 * at the end, one ``exit`` event (``finished``, ``preempted`` or ``failed``).
@@ -177,13 +178,16 @@ class JobLedger:
 
     # -- saves --------------------------------------------------------------------------------------
     def mark(self) -> tuple[dict[str, int], int]:
-        """Where the request count stands (before a save)."""
-        return self.tally.snapshot(), self.journal.written
+        """Where the request count stands (before a save; a journal write still queued is waited
+        for, so its request falls outside the save's count)."""
+        self.journal.flush()
+        return self.tally.snapshot(), self.journal.written + self.journal.failed
 
     def saved(self, trainer_step: int, record: dict[str, Any], *, mark: tuple[dict[str, int], int],
               blocking_secs: float, attempted_updates: int, reason: str = "periodic") -> None:
         """A save committed (every rank, at the same point): journal ``save`` with its requests
         (every rank's, summed) and, with ``auto``, the next interval (rank 0's, for every rank)."""
+        self.journal.flush()  # a journal write in flight is counted once it was sent: settle it first
         requests = self._requests_since(mark)
         if self.group is not None:
             gathered = self.group.all_gather(requests)
@@ -210,9 +214,9 @@ class JobLedger:
                                trainer_step, self.every)
             self.every = every
             self.next_save_step = trainer_step + every
-        self.journal.record("save", step=trainer_step, reason=reason, size_bytes=record.get("size_bytes"),
-                            blocking_secs=blocking_secs, commit_secs=commit_secs, requests=requests,
-                            attempted_updates=attempted_updates, update_secs=self.update_secs,
+        self.journal.record("save", background=True, step=trainer_step, reason=reason,
+                            size_bytes=record.get("size_bytes"), blocking_secs=blocking_secs, commit_secs=commit_secs,
+                            requests=requests, attempted_updates=attempted_updates, update_secs=self.update_secs,
                             next_checkpoint_every=self.every)
 
     def save_failed(self) -> None:
@@ -226,7 +230,7 @@ class JobLedger:
         before, written = mark
         now = self.tally.snapshot()
         out = {kind: now[kind] - before.get(kind, 0) for kind in now}
-        out["put"] -= self.journal.written - written  # the journal's own events are not the save's
+        out["put"] -= self.journal.written + self.journal.failed - written  # the journal's own are not the save's
         return {kind: count for kind, count in out.items() if count > 0}
 
     # -- the notice ------------------------------------------------------------------------------------

@@ -31,7 +31,9 @@ import logging
 import os
 import re
 import secrets
+import queue
 import socket
+import threading
 import time
 from typing import Any, Callable, Iterable
 
@@ -146,6 +148,12 @@ class Journal:
         start_id (str): 16 hex digits naming this start.
         written (int): events written to the store.
         failed (int): events whose write failed (logged as warnings; the run went on).
+
+    An event is written at once (the caller waits for its one request), or with ``background``
+    on the journal's writer thread, so a save does not wait for its own ``save`` event: every
+    event written at once, and :meth:`flush`, first waits for those queued, so the journal's order
+    is the order of the calls. A process killed with an event queued loses that event (the report
+    then lacks its figures; no step depends on it).
     """
 
     def __init__(self, store: BaseStore | None, *, world_size: int = 1, sinks: Iterable[Any] = ()) -> None:
@@ -160,10 +168,15 @@ class Journal:
         self.written = 0
         self.failed = 0
         self._seq = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer: threading.Thread | None = None
 
-    def record(self, kind: str, *, clock: Callable[[], float] = time.time, **fields: Any):
+    def record(self, kind: str, *, clock: Callable[[], float] = time.time, background: bool = False,
+               **fields: Any):
         """Write one event of ``kind`` with ``fields`` (see :mod:`opd_store.ledger._events`);
-        returns it. A failed write is logged as a warning, never raised: nothing needs the journal.
+        returns it. ``background``: queue it for the writer thread and return at once (the class
+        docstring). A failed write is logged as a warning, never raised: nothing needs the journal.
         Its requests and any ``random`` draw of the client's retries leave the caller's random
         stream untouched (:func:`~opd_store.runtime.route_background_random`: the seed's exact-resume
         contract).
@@ -179,9 +192,33 @@ class Journal:
                 sink.observe(event)
             except Exception:  # noqa: BLE001 - metrics never stop training
                 logger.warning("run journal: sink %r failed on a %s event", sink, kind, exc_info=True)
-        if self.storage is not None:
+        if self.storage is not None and background:
+            self._enqueue(event)
+        elif self.storage is not None:
+            self.flush()
             self._write(event)
         return event
+
+    def flush(self) -> None:
+        """Wait until every event queued with ``background`` was written (or failed)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def _enqueue(self, event) -> None:
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_queued, name="opd-store-journal", daemon=True)
+            self._writer.start()
+        self._queue.put(event)
+
+    def _write_queued(self) -> None:
+        """The writer thread: write each queued event in order (a daemon: it holds no state that
+        needs finishing; :meth:`flush` is how a caller waits)."""
+        while True:
+            event = self._queue.get()
+            try:
+                self._write(event)
+            finally:
+                self._queue.task_done()
 
     def _write(self, event) -> None:
         rel = event_rel(event.time_secs, event.start_id, event.seq, event.kind, getattr(event, "step", None))
@@ -189,9 +226,11 @@ class Journal:
         try:
             with route_background_random():
                 self.storage.create_exclusive(rel, body)
-            self.written += 1
+            with self._lock:
+                self.written += 1
         except Exception as exc:  # noqa: BLE001 - the journal is never needed (module docstring)
-            self.failed += 1
+            with self._lock:
+                self.failed += 1
             logger.warning("run journal: could not write %s (%s: %s); training goes on without it",
                            self.storage.url(rel), type(exc).__name__, exc)
 
