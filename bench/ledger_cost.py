@@ -72,7 +72,8 @@ def measure(size_mib: int, *, repeats: int, cap_mib: float) -> dict:
                     record = {"seconds": committed - started, "size_bytes": size_mib * MIB}
                     ledger.saved(step, record, mark=mark, blocking_secs=record["seconds"], attempted_updates=step)
                     journal_shares.append((time.perf_counter() - committed) / (committed - started))
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - started  # what training waits for
+                ledger.journal.flush()  # the save event's request, written meanwhile, belongs to this save
                 rows[mode].append((seconds, moto.requests()["total"], counter.total))
                 store.delete(step)  # the next save starts from the same store
         event_secs = []
@@ -143,8 +144,8 @@ def _render(results: list[dict], args) -> tuple[str, list[str]]:
                  "order alternates; on a shared machine the difference between two saves is mostly noise); *the "
                  "journal's own share*: the seconds of the journaling after each commit over that save's seconds, "
                  "median (what the target is held against).")
-    lines.append(f"\none journal event alone: {event * 1000:.1f} ms (a save passes {SHARE_TARGET:.0%} once it takes "
-                 f"{event / SHARE_TARGET:.2f} s or more)")
+    lines.append(f"\none journal event written alone (what the writer thread spends on a save's event; the save "
+                 f"does not wait for it): {event * 1000:.1f} ms")
     lines.append("targets: at most 1 extra request per save, under 2% of a save's time: "
                  + ("met" if not failed else "MISSED: " + "; ".join(failed)))
     return "\n".join(lines), failed

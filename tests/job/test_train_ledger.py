@@ -91,10 +91,11 @@ def capped_s3(s3_backend, moto_s3):
         proxy.stop()
 
 
-def _notice_run(backend, proxy, workdir: Path, deadline_secs: float) -> tuple[subprocess.CompletedProcess, list]:
+def _notice_run(backend, proxy, workdir: Path, deadline_secs: float, *extra: str
+                ) -> tuple[subprocess.CompletedProcess, list]:
     """Start the job, SIGTERM it once its first save committed; return its result and events."""
     cmd = _train(backend.url, proxy.endpoint_url, workdir, "run", "--updates", "40", "--checkpoint-every", "2",
-                 "--notice-deadline-secs", str(deadline_secs))
+                 "--notice-deadline-secs", str(deadline_secs), *extra)
     proc = forkserver.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + DEADLINE_SECS
@@ -112,7 +113,8 @@ def _notice_run(backend, proxy, workdir: Path, deadline_secs: float) -> tuple[su
 
 def test_a_notice_deadline_the_save_fits_commits_within_it(capped_s3, tmp_path):
     backend, proxy = capped_s3
-    done, events = _notice_run(backend, proxy, tmp_path, 30.0)
+    metrics = tmp_path / "opd.prom"
+    done, events = _notice_run(backend, proxy, tmp_path, 30.0, "--metrics-textfile", str(metrics))
     assert done.returncode == 0, done.stderr[-3000:]
     (preempted,) = [e for e in events if e["event"] == "preempted"]
     assert preempted["action"] == "committed" and 0 < preempted["deadline_secs_left"] <= 30.0
@@ -127,6 +129,11 @@ def test_a_notice_deadline_the_save_fits_commits_within_it(capped_s3, tmp_path):
     assert final.step == notice.step == preempted["step"] and final.time_secs <= notice.time_secs + notice.deadline_secs
     assert report_store(store).preemptions == []  # the run was not followed by another start yet
     assert [s.outcome for s in report_store(store).starts] == ["preempted"]
+    # the Prometheus textfile (node_exporter's collector) after the last event
+    samples = dict(line.rsplit(" ", 1) for line in metrics.read_text().splitlines() if not line.startswith("#"))
+    assert float(samples["opd_store_saves_total"]) == 2 and float(samples["opd_store_last_committed_step"]) == final.step
+    assert float(samples["opd_store_saved_bytes_total"]) == first.size_bytes + final.size_bytes
+    assert float(samples['opd_store_requests_total{kind="put"}']) >= 2 * 9
 
 
 def test_a_notice_deadline_the_save_cannot_meet_starts_no_save(capped_s3, tmp_path):
