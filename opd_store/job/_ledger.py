@@ -136,7 +136,7 @@ class JobLedger:
                     storage = self.store.durable_store().storage
                     event = parse_event(storage.read_bytes(saved[-1].rel, small=True), storage.url(saved[-1].rel))
                     seeds.append((event.size_bytes, event.commit_secs, event.blocking_secs))
-                    if self.auto_mode:
+                    if self.auto_mode and event.next_checkpoint_every is not None:
                         every = event.next_checkpoint_every
                 except Exception as exc:  # noqa: BLE001 - a damaged event: the user's interval
                     logger.warning("run journal: the save event of step %d could not be read (%s)", resumed_step, exc)

@@ -21,7 +21,8 @@ exit          the start ended: ``finished``, ``preempted`` or ``failed`` (a star
 
 ``step`` is the trainer's successful updates at the event and ``update_secs`` the seconds this start
 has spent in updates so far (saves and waits excluded): the report's goodput and lost work rest on
-them. :data:`SCHEMA_VERSION` is written in every event; a reader refuses a newer one
+them. A writer that does not measure something leaves the optional fields out (a trainer
+integration journals ``start``, ``resume``, ``save`` and ``exit`` with the fields it has). :data:`SCHEMA_VERSION` is written in every event; a reader refuses a newer one
 (:func:`parse_event`), so a report from an older opd_store skips what it cannot read instead of
 misreading it.
 """
@@ -98,9 +99,9 @@ class SaveEvent(_Event):
     blocking_secs: float = Field(ge=0)
     commit_secs: float = Field(ge=0)
     requests: dict[str, int] = Field(default_factory=dict, max_length=16)
-    attempted_updates: int = Field(ge=0)
-    update_secs: float = Field(ge=0)
-    next_checkpoint_every: int = Field(ge=1)
+    attempted_updates: int | None = Field(default=None, ge=0)
+    update_secs: float = Field(default=0.0, ge=0)
+    next_checkpoint_every: int | None = Field(default=None, ge=1)
 
 
 class NoticeEvent(_Event):

@@ -43,6 +43,10 @@ ASSUMPTIONS = ("Young/Daly first-order optimum sqrt(2 x save cost x MTBF): preem
 
 
 class StartRow(BaseModel):
+    """One start (process lifetime): times in seconds since the epoch, ``first_update_secs`` and
+    ``update_secs`` in seconds, steps as the trainer's successful updates; ``outcome`` as in the
+    module docstring."""
+
     index: int
     start_id: str
     host: str | None
@@ -58,6 +62,10 @@ class StartRow(BaseModel):
 
 
 class PreemptionRow(BaseModel):
+    """One preemption: the step the start reached, the step the next resumed from, the updates and
+    update seconds lost (``exact``: progress was journaled after every update, or the start ended
+    by a notice), and what came of its notice."""
+
     start_index: int
     how: str  # the notice's source, else "killed" or "failed"
     killed_secs: float
@@ -70,6 +78,8 @@ class PreemptionRow(BaseModel):
 
 
 class TimelineItem(BaseModel):
+    """One mark of the timeline (seconds since the epoch)."""
+
     kind: str  # start, save, notice, kill, exit
     time_secs: float
     start_index: int
@@ -77,6 +87,8 @@ class TimelineItem(BaseModel):
 
 
 class LostWork(BaseModel):
+    """The span of a preempted start's work that the next start redid (seconds since the epoch)."""
+
     start_index: int
     from_secs: float
     to_secs: float
@@ -84,6 +96,8 @@ class LostWork(BaseModel):
 
 
 class Costs(BaseModel):
+    """The estimate in the table's currency: the run's requests, and a month of the bytes stored."""
+
     table: str
     currency: str
     requests: float
@@ -91,6 +105,11 @@ class Costs(BaseModel):
 
 
 class LedgerReport(BaseModel):
+    """What ``opd-store report`` says (module docstring): seconds (``*_secs``), bytes (``*bytes*``),
+    shares as fractions (``goodput``, ``checkpoint_share``), requests by kind, the recommended
+    interval in seconds and in updates (``None`` until a preemption was measured), and the
+    journal objects skipped (one line each)."""
+
     url: str
     starts: list[StartRow]
     preemptions: list[PreemptionRow]
