@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     return _spawn(args, options)
 
 
-def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
+def _train(args: argparse.Namespace, options: dict, rank: int = 0, launcher_pid: int | None = None) -> int:
     from ..store import CheckpointStore
 
     store = CheckpointStore(args.store, storage_options=options, allow_check_then_put=args.allow_check_then_put)
@@ -179,6 +179,7 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
             progress_every_secs=args.journal_progress_secs,
             notice_deadline_secs=args.notice_deadline_secs,
             journal_sinks=sinks,
+            process_started_secs=_started_secs(launcher_pid),
             resume=args.resume,
             seed=args.seed,
             log=log,
@@ -214,6 +215,16 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
         summary["preempted"] = {key: notice[key] for key in ("source", "step", "url", "action")}
     print(json.dumps(summary), file=sys.stderr if not args.log else sys.stdout)
     return 0
+
+
+def _started_secs(launcher_pid: int | None) -> float | None:
+    """When the launcher of spawned ranks started (a restart is timed from the command the user
+    ran, not from its ranks' start); ``None`` in a single process."""
+    if launcher_pid is None:
+        return None
+    from ..ledger import process_started_secs
+
+    return process_started_secs(launcher_pid)
 
 
 def _spawn(args: argparse.Namespace, options: dict) -> int:
@@ -324,7 +335,7 @@ def _rank_main(rank: int, args: argparse.Namespace, options: dict, init_method: 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.nproc,
                             timeout=datetime.timedelta(seconds=args.dist_timeout_secs))
     try:
-        code = _train(args, options, rank)
+        code = _train(args, options, rank, launcher_pid)
     except (CliError, OSError, ValueError) as exc:
         message = str(exc).strip() or type(exc).__name__
         print(f"opd-store train: error: rank {rank}: {message}", file=sys.stderr)

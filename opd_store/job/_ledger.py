@@ -60,11 +60,14 @@ class JobLedger:
             (``--notice-deadline-secs``); the AWS and GCE notices carry their own.
         async_save / shard (bool): how the job saves (recorded in the ``start`` event).
         sinks (list): journal sinks (the Prometheus exporter) on rank 0.
+        started_secs (float | None): when the job's process started (seconds since the epoch): the
+            launcher's, for ranks it spawned; this process's by default.
     """
 
     def __init__(self, store: BaseStore, *, group, updates: int, checkpoint_every: int, auto: bool = False,
                  progress_every_secs: float = 60.0, notice_deadline_secs: float | None = None,
-                 async_save: bool = False, shard: bool = False, sinks: list | None = None) -> None:
+                 async_save: bool = False, shard: bool = False, sinks: list | None = None,
+                 started_secs: float | None = None) -> None:
         self.group = group
         self.rank, world_size = (group.rank, group.world_size) if group is not None else (0, 1)
         self.store = store
@@ -76,7 +79,7 @@ class JobLedger:
         self.progress_every_secs = progress_every_secs
         self.notice_deadline_secs = notice_deadline_secs
         self.async_save, self.shard = async_save, shard
-        self.process_started_secs = process_started_secs()
+        self.process_started_secs = started_secs if started_secs is not None else process_started_secs()
         self.estimator = SaveEstimator()
         self.blocking_secs: list[float] = []
         self.update_secs = 0.0

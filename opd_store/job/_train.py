@@ -168,6 +168,7 @@ def train(
     progress_every_secs: float = 60.0,
     notice_deadline_secs: float | None = None,
     journal_sinks: list | None = None,
+    process_started_secs: float | None = None,
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
@@ -224,6 +225,9 @@ def train(
             started and the run returns with ``action`` ``skipped`` (:mod:`opd_store.job._ledger`).
         journal_sinks (list | None): receive every journal event on rank 0 (``observe(event)``:
             the Prometheus exporter).
+        process_started_secs (float | None): when the job's process started, seconds since the
+            epoch (the restart time is measured from it): the launcher's for spawned ranks; this
+            process's by default.
 
     The run journals its start, resume, first update, progress, saves, notice and exit in the
     store (:mod:`opd_store.ledger`; ``opd-store report``). Nothing of it is needed to resume: a
@@ -277,7 +281,7 @@ def train(
     ledger = JobLedger(store, group=group, updates=updates, checkpoint_every=checkpoint_every,
                        auto=checkpoint_every_auto, progress_every_secs=progress_every_secs,
                        notice_deadline_secs=notice_deadline_secs, async_save=async_save, shard=shard,
-                       sinks=journal_sinks)
+                       sinks=journal_sinks, started_secs=process_started_secs)
     ledger.start(target_step)  # the journal's start event; with auto, the schedule (a collective)
     trainer: dict[str, Any] = {"attempted_updates": 0, "successful_updates": 0, "query_update": 0}
     try:

@@ -34,6 +34,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from .._version import __version__
 from ..errors import JournalEventError
 
 SCHEMA_VERSION = 1
@@ -58,14 +59,14 @@ class _Event(BaseModel):
 class StartEvent(_Event):
     kind: Literal["start"] = "start"
     process_started_secs: float = Field(ge=0)
-    updates: int = Field(ge=1)
-    checkpoint_every: int = Field(ge=1)
+    updates: int | None = Field(default=None, ge=1)
+    checkpoint_every: int | None = Field(default=None, ge=1)
     checkpoint_every_auto: bool = False
-    progress_every_secs: float = Field(ge=0)
-    store_url: str = Field(max_length=2048)
+    progress_every_secs: float | None = Field(default=None, ge=0)  # None: no progress events
+    store_url: str = Field(default="", max_length=2048)
     async_save: bool = False
     shard: bool = False
-    version: str = Field(max_length=64)
+    version: str = Field(default=__version__, max_length=64)
 
 
 class ResumeEvent(_Event):
@@ -73,7 +74,7 @@ class ResumeEvent(_Event):
     resumed_step: int | None = Field(default=None, ge=0)
     previous_start_id: str | None = Field(default=None, pattern=_HEX16)
     updates_redone: int | None = Field(default=None, ge=0)
-    checkpoint_every: int = Field(ge=1)
+    checkpoint_every: int | None = Field(default=None, ge=1)
 
 
 class FirstUpdateEvent(_Event):

@@ -114,13 +114,13 @@ def list_journal(store: BaseStore) -> tuple[list[EventName], list[str]]:
     return names, sorted(strangers)
 
 
-def process_started_secs() -> float:
-    """When this process started, in seconds since the epoch: the kernel's start time (Linux
-    ``/proc/self/stat`` field 22, clock ticks since boot) placed on the wall clock through
-    ``/proc/uptime`` (10 ms resolution; ``btime`` of ``/proc/stat`` is whole seconds), else when
-    opd_store was imported."""
+def process_started_secs(pid: int | None = None) -> float:
+    """When this process (or process ``pid``: a job's launcher) started, in seconds since the
+    epoch: the kernel's start time (Linux ``/proc/<pid>/stat`` field 22, clock ticks since boot)
+    placed on the wall clock through ``/proc/uptime`` (10 ms resolution; ``btime`` of ``/proc/stat``
+    is whole seconds), else when opd_store was imported."""
     try:
-        with open("/proc/self/stat", encoding="ascii") as handle:
+        with open(f"/proc/{pid or 'self'}/stat", encoding="ascii") as handle:
             fields = handle.read().rpartition(")")[2].split()
         with open("/proc/uptime", encoding="ascii") as handle:
             uptime_secs = float(handle.read().split()[0])

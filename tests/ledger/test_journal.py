@@ -212,3 +212,22 @@ def test_a_price_file_replaces_the_built_in_table(tmp_path, capsys):
     assert report["bytes_stored"] == stored and report["requests"] == {"put": 9}
     assert report["costs"] == {"table": "mine", "currency": "EUR", "requests": 9.0,
                                "storage_per_month": float(stored + report["journal_bytes"])}
+
+
+def test_the_start_time_of_a_process_is_the_kernels():
+    """The restart time is measured from a process's start as the kernel recorded it (a launcher's
+    for the ranks it spawned), to the 10 ms of the kernel's clock ticks."""
+    import subprocess
+    import time
+
+    from opd_store.ledger import process_started_secs
+
+    before = time.time()
+    child = subprocess.Popen(["sleep", "30"])
+    after = time.time()
+    try:
+        assert before - 0.05 <= process_started_secs(child.pid) <= after + 0.05
+        assert process_started_secs() < before
+    finally:
+        child.kill()
+        child.wait()
