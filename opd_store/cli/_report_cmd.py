@@ -31,8 +31,13 @@ def run(args: argparse.Namespace) -> int:
     from ..ledger import load_price_file, render_html, report_json, report_lines, report_store
 
     prices = load_price_file(args.prices) if args.prices is not None else None  # refused before any request
-    if args.html is not None and not Path(args.html).resolve().parent.is_dir():
-        raise CliError(f"--html {args.html}: its directory does not exist")
+    if args.html is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("plotly") is None:
+            raise CliError("--html needs plotly: pip install 'opd_store[html]'")
+        if not Path(args.html).resolve().parent.is_dir():
+            raise CliError(f"--html {args.html}: its directory does not exist")
     store = open_store(args.url, args)
     report = report_store(store, prices=prices)
     if args.html is not None:
