@@ -78,7 +78,8 @@ class JobSaves:
         step = trainer["successful_updates"]
         started = time.perf_counter()
         mark = self.ledger.mark() if self.ledger is not None else None
-        url = self.save(trainer_state=dict(trainer), teacher_state=teacher_state, **self.save_kwargs)
+        url = self._counting_failure(lambda: self.save(trainer_state=dict(trainer), teacher_state=teacher_state,
+                                                       **self.save_kwargs))
         record = self._record(step, url, time.perf_counter() - started)
         emit(self.events, {"event": "saved", **record})
         if self.ledger is not None:
@@ -90,7 +91,7 @@ class JobSaves:
         """Record the asynchronous save once it committed (raises its failure: never only logged)."""
         while self._pending and self._pending[0][0].done():
             handle, started, (mark, attempted) = self._pending.pop(0)
-            url = handle.result()
+            url = self._counting_failure(handle.result)
             record = self._record(handle.step, url, time.perf_counter() - started)
             record["blocked_seconds"] = handle.blocked_secs
             emit(self.events, {"event": "saved", **record})
@@ -124,7 +125,7 @@ class JobSaves:
         except OSError as exc:  # the periodic save failed: the save below covers its step and more
             self._pending.clear()
             emit(self.events, {"event": "save_failed", "error": f"{type(exc).__name__}: {exc}"})
-            if self.ledger is not None:
+            if self.ledger is not None:  # raised by the checkpointer's wait, before report_finished
                 self.ledger.save_failed()
         step = trainer["successful_updates"]
         committed = self.store.is_complete(step)
@@ -156,6 +157,15 @@ class JobSaves:
         }
         emit(self.events, record)
         return record
+
+    def _counting_failure(self, save: Callable[[], str]) -> str:
+        """``save()``; a failure is counted by the ledger's metrics, then raised."""
+        try:
+            return save()
+        except Exception:
+            if self.ledger is not None:
+                self.ledger.save_failed()
+            raise
 
     def _record(self, step: int, url: str, seconds: float) -> dict[str, Any]:
         """The ``saved`` record; ``size_bytes`` is ``None`` when retention has already deleted the
