@@ -157,8 +157,21 @@ class SaveAbandonedError(OpdStoreError, OSError):
     exited before it finished, past the stated deadline)."""
 
 
+class JournalEventError(OpdStoreError, ValueError):
+    """A run-journal event object that cannot be read: over the size limit, not JSON, of a newer
+    schema, or not an event (the message names its URL and the field). ``opd-store report`` skips
+    it with a warning; a resume never reads the journal's contents."""
+
+
+class PriceTableError(OpdStoreError, ValueError):
+    """A price file for ``opd-store report`` that does not parse: the message names the file and
+    the field."""
+
+
 __all__ = [
     "BackgroundSaveError",
+    "JournalEventError",
+    "PriceTableError",
     "SaveAbandonedError",
     "SaveInFlightError",
     "AmbiguousCommitError",

@@ -8,6 +8,7 @@ from .._lazy import lazy_exports
 from ._checksum import Crc32c, crc32c_base64, crc32c_hex
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, manifest_json_schema, parse_manifest
 from ._names import (
+    JOURNAL_PREFIX,
     MANIFEST_NAME,
     attempt_created_secs,
     check_attempt_id,
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 __getattr__ = lazy_exports(__name__, {name: "._torch_io" for name in ("torch_load", "torch_save", "weights_only_load")})
 
 __all__ = [
-    "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "Crc32c", "Manifest", "PayloadEntry", "Writer",
+    "JOURNAL_PREFIX", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "Crc32c", "Manifest", "PayloadEntry", "Writer",
     "attempt_created_secs", "check_attempt_id", "check_payload_name", "crc32c_base64", "crc32c_hex", "is_attempt_id",
     "manifest_json_schema", "new_attempt_id", "parse_manifest", "parse_step_dirname", "probe_name", "step_dirname",
     "torch_load", "torch_save", "weights_only_load",

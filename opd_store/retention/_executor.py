@@ -39,6 +39,8 @@ class GcReport:
         orphans (list[Orphan]): orphans found (deleted unless ``dry_run``).
         uploads (list[StaleUpload]): stale multipart uploads (aborted unless ``dry_run``).
         deleted_steps (list[int]): steps actually deleted.
+        journal_events (list[str]): run-journal events beyond the journal's bound (paths relative
+            to the store root; :func:`opd_store.ledger.prune_journal`), deleted unless ``dry_run``.
         dry_run (bool): nothing was deleted.
         store (CheckpointStore | None): the store the pass ran on.
         policy (RetentionPolicy | None): the policy it applied.
@@ -49,6 +51,7 @@ class GcReport:
     orphans: "list[Orphan]" = dataclasses.field(default_factory=list)
     uploads: "list[StaleUpload]" = dataclasses.field(default_factory=list)
     deleted_steps: list[int] = dataclasses.field(default_factory=list)
+    journal_events: list[str] = dataclasses.field(default_factory=list)
     dry_run: bool = True
     store: CheckpointStore | None = dataclasses.field(default=None, repr=False)
     policy: RetentionPolicy | None = None

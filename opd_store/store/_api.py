@@ -186,6 +186,12 @@ class Durability(abc.ABC):
         """
 
     @abc.abstractmethod
+    def durable_store(self) -> "CheckpointStore":
+        """The plain store that holds the durable copies (the store itself, or a tiered store's
+        bucket): where what must outlive this machine goes, such as the run journal
+        (:mod:`opd_store.ledger`). No I/O."""
+
+    @abc.abstractmethod
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """The plain stores a retention or gc pass with ``policy`` runs on, durable tier first: the
         store itself, or a tiered store's bucket (``policy``) and local tier (its own policy,

@@ -327,6 +327,10 @@ class CheckpointStore(BaseStore):
         exception propagates to the caller."""
         hook(self)
 
+    def durable_store(self) -> "CheckpointStore":
+        """This store: every committed step of a plain store is durable."""
+        return self
+
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """One tier: this store, with ``policy``."""
         return [RetentionTier(self, policy)]

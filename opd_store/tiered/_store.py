@@ -324,6 +324,10 @@ class TieredStore(BaseStore):
                 logger.error("upload failure while closing %r after another error", self, exc_info=True)
 
     # -- retention -------------------------------------------------------------------------------
+    def durable_store(self) -> CheckpointStore:
+        """The bucket: a step is durable once it is complete there."""
+        return self.bucket
+
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """The bucket with ``policy``, then the local tier with its own policy and every step that
         is not durable yet protected."""

@@ -3,7 +3,10 @@
 The job runs as a real CLI process that spawns two gloo ranks. The kill lands while rank 1 is in
 the middle of its RNG part of step 4 (tests/distributed/inject/sitecustomize.py blocks it there
 and names its pid), so nothing can have committed step 4. The restarted job resumes from step 2
-and must end bit-identical to an uninterrupted 2-rank run: adapter, optimizer, counters, losses.
+and must end bit-identical to an uninterrupted 2-rank run: adapter, optimizer, counters, losses;
+it does so with a run journal damaged and partly lost before the restart (nothing resumes from the
+journal), and ``opd-store report`` then says where the first run died (step 4 reached, step 2
+resumed from, 2 updates redone), skipping the damaged events with a warning.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
+from opd_store.format import JOURNAL_PREFIX
+from opd_store.ledger import MAX_EVENT_BYTES, read_journal, report_store
 
 ROOT = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).with_name("inject")
@@ -35,7 +40,7 @@ def _cmd(store: Path, tag: str, tmp_path: Path, *, fork: bool = False) -> list[s
     in a fresh interpreter, and the default start method is tested there), the other runs fork to
     save the imports."""
     return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
-            "--checkpoint-every", "2", "--nproc", "2", "--log", str(tmp_path / f"{tag}.log"),
+            "--checkpoint-every", "2", "--nproc", "2", "--journal-progress-secs", "0", "--log", str(tmp_path / f"{tag}.log"),
             "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt"),
             *(["--start-method", "fork"] if fork else [])]
 
@@ -75,6 +80,14 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     output = killed.communicate(timeout=DEADLINE_SECS)[0]
     assert killed.returncode != 0, output[-4000:]
     assert store.steps() == [2] and store.latest_step() == 2  # step 4 never committed
+    # The journal damaged and partly lost: the killed start's resume event deleted, its first-update
+    # event overwritten, and an oversized and a newer-schema object beside them.
+    journal = tmp_path / "run" / JOURNAL_PREFIX
+    (journal / next(p.name for p in journal.iterdir() if "-resume-" in p.name)).unlink()
+    (journal / next(p.name for p in journal.iterdir() if "-first_update-" in p.name)).write_bytes(b"\x00garbage")
+    stamp = "20270101T000000.000000Z-" + "f" * 16
+    (journal / f"{stamp}-000000-progress-s000009.json").write_bytes(b" " * (MAX_EVENT_BYTES + 1))
+    (journal / f"{stamp}-000001-progress-s000009.json").write_text(json.dumps({"schema_version": 99}))
 
     resumed = forkserver.run(_cmd(tmp_path / "run", "run2", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
                              timeout=DEADLINE_SECS)
@@ -98,6 +111,13 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     for record in _records(tmp_path / "run1.log") + _records(tmp_path / "run2.log"):
         assert record == by_update[record["attempted_update"]]
     assert _records(tmp_path / "run2.log")[-1] == by_update[max(by_update)]
+    report = report_store(store)
+    assert [(row.outcome, row.world_size) for row in report.starts] == [("failed", 2), ("finished", 2)]  # rank 0 gave up
+    assert [(p.how, p.last_step, p.resumed_step, p.updates_lost, p.exact) for p in report.preemptions] == [
+        ("failed", 4, 2, 2, True)]
+    assert len(report.skipped) == 3 and report.saves == 2  # step 2, then step 4 after the resume
+    first_save = next(e for e in read_journal(store).events if e.kind == "save")
+    assert first_save.step == 2 and first_save.requests["put"] >= 10  # rank 0's 8 payloads, its manifest, rank 1's part
 
     # One rank's RNG file of the reference's step 4 truncated after the commit: the job stops
     # before training, on every rank, with exit 4 and a final line that does not promise a resume
