@@ -22,7 +22,10 @@ in flight, a failure raised at the next save, :meth:`StoreCallback.wait` or the 
 as :class:`~opd_store.errors.BackgroundSaveError`).
 
 :func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations._hf_resume`,
-re-exported here) fetch the newest *complete* step, verified, for ``Trainer.train`` to resume.
+re-exported here) fetch the newest intact step, verified as it downloads, with the Trainer's best
+checkpoint beside it, for ``Trainer.train`` to resume. Each manifest records that best checkpoint's
+step (``best_step``), which retention keeps while a kept step names it. Refused before training:
+DeepSpeed (its ZeRO shards are not attributed to their ranks) and ``resume_mode="elastic"``.
 """
 
 from __future__ import annotations
