@@ -55,7 +55,7 @@ from ._hf_layout import (
     missing_files,
 )
 from ._hf_resume import resume_from_store, store_checkpoint
-from ._run_config import check_resume, check_trainer_resume_mode, trainer_run_config
+from ._run_config import RunConfig, check_resume, check_trainer_resume_mode, trainer_run_config
 
 logger = logging.getLogger("opd_store.integrations.transformers")
 

@@ -74,7 +74,6 @@ def _train(spec: dict) -> dict:
     """The run of this rank (see the module docstring); returns the ``result`` event."""
     import shutil
     import types
-
     from unittest import mock
 
     from opd_testkit.hf import tiny_trainer
