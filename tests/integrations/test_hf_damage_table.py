@@ -19,6 +19,9 @@ from opd_store import CheckpointStore, IntegrityError
 from opd_store.integrations.transformers import StoreCallback, resume_from_store, store_checkpoint
 from opd_store.job._machines import torch_threads
 
+pytestmark = pytest.mark.xdist_group("hf-damage-table")
+"""One worker runs the module: its module fixture (a trained checkpoint) is built once."""
+
 # (kind, payload): the kinds of opd_testkit.damage; a missing rank file of a one-process run is its
 # rng_state.pth deleted
 DAMAGE = [("delete", "optimizer.pt"), ("truncate", "optimizer.pt"), ("flip", "model.safetensors"),

@@ -29,6 +29,9 @@ from opd_store.errors import (
 from opd_store.integrations.transformers import StoreCallback
 from opd_store.job._machines import torch_threads
 
+pytestmark = pytest.mark.xdist_group("hf-error-table")
+"""One worker runs the module: its module fixture (a trained checkpoint) is built once."""
+
 BIG_BYTES = 20 << 20
 
 
