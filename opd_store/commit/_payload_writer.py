@@ -158,6 +158,13 @@ class PayloadWriter:
     def size_bytes(self) -> int:
         return self._crc.size_bytes
 
+    @property
+    def failed(self) -> bool:
+        """A :meth:`write` failed (or the save was cancelled): the bytes after it were dropped and
+        :meth:`close` raises the backend's error, typed. A caller comparing :attr:`size_bytes` with
+        what it wrote asks this first, so a refused upload is not reported as a short source."""
+        return self._write_error is not None
+
     def close(self) -> None:
         """Publish the object and record its entry (size_bytes, crc32c) in the transaction.
 

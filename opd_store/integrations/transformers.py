@@ -22,7 +22,10 @@ in flight, a failure raised at the next save, :meth:`StoreCallback.wait` or the 
 as :class:`~opd_store.errors.BackgroundSaveError`).
 
 :func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations._hf_resume`,
-re-exported here) fetch the newest *complete* step, verified, for ``Trainer.train`` to resume.
+re-exported here) fetch the newest intact step, verified as it downloads, with the Trainer's best
+checkpoint beside it, for ``Trainer.train`` to resume. Each manifest records that best checkpoint's
+step (``best_step``), which retention keeps while a kept step names it. Refused before training:
+DeepSpeed (its ZeRO shards are not attributed to their ranks) and ``resume_mode="elastic"``.
 """
 
 from __future__ import annotations
@@ -43,9 +46,16 @@ from ..pipeline import AfterCommit, BackgroundSaves, FinishCommit, SaveRequest, 
 from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, BaseStore, as_store, refuse_damaged_step_ahead
 from ._files import FileSnapshot, directory_files, snapshot_files, upload_files
-from ._hf_layout import JIT_SENTINEL_NAME, checkpoint_dirname, files_of_rank, missing_files
+from ._hf_layout import (
+    CHECKPOINT_PREFIX,
+    JIT_SENTINEL_NAME,
+    best_step_of,
+    checkpoint_dirname,
+    files_of_rank,
+    missing_files,
+)
 from ._hf_resume import resume_from_store, store_checkpoint
-from ._run_config import RunConfig, check_resume, trainer_run_config
+from ._run_config import RunConfig, check_resume, check_trainer_resume_mode, trainer_run_config
 
 logger = logging.getLogger("opd_store.integrations.transformers")
 
@@ -73,14 +83,16 @@ class StoreCallback(TrainerCallback):
             callback commits (waiting for the commit) and training stops.
         resume_mode (str): ``exact`` (default), ``execution_change`` or ``rollout_limit_change``:
             which differences between this run and the checkpoint it resumes are accepted
-            (docs/resume.md, "Resume modes").
+            (docs/resume.md, "Resume modes"). ``elastic`` is refused: the Trainer restores each
+            rank's RNG file and data position itself, so no elastic policy can hold
+            (:data:`~opd_store.integrations._run_config.TRAINER_RESUME_MODES`).
         exit_timeout_secs (float): with ``async_upload``, seconds an upload in flight at
             interpreter exit gets to commit before it is abandoned (:class:`opd_store.pipeline.BackgroundSaves`).
 
     Raises:
         StoreUnreachableError: the store cannot be used (no bucket, credentials or connection);
             raised here, before training, naming the URL and the cause.
-        ValueError: an unknown resume mode, or a negative ``exit_timeout_secs``.
+        ValueError: an unknown resume mode, ``elastic``, or a negative ``exit_timeout_secs``.
 
     Rank obligations: every rank constructs the callback and runs the same ``Trainer``; the
     collectives of a save run inside ``on_save`` on every rank.
@@ -99,9 +111,9 @@ class StoreCallback(TrainerCallback):
     ) -> None:
         if exit_timeout_secs < 0:
             raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
+        check_trainer_resume_mode(resume_mode)  # now, not at the first step
         self.store = as_store(url, storage_options)
         self.store.check_reachable()
-        RunConfig({}, resume_mode=resume_mode)  # validates the mode now, not at the first step
         self.retention = retention
         self.async_upload = async_upload
         self.preemption = preemption
@@ -116,9 +128,13 @@ class StoreCallback(TrainerCallback):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Check that this run may write the store, record its lineage, clear stale staging.
+        """Check that this run may write the store, record its lineage, clear what a killed process
+        left in the output directory (staging links; a just-in-time save's unfinished directory).
 
         Raises:
+            ValueError: a DeepSpeed run (one line): its ZeRO files (``global_step*/zero_pp_rank_*``)
+                are per-rank shards this callback cannot attribute to their ranks, so a commit could
+                miss other machines' shards. Nothing has been trained yet.
             CommitConflictError: the store holds complete checkpoints newer than the step this run
                 starts from (0, or the resumed step): its saves would collide with them, or
                 interleave two runs' steps. Nothing has been trained yet.
@@ -129,6 +145,11 @@ class StoreCallback(TrainerCallback):
         Rank obligations: every rank runs it (the Trainer calls callbacks on every rank); rank 0
         decides and every rank raises its error.
         """
+        if args.deepspeed or getattr(args, "deepspeed_plugin", None) is not None:
+            raise ValueError(
+                f"StoreCallback({self.store.url}) does not support DeepSpeed: its ZeRO checkpoint files are per-rank "
+                "shards the callback cannot attribute to their ranks, so a commit could miss other machines' shards; "
+                "train without DeepSpeed (DDP or FSDP) or checkpoint DeepSpeed runs another way (docs/integrations.md)")
         self._run_config = trainer_run_config(args, model, resume_mode=self.resume_mode)
         resumed = state.global_step
 
@@ -157,6 +178,7 @@ class StoreCallback(TrainerCallback):
             # hard links a killed process left (a background upload that never finished): they
             # would keep deleted checkpoints' bytes on disk; nothing of this process is in flight
             shutil.rmtree(Path(args.output_dir) / STAGING_DIRNAME, ignore_errors=True)
+        _remove_unfinished_jit_saves(Path(args.output_dir), after_step=resumed)
         if self.preemption is not None:
             self.preemption.start()
 
@@ -258,7 +280,7 @@ class StoreCallback(TrainerCallback):
         with preserve_global_rng():
             if group is None:
                 self._sync("the next save")  # the previous upload's failure, before anything new starts
-                request = self._snapshot(directory, step, 0, 1, args, stage_links=background)
+                request = self._snapshot(directory, state, 0, 1, args, stage_links=background)
                 if background:
                     saves = self._background()
                     saves.submit(self._label(step), step, lambda: self._save_once(request, saves.cancelled))
@@ -269,7 +291,7 @@ class StoreCallback(TrainerCallback):
             def prepare() -> SaveRequest:
                 if group.rank == 0:
                     self._sync("the next save")
-                return self._snapshot(directory, step, group.rank, group.world_size, args,
+                return self._snapshot(directory, state, group.rank, group.world_size, args,
                                       stage_links=background and group.rank == 0)
 
             def defer(finish: FinishCommit) -> None:  # rank 0's write, commit and after-commit stage
@@ -284,10 +306,11 @@ class StoreCallback(TrainerCallback):
                     return
                 raise
 
-    def _snapshot(self, directory: Path, step: int, rank: int, world_size: int, args, *,
+    def _snapshot(self, directory: Path, state, rank: int, world_size: int, args, *,
                   stage_links: bool) -> SaveRequest:
         """The snapshot stage of this rank: its share, checked complete (with ``stage_links``
         hard-linked into the staging directory), as the pipeline's :class:`SaveRequest`."""
+        step = state.global_step
         files = self._share(directory, step, rank, world_size, args)
         staging = None
         if stage_links:
@@ -302,7 +325,7 @@ class StoreCallback(TrainerCallback):
         return SaveRequest(
             AfterCommit(self.store, step, retention=self.retention, lineage=self._lineage,
                         on_commit=[self._record_commit]),
-            world_size=world_size, metadata=self._metadata(step, world_size) if rank == 0 else {},
+            world_size=world_size, metadata=self._metadata(state, world_size) if rank == 0 else {},
             write=lambda txn, shared: upload_files(txn, snaps),
             release=None if staging is None else (lambda: shutil.rmtree(staging, ignore_errors=True)),
         )
@@ -345,8 +368,15 @@ class StoreCallback(TrainerCallback):
     def _record_commit(self, after: AfterCommit, url: str) -> None:
         self.committed_steps.append(after.step)
 
-    def _metadata(self, step: int, world_size: int) -> dict[str, Any]:
+    def _metadata(self, state, world_size: int) -> dict[str, Any]:
+        """The manifest metadata: the framework, the directory's name, the run's lineage and config,
+        and ``best_step``, the step of the Trainer's ``state.best_model_checkpoint`` (retention
+        keeps the best step a kept checkpoint names: :mod:`opd_store.retention._policy`)."""
+        step = state.global_step
         metadata: dict[str, Any] = {"framework": FRAMEWORK, "checkpoint_name": checkpoint_dirname(step)}
+        best = best_step_of(state)
+        if best is not None:
+            metadata["best_step"] = best
         if self._lineage is not None:
             metadata.update(self._lineage.as_metadata())
         if self._run_config is not None:
@@ -375,6 +405,22 @@ class StoreCallback(TrainerCallback):
                 yet (the failure is the ``__cause__``); raised once.
         """
         self._sync("wait()")
+
+
+def _remove_unfinished_jit_saves(output_dir: Path, *, after_step: int) -> None:
+    """Remove every ``checkpoint-N`` (``N > after_step``) of ``output_dir`` holding transformers'
+    ``checkpoint-is-incomplete.txt``: a just-in-time save killed before it finished. The run will
+    save step ``N`` again into that directory, and the Trainer's regular save does not remove the
+    sentinel, so every later save of ``N`` would be refused as incomplete, on every restart. Such a
+    directory was never committed (the callback commits only after the sentinel is gone)."""
+    if not output_dir.is_dir():
+        return
+    for sentinel in output_dir.glob(f"{CHECKPOINT_PREFIX}*/{JIT_SENTINEL_NAME}"):
+        step = sentinel.parent.name[len(CHECKPOINT_PREFIX):]
+        if step.isdigit() and int(step) > after_step:
+            logger.warning("%s: removing the unfinished just-in-time save of step %s (it holds %s); this run saves "
+                           "that step again", sentinel.parent, step, JIT_SENTINEL_NAME)
+            shutil.rmtree(sentinel.parent, ignore_errors=True)
 
 
 __all__ = ["BackgroundSaveError", "StoreCallback", "resume_from_store", "store_checkpoint"]

@@ -72,10 +72,11 @@ def step_records(infos: Iterable[CheckpointInfo]) -> list[StepRecord]:
     records = []
     for info in infos:
         metadata = info.metadata
-        run_id, parent = metadata.get("run_id"), metadata.get("parent_step")
+        run_id, parent, best = metadata.get("run_id"), metadata.get("parent_step"), metadata.get("best_step")
         run_id = run_id if isinstance(run_id, str) else None
         parent = parent if isinstance(parent, int) and not isinstance(parent, bool) else None
-        records.append(StepRecord(info.step, info.status, info.total_size_bytes, run_id, parent))
+        best = best if isinstance(best, int) and not isinstance(best, bool) else None
+        records.append(StepRecord(info.step, info.status, info.total_size_bytes, run_id, parent, best))
     return records
 
 
