@@ -454,9 +454,9 @@ class StoreModelCheckpoint(ModelCheckpoint):
                                  "or a single device")
         self.dirpath = trainer.strategy.broadcast(self.dirpath)
         if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0:
-            names = self.checkpoint_io.names()
+            names = self.checkpoint_io.listed_names()  # one listing: this is only said
             if names:
-                logger.info("%s holds checkpoints %s", self.checkpoint_io.url, names)
+                logger.info("%s holds checkpoint names %s", self.checkpoint_io.url, names)
 
     def file_exists(self, filepath, trainer) -> bool:
         exists = self.checkpoint_io.exists(filepath) if trainer.is_global_zero else False
