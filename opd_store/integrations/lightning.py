@@ -269,9 +269,8 @@ class StoreCheckpointIO(CheckpointIO):
                 naming it, the file and the remedy; nothing was loaded.
             DistributedLoadError: (several ranks) the load failed on some ranks only.
         """
-        placeholder = Path(os.fspath(path))
-        if placeholder in self._placeholders:
-            return self._load_last(placeholder, map_location, weights_only)
+        if self.is_placeholder(path):
+            return self._load_last(Path(os.fspath(path)), map_location, weights_only)
         with self.open(path) as reader:
             return torch.load(reader, map_location=map_location, weights_only=weights_only)
 
@@ -306,7 +305,8 @@ class StoreCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path) -> None:
         """Delete every version of the checkpoint at ``path``, each manifest first (on a tiered
-        root once the name's uploads finished), and close the name's store.
+        root once the name's uploads finished), then what is left under the name (a local
+        directory, pins), and close the name's store.
 
         Raises:
             UploadError: (a tiered root) an upload of this name failed and nobody saw it yet.
@@ -317,6 +317,8 @@ class StoreCheckpointIO(CheckpointIO):
             store.flush()
             for info in store.checkpoints():
                 store.delete(info.step)
+            for tier in self._tiers():  # what is left: a local directory, pins (Lightning's file is gone)
+                tier.storage.delete_tree(name)
             with self._lock:
                 self._stores.pop(name, None)
             store.close()
@@ -360,6 +362,10 @@ class StoreCheckpointIO(CheckpointIO):
         placeholder.touch()
         self._placeholders[placeholder] = pattern
         return str(placeholder)
+
+    def is_placeholder(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a ``"last"`` placeholder of this plugin not loaded yet."""
+        return Path(os.fspath(path)) in self._placeholders
 
     def resumed_name(self, path: str | os.PathLike | None) -> str | None:
         """The name under the root a run resumed from ``path`` (its ``trainer.ckpt_path``) loaded:
