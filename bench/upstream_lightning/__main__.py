@@ -1,11 +1,15 @@
-"""``python -m bench.upstream_lightning PATH [pytest args...]``: run Lightning's checkpoint tests from
-its source tree at ``PATH`` (a checkout's ``tests/`` directory, the one holding ``tests_pytorch``)
-with their checkpoint I/O routed through opd_store (:mod:`bench.upstream_lightning.plugin`).
+"""``python -m bench.upstream_lightning PATH [--baseline] [pytest args...]``: run Lightning's checkpoint
+tests from its source tree at ``PATH`` (a checkout's ``tests/`` directory, the one holding
+``tests_pytorch``) with their checkpoint I/O routed through opd_store
+(:mod:`bench.upstream_lightning.plugin`); ``--baseline`` runs the same files without the plugin.
 
-Lightning's test files are not part of this repository: fetch the tag matching the installed
-``lightning`` (``git clone --depth 1 -b 2.6.5 https://github.com/Lightning-AI/pytorch-lightning``).
+Lightning's test files are not part of this repository; fetch the tag of the installed ``lightning``
+(docs/integrations.md, "Lightning's own checkpoint tests", records the counts for 2.6.5)::
+
+    git clone --depth 1 -b 2.6.5 https://github.com/Lightning-AI/pytorch-lightning /tmp/pytorch-lightning
+    python -m bench.upstream_lightning /tmp/pytorch-lightning/tests -n 2
+
 They need the ``bench`` extra's ``cloudpickle`` and ``jsonargparse`` (Lightning's test requirements).
-``--baseline`` runs the same files without the plugin, for comparison.
 """
 
 from __future__ import annotations

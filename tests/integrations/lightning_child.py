@@ -100,14 +100,14 @@ def upload(objects: dict[str, bytes], backend, sub: str = "ckpts") -> str:
     return f"{backend.url}/{sub}"
 
 
-def restored_states(records: list):
-    """A callback appending ``(global_step, weights)`` to ``records`` when training starts (after a
-    resume restored them)."""
-    class Restored(pl_callback()):
-        def on_train_start(self, trainer, pl_module):
-            records.append((trainer.global_step, weights(pl_module)))
+def loaded_states(records: list):
+    """A callback appending ``(global_step, state_dict)`` of every checkpoint Lightning restores
+    from to ``records`` (its ``on_load_checkpoint``, on every rank)."""
+    class Loaded(pl_callback()):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            records.append((checkpoint["global_step"], dict(checkpoint["state_dict"])))
 
-    return Restored()
+    return Loaded()
 
 
 def pl_callback():

@@ -38,19 +38,21 @@ def _boring_run(url, options, max_steps, ckpt_path=None):
     return trainer, callback, io, model
 
 
-@pytest.mark.parametrize("where,same_resume_folder", [("memory", True), ("memory", False), ("s3", True)])
+@pytest.mark.parametrize("where,same_resume_folder", [("local", True), ("memory", True), ("memory", False)])
 def test_resume_and_old_checkpoints_remain_and_the_best_model_loads(where, same_resume_folder, request):
     """Lightning's ``test_resume_and_old_checkpoint_files_remain`` (same assertions, names in a
-    store instead of files in a directory). Lightning deems every non-local path removable, so on
-    ``memory://`` and ``s3://`` the resumed checkpoint was deleted at the first eviction. The best
-    model then loads with ``load_from_checkpoint(io.open(best_model_path))``."""
+    store instead of files in a directory, listed as a directory is: an evicted name used to leave
+    its empty local directory). Lightning deems every non-local path removable, so on ``memory://``
+    (as on ``s3://``: the rule looks at the protocol only) the resumed checkpoint was deleted at the
+    first eviction. The best model then
+    loads with ``load_from_checkpoint(io.open(best_model_path))``."""
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     backend = backend_named(request, where)
     first, second = f"{backend.url}/first", f"{backend.url}/second"
     new_root = first if same_resume_folder else second
     trainer, callback, io, model = _boring_run(first, backend.storage_options, max_steps=5)
-    assert set(io.names()) == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"}
+    assert io.listed_names() == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
 
     # the best model, as Lightning users load it (a name in the store is not a file to open)
     assert callback.best_model_path == io.path_of("epoch=0-step=4.ckpt")
@@ -64,11 +66,11 @@ def test_resume_and_old_checkpoints_remain_and_the_best_model_loads(where, same_
     assert trainer.global_step == 8
     if same_resume_folder:
         # the checkpoint the run resumed from is kept, as Lightning keeps a local one
-        assert set(io2.names()) == {"epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"}
+        assert io2.listed_names() == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
     else:
         # resumed from outside the plugin's root (another run's store): nothing of it deleted
-        assert set(io.names()) == {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"}
-        assert set(io2.names()) == {"epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"}
+        assert io.listed_names() == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+        assert io2.listed_names() == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"]
 
 
 def test_a_plain_ckpt_file_outside_the_root_loads_as_lightning_loads_it(tmp_path):
@@ -82,7 +84,7 @@ def test_a_plain_ckpt_file_outside_the_root_loads_as_lightning_loads_it(tmp_path
     other = f"memory://lightning-plain-{tmp_path.name}/other"
     second, model, train, val, plugin, _c = lightning_child.build(other, {}, max_epochs=2)
     restored = []
-    second.callbacks.append(lightning_child.restored_states(restored))
+    second.callbacks.append(lightning_child.loaded_states(restored))
     second.fit(model, train, val, ckpt_path=str(plain))
     (step, weights), = restored
     saved = torch.load(plain, weights_only=False)["state_dict"]
