@@ -152,7 +152,7 @@ def open_last(root_url: str, names: dict[str, BaseStore], pattern: re.Pattern) -
             logger.warning("%s: ckpt_path=\"last\" resumes from %s; skipped the damaged %s", root_url,
                            version.describe(), "; ".join(f"{v.describe()} ({exc})" for v, exc in skipped))
         return version, reader
-    newest, error = skipped[0]
+    error = skipped[0][1]
     raise type(error)(
         f"{root_url}: ckpt_path=\"last\" found no intact checkpoint (damaged: "
         + "; ".join(f"{v.describe()} ({exc})" for v, exc in skipped)

@@ -20,7 +20,7 @@ the retention policy :data:`NEWEST_VERSION_ONLY` (the one retention executor; a 
 stays), the uncommitted attempts of killed saves after them. So a name that was ever saved always
 has a complete version, also across a kill mid-save, and the newest save is the one a load reads
 (size and CRC32C checked), as with Lightning's overwritten file. ``remove`` deletes every version,
-manifest first.
+manifest first, then what is left under the name (a local directory), as Lightning deletes a file.
 
 Order with ``AsyncCheckpointIO``: its thread runs the saves in order, but ``ModelCheckpoint``
 removes an evicted top-k checkpoint on the training thread, possibly before that checkpoint's
@@ -391,7 +391,9 @@ class StoreCheckpointIO(CheckpointIO):
             return version.name, version.info.step
 
         def load() -> dict[str, Any]:
-            reader = kept.pop("reader", None) or self.store_of(self.path_of(name)).open(step, PAYLOAD_NAME)
+            reader = kept.pop("reader", None)  # rank 0's verified download, else this rank's own
+            if reader is None:
+                reader = self.store_of(self.path_of(name)).open(step, PAYLOAD_NAME)
             with reader:
                 return torch.load(reader, map_location=map_location, weights_only=weights_only)
 
