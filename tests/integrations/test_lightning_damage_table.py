@@ -134,3 +134,19 @@ def test_a_damaged_last_ckpt_resumes_from_the_newest_intact_one_or_stops_before_
         assert restored == [] and trainer.global_step == 0
         assert _objects(backend) == before
         assert _payload_get_bytes(proxy) == ({"last.ckpt": damaged_size} if kind == "flip" else {})
+
+
+def test_an_explicit_path_resume_downloads_its_payload_once(template, s3_fault_proxy):
+    """An intact explicit ``ckpt_path``: the version is checked and loaded from one download."""
+    objects, states = template
+    backend, proxy = s3_fault_proxy
+    url = lightning_child.upload(objects, backend)
+    trainer, model, train, val, _plugin, _c = lightning_child.build(url, backend.storage_options, max_epochs=2)
+    loaded = []
+    trainer.callbacks.append(lightning_child.loaded_states(loaded))
+    proxy.requests.clear()
+    trainer.fit(model, train, val, ckpt_path=f"{url}/{FALLBACK}")
+    (step, weights), = loaded
+    assert step == trainer.global_step == 8
+    assert all(torch.equal(weights[name], tensor) for name, tensor in states[FALLBACK]["state_dict"].items())
+    assert _payload_get_bytes(proxy) == {FALLBACK: _payload_size(objects, FALLBACK)}
