@@ -6,11 +6,10 @@ Lightning asks each rank for ``"last"`` on its own, before any process group exi
 creates the group later, in ``setup_environment``). Here the ranks join their group through a
 rendezvous file first (Lightning then uses it), and a commit lands *between* the two ranks' lookups
 (two barriers order it): rank 0 looks ``"last"`` up; then rank 1 commits a newer version of
-``last.ckpt`` (as another writer's late commit), and only then looks up (the late version is the first one with ``global_step`` :data:`LATE_GLOBAL_STEP` and
-every weight plus 1: only that field, which Lightning writes but does not restore, tells them
-apart). Each rank reports the ``global_step`` and a digest of the
-weights of the checkpoint it restored (``on_load_checkpoint``): ``{"event": "result", ...}``
-(:mod:`opd_testkit.events`).
+``last.ckpt`` (another writer's late commit: the first version with ``global_step``
+:data:`LATE_GLOBAL_STEP` and every weight plus 1), and only then looks up. Each rank reports the
+``global_step`` and a digest of the weights of the checkpoint it restored (``on_load_checkpoint``):
+``{"event": "result", ...}`` (:mod:`opd_testkit.events`).
 """
 
 from __future__ import annotations
