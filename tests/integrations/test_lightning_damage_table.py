@@ -124,6 +124,9 @@ def test_a_damaged_last_ckpt_resumes_from_the_newest_intact_one_or_stops_before_
             assert names == {plugin.name_of(path) for path in checkpoint.best_k_models} | {FALLBACK}
             newest = plugin.store_of(plugin.path_of("last.ckpt")).checkpoints()[-1]
             assert (newest.step, newest.metadata["global_step"]) == (3, 12)  # a version above the damaged one
+            # the best model of the resumed run, as Lightning refers to it, loads from the store
+            best = torch.load(plugin.open(checkpoint.best_model_path), weights_only=False)
+            assert checkpoint.best_model_path.endswith(f"-step={best['global_step']}.ckpt")
     else:
         with pytest.raises(RAISED[kind]) as caught:
             trainer.fit(model, train, val, ckpt_path=f"{url}/last.ckpt")
