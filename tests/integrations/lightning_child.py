@@ -29,7 +29,11 @@ from opd_store.job._machines import fresh_machine
 
 
 def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs: int = 4, callbacks=(),
-          save_top_k: int = 2, rng_hooks: bool = True, lr: float = 1e-2, local_cache_dir=None):
+          save_top_k: int = 2, rng_hooks: bool = True, lr: float = 1e-2, local_cache_dir=None, plugin=None,
+          checkpoint_class=None, **trainer_kwargs):
+    """The tiny run: ``(trainer, model, train loader, val loader, plugin, checkpoint callback)``.
+    ``plugin``: an existing StoreCheckpointIO (else a new one); ``checkpoint_class``: a subclass of
+    StoreModelCheckpoint; ``trainer_kwargs``: more ``Trainer`` arguments (``devices``, ``strategy``)."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -70,13 +74,40 @@ def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs
     val = torch.utils.data.DataLoader(data, batch_size=32)
     pl.seed_everything(0, verbose=False)
     model = Tiny()
-    plugin = StoreCheckpointIO(url, storage_options=storage_options, local_cache_dir=local_cache_dir)
-    checkpoint = StoreModelCheckpoint(plugin, monitor="val_loss", save_top_k=save_top_k, save_last=True,
+    if plugin is None:
+        plugin = StoreCheckpointIO(url, storage_options=storage_options, local_cache_dir=local_cache_dir)
+    checkpoint = (checkpoint_class or StoreModelCheckpoint)(plugin, monitor="val_loss", save_top_k=save_top_k, save_last=True,
                                       filename="{epoch}-{step}")
-    trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, plugins=[AsyncCheckpointIO(plugin) if async_io else plugin],
-                         callbacks=[checkpoint, *callbacks], default_root_dir=tempfile.mkdtemp())
+    trainer_kwargs = {"accelerator": "cpu", "devices": 1, **trainer_kwargs}
+    trainer = pl.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[AsyncCheckpointIO(plugin) if async_io else plugin], callbacks=[checkpoint, *callbacks],
+                         default_root_dir=tempfile.mkdtemp(), **trainer_kwargs)
     return trainer, model, train, val, plugin, checkpoint
+
+
+def snapshot(backend, sub: str = "ckpts") -> dict[str, bytes]:
+    """Every object under ``sub`` of ``backend`` (a plugin root), read with the backend's own client."""
+    fs, raw = backend.raw_fs(), f"{backend.raw_root()}/{sub}"
+    return {path[len(raw) + 1:]: fs.cat_file(path) for path in fs.find(raw)}
+
+
+def upload(objects: dict[str, bytes], backend, sub: str = "ckpts") -> str:
+    """Write a :func:`snapshot` into ``backend`` under ``sub`` with the backend's own client; return
+    the root's URL."""
+    fs, raw = backend.raw_fs(), backend.raw_root()
+    for rel, data in sorted(objects.items()):
+        fs.pipe_file(f"{raw}/{sub}/{rel}", data)
+    return f"{backend.url}/{sub}"
+
+
+def loaded_states(records: list):
+    """A callback appending ``(global_step, state_dict)`` of every checkpoint Lightning restores
+    from to ``records`` (its ``on_load_checkpoint``, on every rank)."""
+    class Loaded(pl_callback()):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            records.append((checkpoint["global_step"], dict(checkpoint["state_dict"])))
+
+    return Loaded()
 
 
 def pl_callback():

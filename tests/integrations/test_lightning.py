@@ -263,3 +263,25 @@ def test_a_name_saved_again_at_the_same_or_an_earlier_step_holds_the_newest_save
     for name, tensor in lightning_child.weights(model).items():
         assert torch.equal(last["state_dict"][name], tensor), name
     assert len(CheckpointStore(plugin.path_of("last.ckpt")).steps()) == 1
+
+
+@REFERENCE
+def test_a_new_trainer_in_the_same_process_after_a_crash_resumes_and_continues_exactly(tmp_path, reference):
+    """An in-process retry: a fit that raised at the end of epoch 2 (before that epoch's checkpoint),
+    then a new Trainer in the same process, with the same plugin object, ``fit(ckpt_path="last")``:
+    it resumes at step 8 and ends on the uninterrupted run's weights, as without a store."""
+    class Preempted(lightning_child.pl_callback()):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 2:
+                raise RuntimeError("preempted")
+
+    url = f"memory://lightning-retry-{tmp_path.name}/ckpts"
+    first, model, train, val, plugin, _c = lightning_child.build(url, {}, callbacks=[Preempted()])
+    with pytest.raises(RuntimeError, match="^preempted$"):
+        first.fit(model, train, val, ckpt_path="last")  # a first start: nothing to resume yet
+    assert first.global_step == 12 and _last(url, {}) == (1, 8)
+    second, model, train, val, _p, _c = lightning_child.build(url, {}, plugin=plugin)
+    second.fit(model, train, val, ckpt_path="last")
+    assert second.global_step == 16 and _last(url, {}) == (1, 16)
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(reference[name], tensor), name
