@@ -34,7 +34,7 @@ from typing import Any, Union
 
 from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
 from ..format import parse_step_dirname, step_dirname
-from ..store import CheckpointStore, LegacyReader, ReadableStore, VerifyReport, split_checkpoint_url
+from ..store import UNCOMMITTED, CheckpointStore, LegacyReader, ReadableStore, VerifyReport, remedy, split_checkpoint_url
 
 SCHEMA_V1 = "opd_checkpoint_v1"
 SCHEMA_V2 = "opd_checkpoint_v2"
@@ -100,12 +100,14 @@ def require_complete(store: ReadableStore, step: int) -> VerifyReport:
     read through a :class:`~opd_store.store.LegacyReader`).
 
     Raises:
-        IncompleteCheckpointError: naming the URL, the status and every problem.
+        IncompleteCheckpointError: naming the URL, the status and every problem, and for a committed
+            step that is damaged the remedy (:func:`~opd_store.store.remedy`, docs/resume.md).
     """
     report = store.verify(step)
     if not report.ok:
         reasons = "; ".join(problem.detail for problem in report.problems) or report.status
-        raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} ({report.status}: {reasons})")
+        fix = "" if report.status == UNCOMMITTED else f"; the step is damaged: {remedy(store.url, step)}"
+        raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} ({report.status}: {reasons}){fix}")
     return report
 
 
