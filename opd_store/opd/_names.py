@@ -107,7 +107,8 @@ def require_complete(store: ReadableStore, step: int) -> VerifyReport:
     if not report.ok:
         reasons = "; ".join(problem.detail for problem in report.problems) or report.status
         fix = "" if report.status == UNCOMMITTED else f"; the step is damaged: {remedy(store.url, step)}"
-        raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} ({report.status}: {reasons}){fix}")
+        raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} (step {step} {report.status}: "
+                                        f"{reasons}){fix}")
     return report
 
 
