@@ -30,8 +30,14 @@ from opd_testkit.stores import Backend
 
 from opd_store import CheckpointStore, dcp
 from opd_store.errors import IncompleteCheckpointError, IntegrityError
-from opd_store.opd import latest_complete_checkpoint, load_adapter, load_opd_checkpoint
-from opd_store.opd import load_sharded_opd_checkpoint, save_opd_checkpoint, save_sharded_opd_checkpoint
+from opd_store.opd import (
+    latest_complete_checkpoint,
+    load_adapter,
+    load_opd_checkpoint,
+    load_sharded_opd_checkpoint,
+    save_opd_checkpoint,
+    save_sharded_opd_checkpoint,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -200,3 +206,32 @@ def test_dcp_load(kind, sharded_store, tmp_path):
     assert all(torch.equal(value, before[key]) for key, value in state.items())
     dcp.load({MODEL_KEY: state}, store, 2)  # the intact step loads
     assert any(not torch.equal(value, before[key]) for key, value in state.items())
+
+
+# -- several ranks: a missing or altered rank file under a process group --------------------------
+
+
+def test_a_multi_rank_resume_stops_on_every_rank(tmp_path):
+    """Two gloo ranks resume as a multi-rank job does (``latest_complete_checkpoint``, a collective,
+    then ``load_opd_checkpoint`` on every rank): rank 1's file of step 4 missing stops both ranks
+    with rank 0's decision; the same file altered is found by rank 1's load, and both ranks raise
+    ``DistributedLoadError`` naming rank 1, the file and the remedy."""
+    from core_rank_child import run_ranks
+
+    stores = {}
+    for kind in ("missing rank file", "flip"):
+        store = _replicated_store(tmp_path / kind.replace(" ", "-"))
+        kind_of = "delete" if kind == "missing rank file" else "flip"
+        stores[kind] = (store, damage_payload(Backend("local", store.url, {}), 4, "rng-rank-01.pt", kind_of))
+    reports = run_ranks(tmp_path / "ranks", resumes=[store.url for store, _path in stores.values()])
+
+    store, path = stores["missing rank file"]
+    seen = [report[f"resume {store.url}"] for report in reports]
+    assert {r["type"] for r in seen} == {"IntegrityError"} and len({r["message"] for r in seen}) == 1, seen
+    _assert_stop(seen[0]["message"], store=store, step=4, path=path)
+
+    store, path = stores["flip"]
+    seen = [report[f"resume {store.url}"] for report in reports]
+    assert {r["type"] for r in seen} == {"DistributedLoadError"} and len({r["message"] for r in seen}) == 1, seen
+    assert "rank 1 failed: IntegrityError: " in seen[0]["message"] and set(seen[0]["failures"]) == {"1"}
+    _assert_stop(seen[0]["message"], store=store, step=4, path=path)

@@ -16,8 +16,14 @@ from opd_testkit.reads import payload_reads
 from opd_testkit.stores import open_store
 
 from opd_store import dcp
-from opd_store.opd import latest_complete_checkpoint, load_adapter, load_opd_checkpoint
-from opd_store.opd import load_sharded_opd_checkpoint, save_opd_checkpoint, save_sharded_opd_checkpoint
+from opd_store.opd import (
+    latest_complete_checkpoint,
+    load_adapter,
+    load_opd_checkpoint,
+    load_sharded_opd_checkpoint,
+    save_opd_checkpoint,
+    save_sharded_opd_checkpoint,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

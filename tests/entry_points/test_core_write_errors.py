@@ -32,15 +32,9 @@ rank's failure has it (``DistributedPermissionError``, ``DistributedUnreachableE
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import uuid
-from pathlib import Path
-
 import pytest
 import torch
-from opd_testkit import forkserver
+from core_rank_child import run_ranks
 from opd_testkit import opd as objects
 from opd_testkit.proxies import S3FaultProxy, through_proxy
 
@@ -193,26 +187,6 @@ def test_each_failure_raises_its_typed_error(path, fast_proxy, tmp_path):
 # -- several ranks ------------------------------------------------------------------------------
 
 
-def _run_ranks(backend, steps: list, out: Path, world_size: int = 2) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    init_method = f"file://{out / f'rendezvous-{uuid.uuid4().hex}'}"
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "testkit"),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    child = Path(__file__).with_name("core_rank_child.py")
-    procs = [forkserver.popen([sys.executable, str(child), json.dumps(dict(
-        rank=rank, world_size=world_size, init_method=init_method, url=backend.url,
-        storage_options=backend.portable_options(), out=str(out), steps=steps))],
-        env=env, stdout=forkserver.PIPE, stderr=forkserver.STDOUT, text=True) for rank in range(world_size)]
-    logs = [proc.communicate(timeout=300)[0] for proc in procs]
-    reports = []
-    for rank, log in enumerate(logs):
-        path = out / f"rank-{rank}.json"
-        assert path.exists(), f"rank {rank} wrote no report:\n{log[-4000:]}"
-        reports.append(json.loads(path.read_text()))
-    return reports
-
-
 def test_a_multi_rank_save_keeps_each_failures_meaning_on_every_rank(fast_proxy, tmp_path):
     backend, proxy = fast_proxy
     store = CheckpointStore(backend.url, storage_options=backend.storage_options)
@@ -226,11 +200,11 @@ def test_a_multi_rank_save_keeps_each_failures_meaning_on_every_rank(fast_proxy,
     }
     for failure, (step, _error, _word) in FAILURES.items():
         arm(proxy, failure, step, only="rng-rank-01.pt" if failure in ("denied", "throttled") else "")
-    reports = _run_ranks(backend, [[step, failure == "refused part"] for failure, (step, _e, _w) in FAILURES.items()],
-                         tmp_path / "ranks")
+    reports = run_ranks(tmp_path / "ranks", url=backend.url, storage_options=backend.portable_options(),
+                        steps=[[step, failure == "refused part"] for failure, (step, _e, _w) in FAILURES.items()])
     for failure, (step, _error, _word) in FAILURES.items():
         cls, failing, inner, also = expected[failure]
-        seen = [report[str(step)] for report in reports]
+        seen = [report[f"save {step}"] for report in reports]
         assert {r["type"] for r in seen} == {cls.__name__}, (failure, seen)
         assert len({r["message"] for r in seen}) == 1  # the same error on every rank
         assert also.__name__ in seen[0]["bases"] and "DistributedSaveError" in seen[0]["bases"], seen[0]
