@@ -135,7 +135,7 @@ class BackgroundSaveError(OpdStoreError, OSError):
     """An asynchronous save failed in the background; reported at the next save, ``wait`` or
     ``close`` (the original exception is ``__cause__``). Nothing of that step was committed,
     unless the cause is a :class:`RetentionError` (the step committed; the retention pass after it
-    failed)."""
+    failed) or an :class:`AmbiguousCommitError` (the step may have committed)."""
 
 
 class UploadError(BackgroundSaveError):

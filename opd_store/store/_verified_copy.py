@@ -75,12 +75,6 @@ class VerifiedCopy(ReadableStore):
             self._report = report
         return report
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of remote payloads held in memory."""
-        with self._lock:
-            return sum(memoryview(buffer).nbytes for buffer in self._buffers.values())
-
     def release(self) -> None:
         """Drop every kept payload (later reads go to the store)."""
         with self._lock:
