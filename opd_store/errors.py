@@ -141,8 +141,8 @@ class BackgroundSaveError(OpdStoreError, OSError):
 class UploadError(BackgroundSaveError):
     """A tiered store's background work failed: the upload of a locally committed step to the
     bucket, or a retention pass run after one. An upload failure leaves the step committed in the
-    local tier and not durable; the backend's, the copy's or the retention pass's error is the
-    ``__cause__``."""
+    local tier and not durable (an :class:`AmbiguousCommitError` cause: the bucket's copy may have
+    committed); the backend's, the copy's or the retention pass's error is the ``__cause__``."""
 
 
 class RetentionError(OpdStoreError, OSError):
