@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import re
 import sys
 from typing import Any, Callable, TextIO
 
@@ -31,6 +30,7 @@ from ..opd import (
     load_adapter,
     load_opd_checkpoint,
     load_sharded_opd_checkpoint,
+    payload_rank,
     save_opd_checkpoint,
     save_sharded_opd_checkpoint,
 )
@@ -429,20 +429,10 @@ def _resume_target(store: ReadableStore, resume: str, updates: int, group=None, 
 def _loaded_here(rank: int, world_size: int) -> Callable[[str], bool]:
     """Which payloads of the resumed step this process loads itself, so the guard keeps them:
     every one alone; with several ranks, all but another rank's own files (``rng-rank-XX.pt``,
-    DCP's ``__<rank>_<n>.distcp``), which that rank reads itself."""
+    DCP's ``__<rank>_<n>.distcp``: :func:`~opd_store.opd.payload_rank`), which that rank reads itself."""
     if world_size == 1:
         return lambda _name: True
-
-    def keep(name: str) -> bool:
-        own = _RANK_FILE.fullmatch(name.rsplit("/", 1)[-1])
-        return own is None or int(own.group("rng") or own.group("dcp")) == rank
-
-    return keep
-
-
-# The per-rank files of a checkpoint: the OPD layer's RNG parts (opd_store.opd._names) and the files
-# of DCP's writers (opd_store.dcp._metadata_io), named by the rank that wrote them.
-_RANK_FILE = re.compile(r"rng-rank-(?P<rng>\d+)\.pt|__(?P<dcp>\d+)_\d+\.distcp")
+    return lambda name: payload_rank(name) in (None, rank)
 
 
 def _complete_step(store: ReadableStore, step: int) -> int:

@@ -29,6 +29,7 @@ checkpoints directory is a local path, an fsspec URL or a store.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Union
 
@@ -59,6 +60,20 @@ CheckpointRef = Union[str, os.PathLike, "tuple[ReadableStore, int]"]
 def rng_payload_name(rank: int, world_size: int) -> str:
     """Payload name of ``rank``'s RNG state: ``rng.pt`` for one rank, else ``rng-rank-XX.pt`` (seed)."""
     return RNG_SINGLE if world_size == 1 else f"rng-rank-{rank:02d}.pt"
+
+
+_RNG_PART = re.compile(r"rng-rank-(\d+)\.pt")
+
+
+def payload_rank(name: str) -> int | None:
+    """The rank whose own file payload ``name`` is (``rng-rank-XX.pt``; a sharded checkpoint's
+    ``__<rank>_<n>.distcp``, :func:`opd_store.dcp.writer_rank`), ``None`` for a shared payload."""
+    part = _RNG_PART.fullmatch(name)
+    if part is not None:
+        return int(part.group(1))
+    from ..dcp import writer_rank  # torch.distributed.checkpoint: imported by the sharded path only
+
+    return writer_rank(name)
 
 
 def resolve_checkpoint(
@@ -174,6 +189,7 @@ __all__ = [
     "check_rank",
     "check_world_size",
     "open_checkpoint",
+    "payload_rank",
     "require_complete",
     "resolve_checkpoint",
     "rng_payload_name",
