@@ -54,6 +54,12 @@ def _text(failures: dict[int, BaseException]) -> dict[int, str]:
     return {rank: f"{type(error).__name__}: {error}" for rank, error in sorted(failures.items())}
 
 
+def _cause(error: BaseException, wrapper: CheckpointException) -> BaseException:
+    """The cause to chain to ``error``: its own when it is a rank's error raised as it is (the
+    backend's error stays its ``__cause__``, DCP's wrapper its context), else DCP's wrapper."""
+    return error.__cause__ if error.__cause__ is not None else wrapper
+
+
 def save_error(exc: CheckpointException, *, url: str, step: int, world_size: int) -> BaseException:
     """The opd_store error of a failed DCP save (see the module docstring): the one process's own
     error, else the multi-rank save's :func:`~opd_store.pipeline.save_failure`."""
@@ -122,7 +128,8 @@ def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
                  no_dist=not _distributed())
     except CheckpointException as exc:
         writer.abort()
-        raise save_error(exc, url=writer.checkpoint_id, step=step, world_size=world_size) from exc
+        error = save_error(exc, url=writer.checkpoint_id, step=step, world_size=world_size)
+        raise error from _cause(error, exc)
     writer.run_after_commit()
     return writer.checkpoint_id
 
@@ -145,7 +152,8 @@ def load(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  no_dist=single_process or not _distributed())
     except CheckpointException as exc:
-        raise load_error(exc, url=reader.checkpoint_id, step=step, metadata_error=reader.metadata_error) from exc
+        error = load_error(exc, url=reader.checkpoint_id, step=step, metadata_error=reader.metadata_error)
+        raise error from _cause(error, exc)
 
 
 @dataclasses.dataclass

@@ -38,7 +38,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
 from ..format import step_dirname
-from ..store import COMPLETE, UNCOMMITTED, BaseStore, as_store
+from ..store import COMPLETE, UNCOMMITTED, BaseStore, as_store, remedy
 from ._items import read_items
 from ._metadata_io import METADATA_NAME, describe_file, loads_metadata
 
@@ -182,7 +182,8 @@ class StoreReader(StorageReader):
         if status == UNCOMMITTED:
             raise CheckpointNotFoundError(f"{self.checkpoint_id}: step {self.step} is not committed")
         details = "; ".join(f"{describe_file(p.name)}: {p.detail}" for p in problems) or status
-        raise IncompleteCheckpointError(f"{self.checkpoint_id}: step {self.step} cannot be loaded ({status}): {details}")
+        raise IncompleteCheckpointError(f"{self.checkpoint_id}: step {self.step} cannot be loaded ({status}): {details}; "
+                                        f"{remedy(self.store.url, self.step)}")
 
     def _open_checked(self, name: str) -> BinaryIO:
         try:

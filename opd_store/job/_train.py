@@ -22,6 +22,7 @@ import torch
 
 from .._version import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
+from ..format import parse_step_dirname
 from ..opd import (
     OPDConfig,
     agree_on_notice,
@@ -31,17 +32,18 @@ from ..opd import (
     load_adapter,
     load_opd_checkpoint,
     load_sharded_opd_checkpoint,
+    payload_rank,
     save_opd_checkpoint,
     save_sharded_opd_checkpoint,
 )
 from ..retention import RetentionPolicy, RunLineage
 from ..runtime import PreemptionWatcher, kill_points
-from ..store import BaseStore, ReadableStore
+from ..store import BaseStore, ReadableStore, ResumePoint, find_resume_point
 from ._checkpoint_kind import check_checkpoint_kind
 from ._corpus import CORPUS, prompts_at
 from ._ledger import JobLedger
 from ._models import ModelSpec, build_student, build_teacher, build_tokenizer
-from ._resume_check import check_steps_ahead, newest_intact_step
+from ._resume_check import check_steps_ahead
 from ._saving import JobSaves, emit
 from ._sharding import full_state, prompt_batches, run_sharded_update, sample_position, shard_student
 from ._update import run_update
@@ -266,8 +268,15 @@ def train(
     store.check_reachable()
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
-    resumed_from, target_step = _resume_target(store, resume, updates, group)  # fails before models are built
-    saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
+    # Fails before models are built; on rank 0 (or alone) the resumed step's payloads are kept as the
+    # guard read them, so the load below reads each byte once (docs/resume.md, "One download per resume").
+    resumed_from, point = _resume_target(store, resume, updates, group, keep=_loaded_here(rank, world_size))
+    target_step = None if resumed_from is None else parse_step_dirname(resumed_from.rstrip("/").rpartition("/")[2])
+    try:
+        saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
+    except BaseException:
+        point.release()
+        raise
     gather_final = final_state_path is not None
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
@@ -329,16 +338,25 @@ def _run(*, store: BaseStore, updates: int, seed: int, log: TextIO, events: Text
     if resumed_from is not None:
         load_kwargs = dict(optimizer=optimizer, scheduler=scheduler, config=config, provenance_fingerprints=provenance,
                            teacher_state_loader=teacher_state.load, storage_options=store.storage_options)
-        if shard:
-            loaded = load_sharded_opd_checkpoint(resumed_from, model=student, **load_kwargs).trainer_state
-        else:
-            load_adapter(resumed_from, student, storage_options=store.storage_options)
-            loaded = load_opd_checkpoint(resumed_from, **load_kwargs)
+        checkpoint = resumed_from if point.copy is None else (point.copy, point.step)
+        try:
+            if shard:
+                loaded = load_sharded_opd_checkpoint(checkpoint, model=student, **load_kwargs).trainer_state
+            else:
+                load_adapter(checkpoint, student, storage_options=store.storage_options)
+                loaded = load_opd_checkpoint(checkpoint, **load_kwargs)
+        finally:
+            point.release()
         trainer.clear()
         trainer.update(loaded)
         extra = ({"saved_world_size": saved_world_size, "world_size": world_size,  # elastic (else refused)
                   "unclaimed_ranks": list(range(world_size, saved_world_size))}
                  if saved_world_size not in (None, world_size) else {})
+        if not shard and "samples_done" not in trainer:
+            # A checkpoint of an earlier version: its cursor was query_update * W + r at its own world
+            # size W, so the global index is counted at W, not at this run's size (an elastic resume).
+            trainer["samples_done"] = (trainer["query_update"] * (saved_world_size or world_size)
+                                       * config.training.queries_per_update)
         resumed_step = int(trainer["successful_updates"])
         emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step, **extra})
     ledger.resumed(resumed_step)
@@ -431,20 +449,45 @@ def _run(*, store: BaseStore, updates: int, seed: int, log: TextIO, events: Text
                        saves.saves, preempted)
 
 
-def _resume_target(store: ReadableStore, resume: str, updates: int, group=None) -> tuple[str | None, int | None]:
-    """The checkpoint to resume and its step (``auto``: the newest step that verifies deeply, damaged newer steps
+def _resume_target(store: ReadableStore, resume: str, updates: int, group=None, *,
+                   keep: Callable[[str], bool] | None = None) -> tuple[str | None, ResumePoint]:
+    """The checkpoint to resume (``auto``: the newest step that verifies deeply, damaged newer steps
     skipped with a warning), after refusing a run that would save a step already committed
-    (:mod:`opd_store.job._resume_check`); with a process group, one decision (rank 0's) for every rank."""
+    (:mod:`opd_store.job._resume_check`); with a process group, one decision (rank 0's) for every rank.
+
+    Returns:
+        tuple[str | None, ResumePoint]: the step's URL (``None``: from scratch) and, on the rank
+        that decided, the payloads of ``auto``'s step the check read and ``keep`` selects (every
+        other rank: no copy). Release the point after loading.
+    """
     if resume not in ("auto", "never") and not str(resume).isdigit():
         raise ValueError(f"--resume must be auto, never or a step number, got {resume!r}")
+    point = ResumePoint(None)
 
-    def decide() -> tuple[str | None, int | None]:
-        step = (None if resume == "never" else newest_intact_step(store) if resume == "auto"
-                else _complete_step(store, int(resume)))
-        check_steps_ahead(store, step, updates)
-        return (None if step is None else store.step_url(step)), step
+    def decide() -> str | None:
+        nonlocal point
+        if resume == "auto":
+            point = find_resume_point(store, keep=keep)
+        elif resume != "never":
+            point = ResumePoint(_complete_step(store, int(resume)))
+        try:
+            check_steps_ahead(store, point.step, updates, known=point.skipped)
+        except BaseException:
+            point.release()
+            raise
+        return None if point.step is None else store.step_url(point.step)
 
-    return decide() if group is None else decide_on_rank0(group, decide)
+    url = decide() if group is None else decide_on_rank0(group, decide)
+    return url, point
+
+
+def _loaded_here(rank: int, world_size: int) -> Callable[[str], bool]:
+    """Which payloads of the resumed step this process loads itself, so the guard keeps them:
+    every one alone; with several ranks, all but another rank's own files (``rng-rank-XX.pt``,
+    DCP's ``__<rank>_<n>.distcp``: :func:`~opd_store.opd.payload_rank`), which that rank reads itself."""
+    if world_size == 1:
+        return lambda _name: True
+    return lambda name: payload_rank(name) in (None, rank)
 
 
 def _complete_step(store: ReadableStore, step: int) -> int:

@@ -134,8 +134,17 @@ class ReadableStore(abc.ABC):
         """A seekable reader of the verified bytes of a payload."""
 
     @abc.abstractmethod
-    def verify(self, step: int, *, deep: bool = False) -> "VerifyReport":
-        """Check one step's objects (sizes; with ``deep`` their CRC32C too)."""
+    def verify(self, step: int, *, deep: bool = False,
+               keep: Callable[[str, BinaryIO], None] | None = None) -> "VerifyReport":
+        """Check one step's objects (sizes; with ``deep`` their CRC32C too, each payload read once).
+
+        Args:
+            step (int): the step.
+            deep (bool): read every payload and check its CRC32C.
+            keep (Callable[[str, BinaryIO], None] | None): with ``deep``, receives ``(name,
+                reader)`` of each payload found intact and owns the reader (closed when ``None``);
+                how a resume loads the bytes it verified (:class:`~opd_store.store._verified_copy.VerifiedCopy`).
+        """
 
 
 class WritableStore(abc.ABC):

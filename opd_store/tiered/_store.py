@@ -226,9 +226,9 @@ class TieredStore(BaseStore):
             manifest = None
         return tier.open(step, name, manifest=manifest)
 
-    def verify(self, step: int, *, deep: bool = False) -> VerifyReport:
+    def verify(self, step: int, *, deep: bool = False, keep=None) -> VerifyReport:
         """Verify ``step`` in the tier it is read from (see :meth:`CheckpointStore.verify`)."""
-        return self.tier_for(step).verify(step, deep=deep)
+        return self.tier_for(step).verify(step, deep=deep, keep=keep)
 
     # -- durability ------------------------------------------------------------------------------
     def durable_steps(self) -> list[int]:

@@ -11,7 +11,9 @@ resumed from, 2 updates redone), skipping the damaged events with a warning.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -163,13 +165,24 @@ def test_elastic_replicated_resume_reports_world_sizes(tmp_path):
     assert saved.returncode == 0, saved.stderr[-4000:]
     store = CheckpointStore(store_dir)
     assert store.steps() == [2, 4] and store.manifest(2).world_size == 2
+    saved_at_2 = torch.load(io.BytesIO(store.read(2, "training_state.pt")), weights_only=True)["trainer"]
     shutil.rmtree(store_dir / "step-000004")  # the job resumes from step 2 and commits step 4 again
     resumed = forkserver.run([sys.executable, "-m", "opd_store", "train", *common, "--nproc", "1",
                               "--resume-mode", "elastic", "--log", str(tmp_path / "run2.log"),
-                              "--events", str(tmp_path / "run2.events")],
+                              "--events", str(tmp_path / "run2.events"), "--final-state", str(tmp_path / "run2.pt")],
                              capture_output=True, text=True, timeout=DEADLINE_SECS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert _records(tmp_path / "run2.events")[0] == {
         "event": "resumed", "url": f"{store_dir}/step-000002", "step": 2, "saved_world_size": 2, "world_size": 1,
         "unclaimed_ranks": [1]}
     assert store.steps() == [2, 4] and store.manifest(4).world_size == 1
+    # More than the report: the run went on from the saved state. The global sample index continues
+    # from the two ranks' (one rank now reads 2 prompts per attempted update), the scheduler gives the
+    # first run's learning rate at every step, and the counters are the saved ones plus the updates run.
+    attempted = _records(tmp_path / "run2.log")
+    final = torch.load(tmp_path / "run2.pt", weights_only=True)["trainer"]
+    assert final["samples_done"] == saved_at_2["samples_done"] + len(attempted) * 1 * 2
+    assert final["attempted_updates"] == saved_at_2["attempted_updates"] + len(attempted)
+    assert final["successful_updates"] == 4 and [r["step"] for r in attempted if r["ok"]] == [3, 4]
+    first_lr = {r["step"]: r["lr"] for r in _records(tmp_path / "run1.log") if r["ok"]}
+    assert all(r["lr"] == first_lr[r["step"]] and math.isfinite(r["loss"]) for r in attempted if r["ok"])
