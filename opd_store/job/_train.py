@@ -297,9 +297,10 @@ def train(
         return _run(store=store, updates=updates, seed=seed, log=log, events=events, final_state_path=final_state_path,
                     gather_final=gather_final, preemption=preemption, async_save=async_save, retention=retention,
                     shard=shard, rank_timeout_secs=rank_timeout_secs, group=group, rank=rank, world_size=world_size,
-                    resumed_from=resumed_from, saved_world_size=saved_world_size, config=config, ledger=ledger,
-                    trainer=trainer)
+                    resumed_from=resumed_from, point=point, saved_world_size=saved_world_size, config=config,
+                    ledger=ledger, trainer=trainer)
     except BaseException as exc:
+        point.release()  # when the failure came before the load released it
         ledger.exit("failed", trainer, exc)
         raise
 
@@ -307,10 +308,11 @@ def train(
 def _run(*, store: BaseStore, updates: int, seed: int, log: TextIO, events: TextIO, final_state_path: str | None,
          gather_final: bool, preemption: PreemptionWatcher | None, async_save: bool,
          retention: RetentionPolicy | None, shard: bool, rank_timeout_secs: float, group, rank: int, world_size: int,
-         resumed_from: str | None, saved_world_size: int | None, config: OPDConfig, ledger: JobLedger,
-         trainer: dict[str, Any]) -> TrainResult:
+         resumed_from: str | None, point: ResumePoint, saved_world_size: int | None, config: OPDConfig,
+         ledger: JobLedger, trainer: dict[str, Any]) -> TrainResult:
     """The body of :func:`train` once its arguments are checked and its ledger started (same
-    errors); ``trainer`` is filled in place, so a failure's ``exit`` event has the counters."""
+    errors); ``trainer`` is filled in place, so a failure's ``exit`` event has the counters;
+    ``point`` holds the payloads the resume guard read (released once loaded)."""
 
     tokenizer = build_tokenizer()
     student = build_student(len(tokenizer), seed)
