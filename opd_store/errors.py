@@ -107,6 +107,13 @@ class PayloadUploadError(OpdStoreError, OSError):
     request that failed; the backend's error is the ``__cause__``."""
 
 
+class StoreRequestError(OpdStoreError, OSError):
+    """A read of the store failed after the client's retries with an answer that is neither a
+    missing object nor a refusal for lack of permission: throttling (S3 ``SlowDown``, GCS 429) or a
+    server error. The message names the URL, the operation and the backend's answer; the backend's
+    error is the ``__cause__``. Nothing was changed by it."""
+
+
 class StoreUnreachableError(OpdStoreError, OSError):
     """The store cannot be used at all: no such bucket, no credentials, no connection, an endpoint
     that does not answer within its timeout, a local root that cannot be created or written. The

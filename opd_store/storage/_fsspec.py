@@ -26,9 +26,17 @@ import functools
 import threading
 from typing import BinaryIO, Callable, TypeVar
 
-from ..errors import OpdStoreError, StoreUnreachableError
+from ..errors import OpdStoreError, StoragePermissionError, StoreRequestError, StoreUnreachableError
 from ..runtime import register_io_thread
-from ._backend_errors import is_missing, is_unreachable
+from ._backend_errors import (
+    Meaning,
+    backend_operation,
+    classify,
+    is_backend_failure,
+    is_missing,
+    is_unreachable,
+    s3_error_code,
+)
 from ._base import Storage
 
 T = TypeVar("T")
@@ -53,6 +61,28 @@ _VERB_OPERATIONS = {
 }
 
 
+# The verbs that only read: a failure that is not a missing object is raised typed, naming the URL
+# and the operation (a refusal, throttling or a server error after the client's retries); a
+# write's failures are typed by its caller, which knows the payload and the step.
+_READ_VERBS = frozenset({"list_children", "list_tree", "list_tree_modified", "size", "read_bytes", "open_read",
+                         "open_read_stream", "open_checked", "clock_secs"})
+
+
+def read_failure(storage: "FsspecStorage", rel: str, operation: str, exc: BaseException) -> OpdStoreError | None:
+    """``exc``, raised by a read of ``rel`` doing ``operation``, as the typed error it means:
+    :class:`~opd_store.errors.StoragePermissionError` for a refusal, :class:`~opd_store.errors.StoreRequestError`
+    for throttling or a server error after the client's retries; ``None`` for anything else (a
+    missing object stays a ``FileNotFoundError``; a bug is not a backend failure)."""
+    meaning = classify(exc)
+    request = ": ".join(part for part in (backend_operation(exc), s3_error_code(exc)) if part)  # "GetObject: SlowDown"
+    what = f"{storage.url(rel)}: cannot {operation}{f' ({request})' if request else ''}: {storage.explain(exc)}"
+    if meaning is Meaning.DENIED:
+        return StoragePermissionError(what)
+    if meaning is Meaning.THROTTLED or (meaning is Meaning.OTHER and is_backend_failure(exc)):
+        return StoreRequestError(what)
+    return None
+
+
 def translated(storage: "FsspecStorage", rel: str, operation: str, call: Callable[[], T]) -> T:
     """``call()``, with a failure to reach the store raised as the
     :class:`~opd_store.errors.StoreUnreachableError` of ``operation`` on ``rel`` (module docstring);
@@ -70,6 +100,7 @@ def translated(storage: "FsspecStorage", rel: str, operation: str, call: Callabl
 
 def _translating(name: str, operation: str, method):
     kind = _VERB_KINDS.get(name)
+    reads = name in _READ_VERBS
 
     @functools.wraps(method)
     def verb(self: "FsspecStorage", *args, **kwargs):
@@ -79,7 +110,15 @@ def _translating(name: str, operation: str, method):
             if outermost and kind is not None and not self.counts_own_requests:
                 tally.add(kind)
             rel = kwargs.get("rel") or next((arg for arg in args if isinstance(arg, str)), "")  # finish_write(handle, rel)
-            return translated(self, rel, operation, lambda: method(self, *args, **kwargs))
+            try:
+                return translated(self, rel, operation, lambda: method(self, *args, **kwargs))
+            except OpdStoreError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a read's backend failure is typed; anything else propagates
+                typed = read_failure(self, rel, operation, exc) if reads else None
+                if typed is None:
+                    raise
+                raise typed from exc
         finally:
             tally.exit_verb()
 
