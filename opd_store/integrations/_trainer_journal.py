@@ -205,6 +205,7 @@ class TrainerJournal:
         """Journal ``exit`` (``finished``, ``preempted`` or ``failed``) with this start's requests
         (this process's stores', this event's own PUT, the other ranks' saves')."""
         with self._lock:
+            self.journal.flush()  # a save event still queued: its PUT is this start's
             now = self._requests()
             requests = {kind: now[kind] - self._requests_at_start.get(kind, 0) for kind in now}
             requests["put"] = requests.get("put", 0) + (1 if self.rank == 0 else 0)

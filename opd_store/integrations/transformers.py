@@ -319,6 +319,7 @@ class StoreCallback(TrainerCallback):
         with preserve_global_rng():
             if group is None:
                 self._sync("the next save")  # the previous upload's failure, before anything new starts
+                self._journal_mark(journaled)
                 request = self._snapshot(directory, state, 0, 1, args, stage_links=background, journaled=journaled)
                 if background:
                     saves = self._background()
@@ -331,6 +332,7 @@ class StoreCallback(TrainerCallback):
             def prepare() -> SaveRequest:
                 if group.rank == 0:
                     self._sync("the next save")
+                self._journal_mark(journaled)
                 return self._snapshot(directory, state, group.rank, group.world_size, args,
                                       stage_links=background and group.rank == 0, journaled=journaled)
 
@@ -354,12 +356,19 @@ class StoreCallback(TrainerCallback):
     blocked, and the other ranks' bytes and requests)."""
 
     def _journal_save(self, step: int) -> dict[str, Any] | None:
-        """What this save's journal parts share (``None`` before training began): where the request
-        count stood, why it saves; the snapshot adds this rank's bytes."""
+        """What this save's journal parts share (``None`` before training began): when it began,
+        why it saves; :meth:`_journal_mark` adds where the request count stood, the snapshot this
+        rank's bytes."""
         if self.journal is None:
             return None
-        return {"step": step, "mark": self.journal.mark(), "size_bytes": None,
+        return {"step": step, "began": time.monotonic(), "mark": None, "size_bytes": None,
                 "reason": "notice" if self._notice_step == step else "periodic"}
+
+    def _journal_mark(self, journaled: dict[str, Any] | None) -> None:
+        """Where the request count stands, once the previous background upload ended (so its
+        requests are not this save's; the wait for it still counts as blocking)."""
+        if journaled is not None:
+            journaled["mark"] = self.journal.mark()
 
     def _journal_commit(self, journaled: dict[str, Any]) -> None:
         """The commit part (rank 0, after its commit): bytes, seconds to commit, this rank's requests."""
@@ -386,7 +395,7 @@ class StoreCallback(TrainerCallback):
         if self.journal.rank == 0:
             self.journal.save_part(journaled["step"], "blocking", self._SAVE_PARTS, other_ranks_requests=others,
                                    size_bytes=others_bytes,
-                                   blocking_secs=time.monotonic() - journaled["mark"].began_monotonic)
+                                   blocking_secs=time.monotonic() - journaled["began"])
 
     def _snapshot(self, directory: Path, state, rank: int, world_size: int, args, *,
                   stage_links: bool, journaled: dict[str, Any] | None = None) -> SaveRequest:
