@@ -553,6 +553,7 @@ class StoreModelCheckpoint(ModelCheckpoint):
         Raises:
             ValueError: the strategy is one of :data:`BYPASSING_STRATEGIES` (one line naming it and why).
         """
+        self.journal = None  # a fit journals from on_train_start; nothing before it is a start's
         for strategy, why in BYPASSING_STRATEGIES.items():
             if isinstance(trainer.strategy, strategy):
                 raise ValueError(f"{type(trainer.strategy).__name__} is not supported by StoreModelCheckpoint: {why}, "
@@ -638,7 +639,13 @@ class StoreModelCheckpoint(ModelCheckpoint):
         try:
             super()._save_checkpoint(trainer, filepath)
         except BaseException:
-            self.journal.save_part(key, "blocking", self._SAVE_PARTS, failed=True)
+            with self._journal_lock:  # failed before the plugin saw it: no commit part will come
+                waiting = self._awaiting[name]
+                unseen = key in waiting
+                if unseen:
+                    waiting.remove(key)
+            if not unseen:
+                self.journal.save_part(key, "blocking", self._SAVE_PARTS, failed=True)
             raise
         self.journal.save_part(key, "blocking", self._SAVE_PARTS, reason=self._save_reason,
                                blocking_secs=time.monotonic() - began)
