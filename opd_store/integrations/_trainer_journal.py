@@ -33,6 +33,9 @@ from ..store import BaseStore
 
 logger = logging.getLogger("opd_store.integrations")
 
+DEFAULT_PROGRESS_EVERY_SECS = 60.0
+"""The integrations' ``journal_progress_secs`` default: the job's ``--journal-progress-secs``'s."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestMark:
@@ -232,4 +235,4 @@ def _summed(*counts: dict[str, int]) -> dict[str, int]:
     return {kind: value for kind, value in out.items() if value > 0}
 
 
-__all__ = ["RequestMark", "TrainerJournal"]
+__all__ = ["DEFAULT_PROGRESS_EVERY_SECS", "RequestMark", "TrainerJournal"]

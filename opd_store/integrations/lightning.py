@@ -79,7 +79,7 @@ from ..runtime import route_background_random
 from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointStore, as_store
 from ..tiered import TieredStore
 from ._lightning_resume import PAYLOAD_NAME, committed_versions, is_last_name, open_last, open_newest, open_plain
-from ._trainer_journal import TrainerJournal
+from ._trainer_journal import DEFAULT_PROGRESS_EVERY_SECS, TrainerJournal
 
 logger = logging.getLogger("opd_store.integrations.lightning")
 
@@ -521,8 +521,8 @@ class StoreModelCheckpoint(ModelCheckpoint):
             ``journal_progress_secs``; at setup, a strategy of :data:`BYPASSING_STRATEGIES`.
     """
 
-    def __init__(self, checkpoint_io: StoreCheckpointIO, *, journal_progress_secs: float = 60.0,
-                 **kwargs: Any) -> None:
+    def __init__(self, checkpoint_io: StoreCheckpointIO, *,
+                 journal_progress_secs: float = DEFAULT_PROGRESS_EVERY_SECS, **kwargs: Any) -> None:
         dirpath = kwargs.pop("dirpath", None) or checkpoint_io.url
         if os.fspath(dirpath).rstrip("/") != checkpoint_io.url.rstrip("/"):
             raise ValueError(f"dirpath {dirpath!r} differs from the store root {checkpoint_io.url!r}")
@@ -680,7 +680,8 @@ class StoreModelCheckpoint(ModelCheckpoint):
             return
         step, preempted = trainer.global_step, bool(trainer.received_sigterm)
         if preempted:
-            saving = getattr(self, "save_on_exception", False) and self._should_save_on_exception(trainer)  # Lightning >= 2.5
+            # save_on_exception: ModelCheckpoint's since recent Lightning releases (2.6 has it); absent before
+            saving = getattr(self, "save_on_exception", False) and self._should_save_on_exception(trainer)
             decision = "save" if saving else ("already_committed" if self._last_global_step_saved == step else "skip")
             journal.notice(source="SIGTERM", detail=f"Lightning stopped at SIGTERM ({type(exception).__name__})",
                            step=step, decision=decision, deadline_secs=None)

@@ -57,14 +57,13 @@ from ._hf_layout import (
 )
 from ._hf_resume import resume_from_store, store_checkpoint
 from ._run_config import RunConfig, check_resume, check_trainer_resume_mode, trainer_run_config
-from ._trainer_journal import TrainerJournal
+from ._trainer_journal import DEFAULT_PROGRESS_EVERY_SECS, TrainerJournal
 
 logger = logging.getLogger("opd_store.integrations.transformers")
 
 FRAMEWORK = "transformers"
 STAGING_DIRNAME = ".opd-store-staging"
 DEFAULT_EXIT_TIMEOUT_SECS = 60.0
-DEFAULT_JOURNAL_PROGRESS_SECS = 60.0
 
 
 class StoreCallback(TrainerCallback):
@@ -116,7 +115,7 @@ class StoreCallback(TrainerCallback):
         preemption: Any = None,
         resume_mode: str = "exact",
         exit_timeout_secs: float = DEFAULT_EXIT_TIMEOUT_SECS,
-        journal_progress_secs: float = DEFAULT_JOURNAL_PROGRESS_SECS,
+        journal_progress_secs: float = DEFAULT_PROGRESS_EVERY_SECS,
     ) -> None:
         if exit_timeout_secs < 0:
             raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
