@@ -52,14 +52,17 @@ ModelParallel: sharded saves, loads from local paths) are refused at setup
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -68,6 +71,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch import strategies as _strategies
 
 from ..errors import CheckpointNotFoundError
+from ..format import JOURNAL_PREFIX
 from ..opd import current_group, decide_on_rank0, load_collective
 from ..pipeline import AfterCommit, SaveRequest, run_save
 from ..retention import RetentionPolicy
@@ -75,6 +79,7 @@ from ..runtime import route_background_random
 from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointStore, as_store
 from ..tiered import TieredStore
 from ._lightning_resume import PAYLOAD_NAME, committed_versions, is_last_name, open_last, open_newest, open_plain
+from ._trainer_journal import DEFAULT_PROGRESS_EVERY_SECS, TrainerJournal
 
 logger = logging.getLogger("opd_store.integrations.lightning")
 
@@ -99,6 +104,29 @@ BYPASSING_STRATEGIES: dict[type, str] = {
 (their Lightning 2.6 sources): with them nothing, or not everything, would reach the store."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointSaved:
+    """One save of :meth:`StoreCheckpointIO.save_checkpoint`, as its ``save_observer`` sees it.
+
+    Attributes:
+        name (str): the checkpoint name (relative to the root).
+        global_step (int): the checkpoint's ``global_step``.
+        ok (bool): it committed (``False``: it failed, nothing committed).
+        size_bytes (int | None): the payload's bytes (``None`` when it failed before they were written).
+        commit_secs (float): seconds from the call to its commit and after-commit stage (or failure).
+        requests (dict[str, int]): requests of the name's store (its durable tier) meanwhile, by kind.
+        thread_id (int): ``threading.get_ident()`` of the thread that saved.
+    """
+
+    name: str
+    global_step: int
+    ok: bool
+    size_bytes: int | None
+    commit_secs: float
+    requests: dict[str, int]
+    thread_id: int
+
+
 class StoreCheckpointIO(CheckpointIO):
     """Save, load and remove Lightning checkpoints in a store (see module docs).
 
@@ -116,6 +144,11 @@ class StoreCheckpointIO(CheckpointIO):
 
     Raises:
         StoreUnreachableError: the store cannot be used (raised here, before training).
+
+    Attributes:
+        save_observer (Callable[[CheckpointSaved], None] | None): called after every save,
+            committed or failed, on the thread that saved (:class:`StoreModelCheckpoint` journals
+            them).
 
     Thread safety: Lightning's ``AsyncCheckpointIO`` calls :meth:`save_checkpoint` on its own
     thread and :meth:`remove_checkpoint` on the training thread; a removal waits for a save of the
@@ -140,7 +173,9 @@ class StoreCheckpointIO(CheckpointIO):
         self._resumed: dict[Path, str] = {}
         self._saving: dict[str, threading.Lock] = {}
         self._stores: dict[str, BaseStore] = {}
+        self._closed_requests: dict[str, int] = {}  # requests of the names' stores removed since
         self._lock = threading.Lock()
+        self.save_observer: Callable[[CheckpointSaved], None] | None = None
 
     # -- names -----------------------------------------------------------------------------------
     def name_of(self, path: str | os.PathLike) -> str:
@@ -194,12 +229,25 @@ class StoreCheckpointIO(CheckpointIO):
         return self._tiers()[-1].storage.fs
 
     def listed_names(self) -> list[str]:
-        """Every name under the root (in either tier), whatever its versions' status (a fresh listing)."""
+        """Every name under the root (in either tier), whatever its versions' status (a fresh
+        listing); the run journal's prefix (``.opd-store-journal/``) is no name."""
         names = set()
         for tier in self._tiers():
             prefixes, _objects = tier.storage.list_children("")
             names.update(prefix.rstrip("/") for prefix in prefixes)
+        names.discard(JOURNAL_PREFIX)
         return sorted(names)
+
+    def requests(self) -> dict[str, int]:
+        """Requests the root and every name's store sent so far (their durable tiers), by kind
+        (``Storage.requests``; the run journal's ``exit`` event reports a start's)."""
+        with self._lock:
+            counts = dict(self._closed_requests)
+            tiers = [self.root.durable_store(), *(store.durable_store() for store in self._stores.values())]
+        for store in tiers:
+            for kind, count in store.storage.requests.snapshot().items():
+                counts[kind] = counts.get(kind, 0) + count
+        return counts
 
     def names(self) -> list[str]:
         """Checkpoint names under the root (in either tier) that hold a complete checkpoint (a
@@ -234,9 +282,13 @@ class StoreCheckpointIO(CheckpointIO):
         name = self.name_of(path)
         global_step = int(checkpoint.get("global_step", 0))
 
+        sizes: list[int] = []
+        began = time.monotonic()
+
         def write(txn, shared: bool) -> None:
             with txn.open(PAYLOAD_NAME) as writer:
                 torch.save(checkpoint, writer)
+            sizes.append(writer.size_bytes)
 
         def drop_leftovers(after: AfterCommit, url: str) -> None:
             for step in leftovers:  # attempts of killed saves of this name: no manifest names them
@@ -244,14 +296,34 @@ class StoreCheckpointIO(CheckpointIO):
 
         with self._name_lock(name), route_background_random():
             store = self.store_of(path)  # under the name's lock: a removal closes the name's store
-            listed = store.checkpoints()
-            version = max((info.step for info in listed), default=0) + 1
-            leftovers = [info.step for info in listed if info.status == UNCOMMITTED]
-            metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"),
-                        "global_step": global_step}
-            after = AfterCommit(store, version, retention=NEWEST_VERSION_ONLY, on_commit=[drop_leftovers])
-            url = run_save(SaveRequest(after, world_size=1, metadata=metadata, write=write))
+            tally = store.durable_store().storage.requests
+            before = tally.snapshot()
+            try:
+                listed = store.checkpoints()
+                version = max((info.step for info in listed), default=0) + 1
+                leftovers = [info.step for info in listed if info.status == UNCOMMITTED]
+                metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"),
+                            "global_step": global_step}
+                after = AfterCommit(store, version, retention=NEWEST_VERSION_ONLY, on_commit=[drop_leftovers])
+                url = run_save(SaveRequest(after, world_size=1, metadata=metadata, write=write))
+            except BaseException:
+                self._observe(name, global_step, False, sizes, began, before, tally.snapshot())
+                raise
+            self._observe(name, global_step, True, sizes, began, before, tally.snapshot())
         logger.info("saved %s (global_step %d) as version %d (%s)", name, global_step, version, url)
+
+    def _observe(self, name: str, global_step: int, ok: bool, sizes: list[int], began: float,
+                 before: dict[str, int], after: dict[str, int]) -> None:
+        """Tell the ``save_observer`` of a save (a failing observer is logged: it never fails a save)."""
+        observer = self.save_observer
+        if observer is None:
+            return
+        requests = {kind: after[kind] - before.get(kind, 0) for kind in after if after[kind] > before.get(kind, 0)}
+        try:
+            observer(CheckpointSaved(name, global_step, ok, sum(sizes) if sizes else None, time.monotonic() - began,
+                                     requests, threading.get_ident()))
+        except Exception:  # noqa: BLE001 - the journal never fails a save
+            logger.warning("the save observer failed on %s", name, exc_info=True)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint at ``path``, read once and verified (:meth:`open`); for a placeholder of
@@ -321,6 +393,7 @@ class StoreCheckpointIO(CheckpointIO):
                 tier.storage.delete_tree(name)
             with self._lock:
                 self._stores.pop(name, None)
+                self._count_closed(store)
             store.close()
         logger.info("removed %s", name)
 
@@ -335,6 +408,8 @@ class StoreCheckpointIO(CheckpointIO):
         self._drop_placeholders()
         with self._lock:
             stores, self._stores = list(self._stores.values()), {}
+            for store in stores:
+                self._count_closed(store)
         failures = []
         for store in stores:  # every store is closed, the first failure raised after
             try:
@@ -413,6 +488,11 @@ class StoreCheckpointIO(CheckpointIO):
         for placeholder in placeholders:
             shutil.rmtree(placeholder.parent, ignore_errors=True)
 
+    def _count_closed(self, store: BaseStore) -> None:
+        """Keep the requests of a name's store this plugin lets go (under ``_lock``) for :meth:`requests`."""
+        for kind, count in store.durable_store().storage.requests.snapshot().items():
+            self._closed_requests[kind] = self._closed_requests.get(kind, 0) + count
+
     def _name_lock(self, name: str) -> threading.Lock:
         with self._lock:
             return self._saving.setdefault(name, threading.Lock())
@@ -424,19 +504,30 @@ class StoreModelCheckpoint(ModelCheckpoint):
     Args:
         checkpoint_io (StoreCheckpointIO): the plugin given to the ``Trainer`` (alone or wrapped in
             ``AsyncCheckpointIO``); its root is the ``dirpath``.
+        journal_progress_secs (float): seconds between the run journal's ``progress`` events (0:
+            after every batch). Global rank 0 journals each ``fit`` in the plugin's root: its start,
+            resume, first update, each save through the plugin, a SIGTERM and its end
+            (docs/ledger.md, "From other trainers"; :mod:`opd_store.integrations._trainer_journal`);
+            ``opd-store report <root>`` reads it.
         **kwargs: ``ModelCheckpoint``'s arguments (``monitor``, ``save_top_k``, ``save_last``,
-            ``filename``, ``every_n_train_steps``...). ``save_last="link"`` is refused (links are
-            local-only).
+            ``filename``, ``every_n_train_steps``, ``save_on_exception``...). ``save_last="link"``
+            is refused (links are local-only).
+
+    Attributes:
+        journal (TrainerJournal | None): the journal of the current ``fit`` (from ``on_train_start``).
 
     Raises:
-        ValueError: ``dirpath`` differs from the plugin's root, or ``save_last="link"``; at setup,
-            a strategy of :data:`BYPASSING_STRATEGIES`.
+        ValueError: ``dirpath`` differs from the plugin's root, ``save_last="link"``, or a negative
+            ``journal_progress_secs``; at setup, a strategy of :data:`BYPASSING_STRATEGIES`.
     """
 
-    def __init__(self, checkpoint_io: StoreCheckpointIO, **kwargs: Any) -> None:
+    def __init__(self, checkpoint_io: StoreCheckpointIO, *,
+                 journal_progress_secs: float = DEFAULT_PROGRESS_EVERY_SECS, **kwargs: Any) -> None:
         dirpath = kwargs.pop("dirpath", None) or checkpoint_io.url
         if os.fspath(dirpath).rstrip("/") != checkpoint_io.url.rstrip("/"):
             raise ValueError(f"dirpath {dirpath!r} differs from the store root {checkpoint_io.url!r}")
+        if journal_progress_secs < 0:
+            raise ValueError(f"journal_progress_secs must be >= 0, got {journal_progress_secs!r}")
         if kwargs.get("save_last") == "link":
             raise ValueError("save_last='link' makes a local symbolic link; use save_last=True with a store")
         # ModelCheckpoint would build a filesystem for dirpath with no storage options: for gs://
@@ -446,6 +537,13 @@ class StoreModelCheckpoint(ModelCheckpoint):
         self.dirpath = checkpoint_io.url
         self._fs = checkpoint_io.filesystem()
         self.checkpoint_io = checkpoint_io
+        self.journal_progress_secs = float(journal_progress_secs)
+        self.journal: TrainerJournal | None = None
+        self._journal_lock = threading.Lock()
+        self._awaiting: dict[str, collections.deque] = {}  # name -> keys of saves begun here, not yet seen committed
+        self._save_count = 0
+        self._save_reason = "periodic"
+        self._training_thread: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Refuse a strategy that bypasses the ``CheckpointIO``; then what ``ModelCheckpoint.setup``
@@ -455,6 +553,7 @@ class StoreModelCheckpoint(ModelCheckpoint):
         Raises:
             ValueError: the strategy is one of :data:`BYPASSING_STRATEGIES` (one line naming it and why).
         """
+        self.journal = None  # a fit journals from on_train_start; nothing before it is a start's
         for strategy, why in BYPASSING_STRATEGIES.items():
             if isinstance(trainer.strategy, strategy):
                 raise ValueError(f"{type(trainer.strategy).__name__} is not supported by StoreModelCheckpoint: {why}, "
@@ -491,6 +590,116 @@ class StoreModelCheckpoint(ModelCheckpoint):
         if self.checkpoint_io.is_under_root(current) and self.checkpoint_io.name_of(current) == name:
             return False
         return name != self.checkpoint_io.resumed_name(trainer.ckpt_path)
+
+    # -- the run journal (opd_store.integrations._trainer_journal) ---------------------------------
+    _SAVE_PARTS = ("commit", "blocking")
+    """A save's journal event waits for the plugin's commit (on the thread that saves: the
+    training thread, or ``AsyncCheckpointIO``'s) and for the training thread's return from
+    ``_save_checkpoint`` (the seconds it was blocked)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Start this fit's journal (global rank 0 writes): ``start``, and ``resume`` with the step
+        Lightning restored (``None`` without ``ckpt_path``)."""
+        super().on_train_start(trainer, pl_module)
+        self.journal = TrainerJournal(self.checkpoint_io.root, rank=trainer.global_rank,
+                                      world_size=trainer.world_size, progress_every_secs=self.journal_progress_secs,
+                                      requests=self.checkpoint_io.requests)
+        self._training_thread = threading.get_ident()
+        if trainer.is_global_zero:
+            self.checkpoint_io.save_observer = self._journal_commit
+        outer = trainer.strategy.checkpoint_io
+        self.journal.started(trainer.global_step if trainer.ckpt_path is not None else None,
+                             updates=trainer.max_steps if trainer.max_steps > 0 else None,
+                             checkpoint_every=self._every_n_train_steps or None,
+                             async_save=isinstance(outer, AsyncCheckpointIO))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.journal is not None:
+            self.journal.update_began()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Journal the update (``first_update``/``progress``) before ``ModelCheckpoint`` saves."""
+        if self.journal is not None:
+            self.journal.update_done(trainer.global_step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        """``ModelCheckpoint``'s save, timed on the training thread for the journal (rank 0, names
+        under the root)."""
+        if self.journal is None or not trainer.is_global_zero or not self.checkpoint_io.is_under_root(filepath):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        name = self.checkpoint_io.name_of(filepath)
+        with self._journal_lock:
+            self._save_count += 1
+            key = (name, self._save_count)
+            self._awaiting.setdefault(name, collections.deque()).append(key)
+        began = time.monotonic()
+        try:
+            super()._save_checkpoint(trainer, filepath)
+        except BaseException:
+            with self._journal_lock:  # failed before the plugin saw it: no commit part will come
+                waiting = self._awaiting[name]
+                unseen = key in waiting
+                if unseen:
+                    waiting.remove(key)
+            if not unseen:
+                self.journal.save_part(key, "blocking", self._SAVE_PARTS, failed=True)
+            raise
+        self.journal.save_part(key, "blocking", self._SAVE_PARTS, reason=self._save_reason,
+                               blocking_secs=time.monotonic() - began)
+
+    def _journal_commit(self, saved: CheckpointSaved) -> None:
+        """The plugin's ``save_observer``: the commit part of the oldest save of that name begun in
+        :meth:`_save_checkpoint`; a save that did not come through it (``trainer.save_checkpoint``)
+        is journaled alone, blocking for its whole time when it ran on the training thread."""
+        journal = self.journal
+        if journal is None:
+            return
+        with self._journal_lock:
+            waiting = self._awaiting.get(saved.name)
+            key = waiting.popleft() if waiting else None
+        fields = dict(step=saved.global_step, size_bytes=saved.size_bytes, commit_secs=saved.commit_secs,
+                      requests=saved.requests, failed=not saved.ok)
+        if key is not None:
+            journal.save_part(key, "commit", self._SAVE_PARTS, **fields)
+            return
+        blocking = saved.commit_secs if saved.thread_id == self._training_thread else 0.0
+        journal.save_part((saved.name, "direct", time.monotonic()), "commit", ("commit",), reason="periodic",
+                          blocking_secs=blocking, **fields)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Journal how the fit ended: after Lightning's SIGTERM (``trainer.received_sigterm``) a
+        ``notice`` (``save`` with ``save_on_exception``, else ``skip`` or ``already_committed``)
+        and ``exit`` ``preempted``; else ``exit`` ``failed`` naming ``exception``. Then what
+        ``ModelCheckpoint`` does (``save_on_exception``: a save of this step)."""
+        journal = self.journal
+        if journal is None:
+            super().on_exception(trainer, pl_module, exception)
+            return
+        step, preempted = trainer.global_step, bool(trainer.received_sigterm)
+        if preempted:
+            # save_on_exception: ModelCheckpoint's since recent Lightning releases (2.6 has it); absent before
+            saving = getattr(self, "save_on_exception", False) and self._should_save_on_exception(trainer)
+            decision = "save" if saving else ("already_committed" if self._last_global_step_saved == step else "skip")
+            journal.notice(source="SIGTERM", detail=f"Lightning stopped at SIGTERM ({type(exception).__name__})",
+                           step=step, decision=decision, deadline_secs=None)
+            self._save_reason = "notice"
+        try:
+            super().on_exception(trainer, pl_module, exception)
+        finally:
+            self._save_reason = "periodic"
+            journal.exit("preempted" if preempted else "failed", step, None if preempted else exception)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """Journal ``exit`` ``finished`` (Lightning calls this after its teardown: every
+        ``AsyncCheckpointIO`` save has ended) and detach from the plugin."""
+        super().on_fit_end(trainer, pl_module)
+        if self.journal is not None:
+            self.journal.exit("finished", trainer.global_step)
+            if self.checkpoint_io.save_observer == self._journal_commit:
+                self.checkpoint_io.save_observer = None
 
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
         """Remove through ``AsyncCheckpointIO``'s queue when it wraps the plugin, so the removal

@@ -21,8 +21,9 @@ exit          the start ended: ``finished``, ``preempted`` or ``failed`` (a star
 
 ``step`` is the trainer's successful updates at the event and ``update_secs`` the seconds this start
 has spent in updates so far (saves and waits excluded): the report's goodput and lost work rest on
-them. A writer that does not measure something leaves the optional fields out (a trainer
-integration journals ``start``, ``resume``, ``save`` and ``exit`` with the fields it has). :data:`SCHEMA_VERSION` is written in every event; a reader refuses a newer one
+them. A writer that does not measure something leaves the optional fields out (the trainer
+integrations, :mod:`opd_store.integrations._trainer_journal`, have no estimate for a notice and no
+failed updates). :data:`SCHEMA_VERSION` is written in every event; a reader refuses a newer one
 (:func:`parse_event`), so a report from an older opd_store skips what it cannot read instead of
 misreading it.
 """

@@ -32,7 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..store import BaseStore
+from ..format import JOURNAL_PREFIX
+from ..store import BaseStore, CheckpointStore
 from ._journal import read_journal
 from ._planning import young_daly_secs
 from ._prices import PriceTable, table_for_url
@@ -296,14 +297,25 @@ def report_store(store: BaseStore, *, prices: PriceTable | None = None, use_defa
     """
     durable = store.durable_store()
     contents = read_journal(durable)
-    stored = 0
-    for info in durable.checkpoints():
-        if info.status == "complete":
-            stored += durable.manifest(info.step).total_size_bytes
+    stored = _bytes_stored(durable)
     if prices is None and use_default_prices:
         prices = table_for_url(durable.url)
     return build_report(contents.events, url=durable.url, bytes_stored=stored, journal_bytes=contents.size_bytes,
                         prices=prices, skipped=contents.skipped)
+
+
+def _bytes_stored(store: CheckpointStore, *, nested: bool = True) -> int:
+    """Bytes of ``store``'s complete checkpoints (their manifests' totals). With ``nested``, a store
+    with no step of its own counts those of the stores one level below it: the Lightning plugin's
+    root, a store per checkpoint name (docs/integrations.md), whose journal is at the root (one
+    listing, and one ``checkpoints()`` per name, more)."""
+    infos = store.checkpoints()
+    if not infos and nested:
+        prefixes, _objects = store.storage.list_children("")
+        names = [prefix.rstrip("/") for prefix in prefixes if prefix.rstrip("/") != JOURNAL_PREFIX]
+        return sum(_bytes_stored(CheckpointStore(f"{store.url.rstrip('/')}/{name}", storage_options=store.storage_options),
+                                 nested=False) for name in names)
+    return sum(store.manifest(info.step).total_size_bytes for info in infos if info.status == "complete")
 
 
 def report_lines(report: LedgerReport) -> list[str]:

@@ -9,7 +9,9 @@ interrupted from its beginning rather than from the batch it reached.
 As a program (``python tests/integrations/lightning_child.py SPEC_JSON``, started by :func:`start`
 on a fresh machine from the worker's fork server): events (:mod:`opd_testkit.events`)
 ``{"event": "epoch_end", "epoch": N}`` at each epoch end (before that epoch's checkpoint:
-ModelCheckpoint runs after other callbacks), then the child waits for the parent's reply; at the end
+ModelCheckpoint runs after other callbacks), then the child waits for the parent's reply;
+``{"event": "checkpoint", "step": N}`` for each checkpoint Lightning saves (its run journal has a
+``progress`` event after every batch, so ``opd-store report`` knows where a start was killed); at the end
 ``{"event": "done", "resumed_from": ...}`` after ``torch.save`` of the weights to the spec's
 ``result`` path, or ``{"event": "error", "traceback": ...}``.
 """
@@ -30,10 +32,11 @@ from opd_store.job._machines import fresh_machine
 
 def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs: int = 4, callbacks=(),
           save_top_k: int = 2, rng_hooks: bool = True, lr: float = 1e-2, local_cache_dir=None, plugin=None,
-          checkpoint_class=None, **trainer_kwargs):
+          checkpoint_class=None, checkpoint_kwargs=None, **trainer_kwargs):
     """The tiny run: ``(trainer, model, train loader, val loader, plugin, checkpoint callback)``.
     ``plugin``: an existing StoreCheckpointIO (else a new one); ``checkpoint_class``: a subclass of
-    StoreModelCheckpoint; ``trainer_kwargs``: more ``Trainer`` arguments (``devices``, ``strategy``)."""
+    StoreModelCheckpoint; ``checkpoint_kwargs``: more of its arguments (``journal_progress_secs``,
+    ``save_on_exception``); ``trainer_kwargs``: more ``Trainer`` arguments (``devices``, ``strategy``)."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -77,7 +80,7 @@ def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs
     if plugin is None:
         plugin = StoreCheckpointIO(url, storage_options=storage_options, local_cache_dir=local_cache_dir)
     checkpoint = (checkpoint_class or StoreModelCheckpoint)(plugin, monitor="val_loss", save_top_k=save_top_k, save_last=True,
-                                      filename="{epoch}-{step}")
+                                      filename="{epoch}-{step}", **(checkpoint_kwargs or {}))
     trainer_kwargs = {"accelerator": "cpu", "devices": 1, **trainer_kwargs}
     trainer = pl.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          plugins=[AsyncCheckpointIO(plugin) if async_io else plugin], callbacks=[checkpoint, *callbacks],
@@ -133,7 +136,11 @@ def main(spec: dict) -> None:
                 events.emit({"event": "epoch_end", "epoch": trainer.current_epoch, "step": trainer.global_step})
                 events.wait_reply()
 
-        trainer, model, train, val, _plugin, _ckpt = build(spec["url"], spec["storage_options"], callbacks=[Report()])
+            def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+                events.emit({"event": "checkpoint", "step": trainer.global_step})
+
+        trainer, model, train, val, _plugin, _ckpt = build(spec["url"], spec["storage_options"], callbacks=[Report()],
+                                                           checkpoint_kwargs={"journal_progress_secs": 0})
         trainer.fit(model, train, val, ckpt_path="last")  # also on the first start (empty store)
         torch.save(weights(model), spec["result"])
         events.emit({"event": "done", "resumed_from": str(trainer.ckpt_path)})

@@ -15,6 +15,7 @@ from opd_testkit.stores import Backend
 
 from opd_store import CheckpointStore, IntegrityError
 from opd_store.integrations.transformers import StoreCallback, store_checkpoint
+from opd_store.ledger import read_journal
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -74,6 +75,12 @@ def test_each_rank_uploads_its_own_files_and_one_manifest_commits(tmp_path, capl
     assert ref_store.steps() == [2, 4] and ref_store.manifest(4).world_size == 2 and ref_store.verify(4, deep=True).ok
     # rank 1's generators after step 4 equal the uninterrupted run's: its part was fetched and restored
     assert store.read(4, "rng_state_1.pth") == ref_store.read(4, "rng_state_1.pth")
+    # rank 0 journaled each save, synchronous or on its worker, with both ranks' bytes and requests
+    for journaled, steps in ((store, [2, 4]), (ref_store, [2, 4])):
+        saves = [e for e in read_journal(journaled).events if e.kind == "save"]
+        assert [(e.step, e.size_bytes, e.requests["put"], e.world_size) for e in saves] == [
+            (step, journaled.manifest(step).total_size_bytes, len(journaled.manifest(step).payloads) + 1, 2)
+            for step in steps]  # a PUT per payload (rank 1's too) and one for the manifest
 
     # rank 1's file of step 4 missing: the fetch resumes step 2 with a warning naming it; a run
     # resuming step 2 with the callback stops before training (it would save step 4 again)
