@@ -117,11 +117,11 @@ def scenario_backend(ctx) -> dict:
     # a rank whose write fails: nothing committed, the same error on every rank
     original = dcp_writer.write_items
 
-    def failing(writer, name, items, planner):
+    def failing(writer, name, items, planner, *extensions):
         if ctx.rank == 2:
             writer.write(b"some bytes")
             raise OSError("injected write failure on rank 2")
-        return original(writer, name, items, planner)
+        return original(writer, name, items, planner, *extensions)
 
     dcp_writer.write_items = failing
     try:
