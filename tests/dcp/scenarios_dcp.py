@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import opd_store.dcp._writer as dcp_writer
 from opd_store.dcp import StoreReader, StoreWriter, async_save, load, save
 from opd_testkit.damage import damage_payload
+from scenarios_dcp_plans import scenario_empty_ranks  # noqa: F401 - run by the remote backends' launch
 
 RESHARD_PAIRS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2))
 

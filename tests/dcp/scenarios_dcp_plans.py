@@ -87,12 +87,13 @@ class _CoordinatorLast:
 
 def scenario_empty_ranks(ctx) -> dict:
     """From 2, 4 and 8 ranks: ``{"replicated": torch.arange(4.0)}`` (one rank writes, the others
-    nothing) with the coordinator held back until every other rank sealed (steps 2, 4, 8), and a
-    replicated tensor with uneven shards, not held back (steps 12, 14, 18); each loaded on its ranks."""
+    nothing) with the coordinator held back until every other rank sealed (steps 102, 104, 108), and
+    a replicated tensor with uneven shards, not held back (steps 112, 114, 118); each loaded on its
+    ranks. A launch of 4 runs the sizes 2 and 4."""
     sides = _side_groups(ctx)
     out: dict = {"saved": {}, "loaded": {}}
     for size in _sizes(ctx):
-        for delayed, step in ((True, size), (False, 10 + size)):
+        for delayed, step in ((True, 100 + size), (False, 110 + size)):
             if ctx.rank < size:
                 group = ctx.prefix_group(size)
                 if delayed:

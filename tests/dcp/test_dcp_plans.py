@@ -29,6 +29,28 @@ def _stored_names(backend: Backend, step: int, attempt_id: str) -> set[str]:
     return {path.rsplit("/", 1)[-1] for path in fs.find(f"{root}/step-{step:06d}/{attempt_id}")}
 
 
+def check_empty_ranks(backend: Backend, ranks: list[dict], sizes) -> None:
+    """What ``scenario_empty_ranks`` committed on ``backend``: each step's manifest names exactly
+    the files stored (one data file where DCP kept the replicated tensor's one copy), the step
+    verifies deeply, and every rank loaded back what was saved."""
+    store = open_store(backend)
+    for size in sizes:
+        replicated, uneven = store.manifest(100 + size), store.manifest(110 + size)
+        for step, manifest in ((100 + size, replicated), (110 + size, uneven)):
+            names = {entry.name for entry in manifest.payloads}
+            assert manifest.world_size == size and _stored_names(backend, step, manifest.attempt_id) == names
+            assert store.verify(step, deep=True).ok
+        data_files = sorted(name for name in (e.name for e in replicated.payloads) if name.endswith(".distcp"))
+        assert len(data_files) == 1, data_files  # one copy of the replicated tensor; every other part empty
+        rows = size // 2 + 1
+        for rank in range(size):
+            loaded = ranks[rank]["empty_ranks"]["loaded"]
+            assert loaded[str(100 + size)] == {"replicated": [0.0, 1.0, 2.0, 3.0]}
+            assert loaded[str(110 + size)] == {
+                "replicated": [0.0, 1.0, 2.0, 3.0],
+                "uneven": torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3).tolist()}
+
+
 @pytest.mark.timeout(900)
 def test_empty_ranks_plan_caching_and_the_process_executor(tmp_path):
     """One launch of 8 ranks on a local store (local stores fsync directories, where a rank with
@@ -50,21 +72,7 @@ def test_empty_ranks_plan_caching_and_the_process_executor(tmp_path):
     assert all("error" not in scenario for rank in ranks for scenario in rank.values()), ranks
     store = open_store(backend)
 
-    # ranks with nothing to write
-    for size in (2, 4, 8):
-        replicated, uneven = store.manifest(size), store.manifest(10 + size)
-        for step, manifest in ((size, replicated), (10 + size, uneven)):
-            names = {entry.name for entry in manifest.payloads}
-            assert manifest.world_size == size and _stored_names(backend, step, manifest.attempt_id) == names
-            assert store.verify(step, deep=True).ok
-        data_files = sorted(name for name in (e.name for e in replicated.payloads) if name.endswith(".distcp"))
-        assert len(data_files) == 1, data_files  # one copy of the replicated tensor; every other part empty
-        for rank in range(size):
-            assert ranks[rank]["empty_ranks"]["loaded"][str(size)] == {"replicated": [0.0, 1.0, 2.0, 3.0]}
-            rows = size // 2 + 1
-            assert ranks[rank]["empty_ranks"]["loaded"][str(10 + size)] == {
-                "replicated": [0.0, 1.0, 2.0, 3.0],
-                "uneven": torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3).tolist()}
+    check_empty_ranks(backend, ranks, (2, 4, 8))
 
     # plan caching: each save its own attempt, listing every rank's shard file
     caching = ranks[0]["plan_caching"]
