@@ -156,7 +156,28 @@ def install() -> None:
         module.FileSystemReader = reader_cls
     if os.environ.get("OPD_UPSTREAM_DCP_CPU_GATED") == "1":
         _run_gpu_gated_cases_on_cpu()
+    _newer_test_helpers()
     _INSTALLED = True
+
+
+def _newer_test_helpers() -> None:
+    """Helpers newer test files import from ``torch.testing._internal`` that this torch's copy
+    lacks (PyTorch's main branch ahead of the installed wheel): ``common_dtensor._get_device_type``
+    (the e2e file's device for a world size: an accelerator with that many devices, else CPU)."""
+    try:
+        import torch.testing._internal.distributed._tensor.common_dtensor as common_dtensor
+    except ImportError:
+        return
+    if not hasattr(common_dtensor, "_get_device_type"):
+        def _get_device_type(world_size: int) -> str:
+            import torch
+
+            accelerator = torch.accelerator.current_accelerator()
+            if accelerator is not None and torch.accelerator.device_count() >= world_size:
+                return accelerator.type
+            return "cpu"
+
+        common_dtensor._get_device_type = _get_device_type
 
 
 def _run_gpu_gated_cases_on_cpu() -> None:

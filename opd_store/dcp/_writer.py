@@ -244,7 +244,7 @@ class StoreWriter(StorageWriter):
                 raise ValueError(f"StoreWriter for {self.checkpoint_id}: dcp.save plans for {world_size} ranks but "
                                  f"the writer's process_group has {group_size}; give the writer the group given "
                                  "to dcp.save")
-        elif any(not plan.usable for plan in plans):
+        elif world_size > 1 and any(not plan.usable for plan in plans):
             raise ValueError(f"StoreWriter for {self.checkpoint_id}: DCP's plan cache reuses earlier plans, whose "
                              "attempt id is an earlier save's; pass StoreWriter(..., process_group=<the group given "
                              "to dcp.save, None for the default group>) to use plan caching")

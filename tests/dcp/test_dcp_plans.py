@@ -191,3 +191,22 @@ def test_writers_and_readers_pickle_as_their_store_address(tmp_path, moto_s3):
         pickle.dumps(StoreWriter(store, 5, after_commit=AfterCommit(store, 5)))
     assert StoreWriter.validate_checkpoint_id(store.step_url(5)) and StoreReader.validate_checkpoint_id(store.step_url(5))
     assert not StoreWriter.validate_checkpoint_id(store.url) and not StoreReader.validate_checkpoint_id("abc://x/step-000001")
+
+
+def test_plan_caching_in_one_process(tmp_path):
+    """One process: DCP's cached plans (the second and third save) need no broadcast, the
+    coordinator writes under its own attempt; each step loads back its own values."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    store = CheckpointStore(tmp_path / "store")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (1, 2, 3):
+            planner = type("CachingPlannerOneProcess", (DefaultSavePlanner,), {})(enable_plan_caching=True)
+            dcp.save({"w": torch.arange(4.0) + step}, storage_writer=StoreWriter(store, step), planner=planner,
+                     no_dist=True)
+    assert len({store.manifest(step).attempt_id for step in (1, 2, 3)}) == 3
+    for step in (1, 2, 3):
+        target = {"w": torch.zeros(4)}
+        load(target, store, step)
+        assert target["w"].tolist() == [step, step + 1.0, step + 2.0, step + 3.0]
