@@ -104,17 +104,23 @@ def build_classes():
 
             return FileSystem.validate_checkpoint_id(checkpoint_id)
 
+    def attempt_directory(path) -> str:
+        store, step = _newest(path)
+        return f"{store.step_url(step)}/{store.manifest(step).attempt_id}"
+
+    class CommittedAttemptReader(_ORIGINAL["reader"]):
+        """``dcp-reader`` mode: DCP's own ``FileSystemReader`` of the committed attempt directory of
+        the newest step of ``store_of(path)`` (``reset(path)`` too)."""
+
+        def __init__(self, path, _extension_registry=None, *args, **kwargs) -> None:
+            super().__init__(attempt_directory(path), _extension_registry=_extension_registry)
+
+        def reset(self, checkpoint_id=None) -> None:
+            super().reset(attempt_directory(checkpoint_id) if checkpoint_id else None)
+
     class FileSystemReader(StoreReader):
         """``FileSystemReader(path, _extension_registry=...)``: a :class:`StoreReader` of the
-        newest committed step of ``store_of(path)`` (``dcp-reader`` mode: DCP's own reader of that
-        step's committed attempt directory); ``reset(path)`` re-targets it."""
-
-        def __new__(cls, path, _extension_registry=None, *args, **kwargs):
-            if _mode() == "dcp-reader":
-                store, step = _newest(path)
-                return _ORIGINAL["reader"](f"{store.step_url(step)}/{store.manifest(step).attempt_id}",
-                                           _extension_registry=_extension_registry)
-            return super().__new__(cls)
+        newest committed step of ``store_of(path)``; ``reset(path)`` re-targets it."""
 
         def __init__(self, path, _extension_registry=None, *args, **kwargs) -> None:
             self.path = os.fspath(path)
@@ -133,7 +139,7 @@ def build_classes():
 
             return FileSystem.validate_checkpoint_id(checkpoint_id)
 
-    return FileSystemWriter, FileSystemReader
+    return FileSystemWriter, (CommittedAttemptReader if _mode() == "dcp-reader" else FileSystemReader)
 
 
 _ORIGINAL: dict[str, Any] = {}
