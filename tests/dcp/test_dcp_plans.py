@@ -210,3 +210,45 @@ def test_plan_caching_in_one_process(tmp_path):
         target = {"w": torch.zeros(4)}
         load(target, store, step)
         assert target["w"].tolist() == [step, step + 1.0, step + 2.0, step + 3.0]
+
+
+_UPSTREAM_LIKE = '''
+import json, os, sys
+sys.path[:0] = [os.environ["REPO"], os.path.join(os.environ["REPO"], "bench", "upstream_dcp", "site")]
+import sitecustomize  # what every process of `python -m bench.upstream_dcp` runs first
+import torch
+import torch.distributed.checkpoint as dcp
+
+path = sys.argv[1]
+dcp.save({"w": torch.arange(3.0)}, checkpoint_id=path)           # DCP picks a writer for a bare path
+dcp.save({"w": torch.arange(3.0) + 1}, storage_writer=dcp.FileSystemWriter(path, thread_count=2))
+target = {"w": torch.zeros(3)}
+dcp.load(target, checkpoint_id=path)
+print(json.dumps({"loaded": target["w"].tolist(), "reader": type(dcp.FileSystemReader(path)).__mro__[1].__name__}))
+'''
+
+
+def test_the_pytorch_tests_runner_routes_dcp_through_a_store(tmp_path):
+    """``python -m bench.upstream_dcp``'s substitution (docs/upstream-tests.md), in a process of its
+    own with the runner's ``sitecustomize``: DCP's ``FileSystemWriter`` and a bare ``checkpoint_id``
+    save each save as a new committed step of a store at the test's path; ``FileSystemReader`` reads
+    the newest through StoreReader (``local``) or DCP's own reader of the committed attempt
+    (``dcp-reader``)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from opd_testkit import forkserver
+
+    script = tmp_path / "upstream_like.py"
+    script.write_text(_UPSTREAM_LIKE)
+    repo = str(Path(__file__).resolve().parents[2])
+    for mode, reader_base in (("local", "StoreReader"), ("dcp-reader", "FileSystemReader")):
+        env = dict(os.environ, OPD_UPSTREAM_DCP=mode, REPO=repo)
+        done = forkserver.run([sys.executable, str(script), str(tmp_path / mode)], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == {"loaded": [1.0, 2.0, 3.0], "reader": reader_base}
+        store = CheckpointStore(tmp_path / mode)
+        assert store.steps() == [1, 2] and all(store.verify(step, deep=True).ok for step in (1, 2))
