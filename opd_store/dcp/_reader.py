@@ -102,7 +102,8 @@ class StoreReader(StorageReader):
         self._close_files()
         self.manifest = None
         if checkpoint_id is not None and os.fspath(checkpoint_id).rstrip("/") != self.checkpoint_id:
-            raise ValueError(f"StoreReader for {self.checkpoint_id} was given checkpoint_id {checkpoint_id!r}")
+            raise ValueError(f"StoreReader for {self.checkpoint_id} was given checkpoint_id {checkpoint_id!r}; "
+                             "make one reader per step (StoreReader(store, step))")
 
     def read_metadata(self) -> Metadata:
         """The step's DCP metadata (manifest read, ``.metadata`` checked and decoded safely).
