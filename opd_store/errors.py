@@ -138,6 +138,13 @@ class UnsafeCheckpointError(OpdStoreError, ValueError):
     """Checkpoint state that weights-only loading could not restore, refused at save or load."""
 
 
+class StreamTransformError(OpdStoreError, ValueError):
+    """A checkpoint's items were written through a stream transform (a DCP extension, such as
+    ``ZStandard`` compression) that this reader cannot apply: unknown to its extension registry,
+    or its package is not installed. Names the checkpoint URL, the step, the file and the
+    transform; raised before any tensor changes."""
+
+
 class BackgroundSaveError(OpdStoreError, OSError):
     """An asynchronous save failed in the background; reported at the next save, ``wait`` or
     ``close`` (the original exception is ``__cause__``). Nothing of that step was committed,
@@ -219,6 +226,7 @@ __all__ = [
     "StoragePermissionError",
     "StoreNotFoundError",
     "StoreUnreachableError",
+    "StreamTransformError",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
     "UploadError",
