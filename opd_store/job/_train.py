@@ -174,78 +174,43 @@ def train(
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
+    The job's behaviour is told in docs/resume.md, docs/spot.md ("How the main job reacts"),
+    docs/sharded.md ("The main job"), docs/tiered.md and docs/ledger.md (the journal).
+
     Args:
-        store (BaseStore): where checkpoints go; checked for reachability first. A
-            :class:`~opd_store.tiered._store.TieredStore` (``--local-tier``) commits each save to local
-            disk and uploads it in the background; steps committed locally by an earlier process
-            and never uploaded are queued at the start (``upload_pending``), and every upload is
-            waited for (``flush``; a failure raised as :class:`~opd_store.errors.UploadError`)
-            before this returns.
-        updates (int): successful updates to reach (``successful_updates`` at the end).
-        checkpoint_every (int): save after every ``checkpoint_every`` successful updates (with
-            ``checkpoint_every_auto``: the interval the run starts from).
-        resume (str): ``auto`` (newest step that verifies deeply, if any), ``never``, or a step number.
-        seed (int): seeds models, data order and every RNG.
-        log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
-            ``step``, ``ok``, ``loss``, ``lr``); losses are written with full float precision.
-        events (TextIO | None): receives one JSON line per event (``resumed`` (with
-            ``saved_world_size``, ``world_size`` and ``unclaimed_ranks`` after an elastic change),
-            ``started`` (several ranks: ``world_size`` and every rank's ``pids``), ``update``,
-            ``save_begin``, ``save_snapshot`` (async), ``saved``, ``save_failed``, ``preempted``,
-            and last ``flushed`` with the newest durable step); the demo uses these to time its
-            kills.
+        store (BaseStore): where checkpoints go; checked for reachability first. A ``TieredStore``
+            first queues local steps never uploaded (``upload_pending``) and is flushed before return.
+        updates (int): successful updates to reach.
+        checkpoint_every (int): save every this many successful updates (with
+            ``checkpoint_every_auto``: the starting interval, moved toward Young/Daly's).
+        resume (str): ``auto`` (newest step that verifies deeply), ``never``, or a step number.
+        seed (int): seeds models, data order and every RNG (rank ``r`` uses ``seed + r``).
+        log (TextIO | None): one JSON line per attempted update (``attempted_update``, ``step``,
+            ``ok``, ``loss``, ``lr``, ``accepted``, ``rejected``).
+        events (TextIO | None): one JSON line per event (``resumed``, ``started``, ``update``,
+            ``save_begin``, ``save_snapshot``, ``saved``, ``save_failed``, ``preempted``, ``flushed``).
         resume_mode (str): the config's ``checkpoint.resume_mode``.
-        final_state_path (str | None): where to ``torch.save`` the final adapter weights
-            (``adapter``: name -> float32 tensor) and optimizer ``state_dict`` for comparison.
-        preemption (PreemptionWatcher | None): checked before every update; on a notice the run
-            saves the current state synchronously, waits for the commit, emits ``preempted``
-            (``source``, ``step``, ``url``, ``action``, ``deadline_secs_left``) and returns. The
-            final state is not written then.
-        async_save (bool): periodic checkpoints through an
-            :class:`~opd_store.opd._async_save.AsyncCheckpointer` (training blocked only for the
-            snapshot; ``save_snapshot`` then ``saved`` events); the last one is waited for before
-            returning, and a background failure is raised.
-        retention (RetentionPolicy | None): checkpoints to keep, recorded in the config's
-            checkpoint section; ``None`` keeps every step. Every save passes it to the pipeline,
-            which applies it once the step is durable: after the commit on a plain store, after
-            the upload (to the bucket) on a :class:`~opd_store.tiered._store.TieredStore`, whose local
-            tier keeps its own (``local_keep_last``). The step the run resumed from is kept until
-            the run has a second checkpoint: every manifest records the run's ``run_id`` and
-            ``parent_step`` (:class:`~opd_store.retention._policy.RunLineage`).
-        shard (bool): shard the student over the ranks with FSDP2 and checkpoint through DCP
-            (:mod:`opd_store.job._sharding`); a resume at another world size needs
+        final_state_path (str | None): where to ``torch.save`` the final adapter (name -> tensor),
+            optimizer ``state_dict`` and trainer counters; not written after a preemption.
+        preemption (PreemptionWatcher | None): checked at every update boundary (agreed across
+            ranks); on a notice: one synchronous save, a ``preempted`` event, return.
+        async_save (bool): periodic saves through ``AsyncCheckpointer`` (training blocks for the
+            snapshot only); the last is waited for and its failure raised.
+        retention (RetentionPolicy | None): applied once each step is durable; ``None`` keeps all.
+        shard (bool): FSDP2 student checkpointed through DCP; another world size needs
             ``resume_mode="elastic"``.
-        rank_timeout_secs (float): with a process group and ``preemption``, the timeout of the
-            group the ranks agree on a notice in at every update boundary: a rank that stops
-            answering there makes the others fail within this time.
-        checkpoint_every_auto (bool): move the interval toward the Young/Daly one as saves and
-            preemptions are measured (:mod:`opd_store.ledger._planning`; the schedule is journaled).
-        progress_every_secs (float): seconds between the journal's ``progress`` events (0: every
-            update; the report's lost updates are exact then).
-        notice_deadline_secs (float | None): a preemption signal's deadline in seconds (the AWS and
-            GCE notices carry theirs): on a notice whose deadline a save cannot meet, no save is
-            started and the run returns with ``action`` ``skipped`` (:mod:`opd_store.job._ledger`).
-        journal_sinks (list | None): receive every journal event on rank 0 (``observe(event)``:
-            the Prometheus exporter).
-        process_started_secs (float | None): when the job's process started, seconds since the
-            epoch (the restart time is measured from it): the launcher's for spawned ranks; this
-            process's by default.
+        rank_timeout_secs (float): timeout of the group a notice is agreed in.
+        checkpoint_every_auto (bool): plan the interval from measured saves and preemptions.
+        progress_every_secs (float): seconds between journal ``progress`` events (0: every update).
+        notice_deadline_secs (float | None): a notice's deadline; one a save cannot meet skips it.
+        journal_sinks (list | None): ``observe(event)`` targets on rank 0 (the Prometheus exporter).
+        process_started_secs (float | None): process start, seconds since the epoch (default: now).
 
-    The run journals its start, resume, first update, progress, saves, notice and exit in the
-    store (:mod:`opd_store.ledger`; ``opd-store report``). Nothing of it is needed to resume: a
-    journal that cannot be written or read is a warning.
+    Returns:
+        TrainResult: counters, saves and the ``preempted`` event, if any.
 
-    With a process group and ``preemption``, a notice seen by any rank (its signal, the AWS or
-    GCE notice) is agreed at the next update boundary (:func:`~opd_store.opd._distributed.agree_on_notice`),
-    so every rank saves the same step, the save commits once, and every rank returns.
-
-    Rank obligations: with a ``torch.distributed`` process group initialised, every rank
-    calls this with the same arguments. Rank ``r`` of ``N`` seeds its RNGs with ``seed + r``, takes
-    ``queries_per_update`` prompts from global sample index ``samples_done + r * queries_per_update``
-    (``trainer_state["samples_done"]``; with ``shard``: a shuffled global sample position,
-    :mod:`opd_store.job._sharding`), and the ranks average their gradients; only
-    rank 0 writes ``log``, ``events`` and ``final_state_path``. Checkpoints are multi-rank saves
-    (each rank its own RNG part); the resume target is decided on rank 0.
+    Rank obligations: with a process group, every rank calls this with the same arguments; rank 0
+    decides the resume target and alone writes ``log``, ``events`` and ``final_state_path``.
 
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
@@ -253,12 +218,11 @@ def train(
         IntegrityError / CommitConflictError: a step between the resume point and ``updates`` is
             already committed, damaged / intact (:func:`~opd_store.job._resume_check.check_steps_ahead`).
         ResumeMismatchError: the checkpoint was saved under another config, provenance or world size,
-            or sharded while ``shard`` is off (or the other way round; the message names ``--shard``).
-        UploadError: a tiered store's background upload (or the retention after one) failed (at
-            the next save or at the end).
+            or with the other ``shard`` setting.
+        UploadError: a tiered store's background upload (or the retention after one) failed.
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
-        ValueError: ``updates`` or ``checkpoint_every`` < 1, or ``retention`` given for a store
-            that applies its own (a :class:`~opd_store.tiered._store.TieredStore` with ``bucket_retention``).
+        ValueError: ``updates`` or ``checkpoint_every`` < 1, ``resume`` not auto/never/a number, or
+            ``retention`` given for a store that applies its own.
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")

@@ -1,14 +1,10 @@
 """On-policy-distillation checkpoints on the store: the seed's save and resume contract, rebuilt
 on manifests (docs/resume.md).
 
-For users: saving (:func:`save_opd_checkpoint`, :class:`AsyncCheckpointer`,
-:func:`save_sharded_opd_checkpoint`), loading (:func:`load_opd_checkpoint`, :func:`load_adapter`,
-:func:`load_sharded_opd_checkpoint`, :func:`latest_complete_checkpoint`), the config whose fields
-decide a resume (:class:`OPDConfig`, :data:`RESUME_MODES`), data-loader positions for a mid-epoch
-resume (:class:`LoaderPosition`, :class:`GlobalSamplePosition`), the import of legacy checkpoints
-(:func:`migrate_legacy`) and :func:`preserve_global_rng`. For the layers above (the job, the
-integrations): the process-group helpers of :mod:`._distributed` and :func:`validate_resume`.
-Every module imports torch, so each name is imported on first use.
+Users: the save and load functions, :class:`AsyncCheckpointer`, :class:`OPDConfig`, the
+data-loader positions, :func:`migrate_legacy`, :func:`preserve_global_rng`. The layers above
+(job, integrations): the process-group helpers and :func:`validate_resume`. Every module imports
+torch, so each name is imported on first use.
 """
 
 from typing import TYPE_CHECKING

@@ -118,11 +118,12 @@ def _load_processor(store: ReadableStore, step: int, names: list[str], url: str,
 
 
 def _restore_from_shards(store: ReadableStore, step: int, model: Any, url: str) -> None:
-    """Gather the adapter of a sharded checkpoint (DCP) into this process's unsharded PEFT model.
+    """Gather a sharded (DCP) checkpoint's adapter into this process's unsharded PEFT model: one
+    process, no collectives; the full tensors are copied in and compared bit for bit.
 
-    One process, no collectives: DCP's planner reads every shard of each adapter tensor from the
-    checked files (:mod:`opd_store.dcp._reader`) into a full tensor, which is then copied into the
-    parameter and compared bit for bit.
+    Raises:
+        TypeError: ``model`` is not a PEFT model.
+        ValueError: missing or unexpected keys, mismatched tensors, or an inexact restore.
     """
     from .. import dcp
     from ..dcp import StoreReader
@@ -155,38 +156,29 @@ def _restore_from_shards(store: ReadableStore, step: int, model: Any, url: str) 
 def load_adapter(checkpoint: CheckpointRef, model: Any, *, storage_options: dict[str, Any] | None = None) -> Any:
     """Restore the student's LoRA adapter weights in place, exactly; return the saved processor.
 
-    For each adapter of the PEFT model (``model.peft_config``), the saved
-    ``adapter_model.safetensors`` (``adapter/`` for ``default``, ``adapter/<name>/`` otherwise, as
-    PEFT's ``save_pretrained`` lays them out) is parsed from bytes with
-    ``safetensors.torch.load`` (no pickle) and set into the existing adapter with
-    ``peft.utils.set_peft_model_state_dict``; then the adapter's state is read back and compared
-    bit for bit. Keys, shapes and dtypes must match the model's adapter exactly (a silently partial
-    restore would train a different adapter than the one saved).
-    Tensors land on the device of the adapter's parameters.
-
-    The processor is rebuilt from ``processor/`` (a legacy step: from the processor files inside
-    ``adapter/``) in a temporary directory, with the class recorded in the manifest when it is a
-    ``transformers`` tokenizer/processor class, else ``AutoProcessor`` then ``AutoTokenizer``
-    (``trust_remote_code=False``: no code from the checkpoint runs).
-
-    Rank obligations: every rank that holds a replica of the student calls this.
+    Each adapter's ``adapter_model.safetensors`` (PEFT's layout) is parsed without pickle, set with
+    ``set_peft_model_state_dict`` onto the parameters' device, read back and compared bit for bit:
+    keys, shapes and dtypes must match (a partial restore would train another adapter). The processor
+    is rebuilt with the manifest's ``transformers`` class, else ``AutoProcessor`` / ``AutoTokenizer``,
+    ``trust_remote_code=False``.
 
     Args:
-        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix or
-            ``(store, step)``.
+        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): step prefix or ``(store, step)``.
         model (Any): a PEFT model whose adapters were created with the saved configuration.
         storage_options (dict | None): fsspec options for a URL.
 
     Returns:
         Any | None: the saved processor, or ``None`` when none was saved.
 
+    Rank obligations: every rank that holds a replica of the student calls this.
+
     Raises:
         IncompleteCheckpointError: (a ``ValueError``) the checkpoint is not complete.
-        ValueError: missing or unexpected adapter keys (both named), mismatched shapes or dtypes,
-            or a processor that cannot be loaded.
+        ValueError: missing or unexpected adapter keys (named), mismatched shapes or dtypes, an
+            inexact restore, or a processor that cannot be loaded.
         TypeError: ``model`` is not a PEFT model.
-        FileNotFoundError: no adapter weights for one of the model's adapters.
-        opd_store.errors.IntegrityError: a payload's bytes differ from its manifest entry.
+        CheckpointNotFoundError: (a ``FileNotFoundError``) no adapter weights for one of its adapters.
+        IntegrityError: a payload's bytes differ from its manifest entry.
     """
     store, step, report = open_checkpoint(checkpoint, storage_options)
     url = report.url

@@ -1,11 +1,9 @@
-"""Asynchronous OPD saves: the snapshot on the caller's thread, the write, commit and after-commit
-stage on the background (ARCHITECTURE.md, "The save path"; usage and guarantees: docs/spot.md).
+"""Asynchronous OPD saves: the snapshot on the caller's thread, the rest in the background
+(ARCHITECTURE.md, "The save path"; usage and guarantees: docs/spot.md).
 
-The snapshot copies every tensor into a staging buffer (:class:`~opd_store.opd._staging.StagingBuffers`:
-pinned host memory when the source is on CUDA), kept and reused by the next save of the same
-shapes; when :meth:`AsyncCheckpointer.save` returns, training may change anything. The rest runs
-through the one owner of background saves (:class:`opd_store.pipeline.BackgroundSaves`): at most
-one save in flight, a failure raised at the next sync point, one exit report, an exit deadline.
+Tensors are copied into reused :class:`~opd_store.opd._staging.StagingBuffers` (pinned when on
+CUDA); :class:`opd_store.pipeline.BackgroundSaves` owns the rest (one save in flight, failures at
+the next sync point, the exit deadline).
 """
 
 from __future__ import annotations
@@ -53,18 +51,16 @@ class SaveHandle:
         return self.task.value
 
     def result(self, timeout_secs: float | None = None) -> str:
-        """Wait for the commit; return the checkpoint's URL (as ``save_opd_checkpoint`` does).
+        """Wait for the commit; return the checkpoint's URL.
 
         Args:
             timeout_secs (float | None): seconds to wait; ``None`` waits until it finishes.
 
         Raises:
             TimeoutError: still in flight after ``timeout_secs``.
-            Exception: the background failure itself (``CommitConflictError``, ``CommitError``,
-                an ``OSError`` of the backend, :class:`~opd_store.errors.SaveAbandonedError`, or
-                :class:`~opd_store.errors.RetentionError` when the step committed and the
-                retention pass after it failed); it counts as reported, so the next save does not
-                raise it again.
+            Exception: the background failure itself (``CommitConflictError``, ``CommitError``, a backend
+                ``OSError``, ``SaveAbandonedError``, or ``RetentionError`` after a commit); it then
+                counts as reported.
         """
         if not self.task.wait(timeout_secs):
             raise TimeoutError(f"asynchronous save of step {self.step} still in flight after {timeout_secs} s")
@@ -72,28 +68,18 @@ class SaveHandle:
 
 
 class AsyncCheckpointer:
-    """Saves OPD checkpoints asynchronously, at most one in flight.
-
-    Use one per training process, from the training thread::
-
-        with AsyncCheckpointer() as checkpointer:
-            for ...:
-                train_one_update()
-                handle = checkpointer.save(checkpoints_dir=..., model=..., ...)   # returns after the snapshot
-            # close() waits for the last save and raises its failure
+    """Saves OPD checkpoints asynchronously, at most one in flight; one per training process, used
+    from the training thread (a ``with`` block's exit waits for the last save and raises its failure).
 
     Args:
-        when_busy (str): what :meth:`save` does while a save is in flight: ``"wait"`` (default)
-            for it to finish, or ``"raise"`` :class:`~opd_store.errors.SaveInFlightError`.
-        exit_timeout_secs (float): at interpreter exit, seconds an in-flight save is given to
-            commit before it is abandoned uncommitted (default 60; AWS gives 120 s of spot notice,
-            GCE 30 s, so set it below what the platform leaves).
-        pin_memory (bool | None): stage CUDA tensors in pinned host memory (``None``: when CUDA
-            is available).
+        when_busy (str): ``"wait"`` (default) for a save in flight, or ``"raise"``
+            ``SaveInFlightError``.
+        exit_timeout_secs (float): at interpreter exit, seconds an in-flight save gets before it is
+            abandoned (default 60; keep it below the platform's notice: AWS 120 s, GCE 30 s).
+        pin_memory (bool | None): stage CUDA tensors in pinned memory (``None``: when CUDA is available).
 
     Raises:
-        ValueError: ``when_busy`` is not one of ``"wait"``, ``"raise"``, or ``exit_timeout_secs``
-            is negative.
+        ValueError: ``when_busy`` is not ``"wait"``/``"raise"``, or ``exit_timeout_secs`` < 0.
     """
 
     def __init__(
@@ -121,24 +107,19 @@ class AsyncCheckpointer:
     def save(self, **save_kwargs: Any) -> SaveHandle:
         """Snapshot the state now and run the rest of the save in the background.
 
-        Takes exactly the keyword arguments of :func:`~opd_store.opd._save.save_opd_checkpoint`
-        (same rules, same rank obligations: rank 0 only, in single-writer mode). Returns once the
-        snapshot is taken: tensors are copied to host buffers and every other value captured, so
-        training may change the model, optimizer, scheduler, states and RNGs at once without
-        changing what is saved. Every global RNG is left as found (snapshot under
-        ``preserve_global_rng``; background draws routed away from the caller's thread).
+        Takes :func:`~opd_store.opd._save.save_opd_checkpoint`'s keyword arguments (its rules;
+        single-writer: rank 0 only). Once it returns, training may change anything, RNGs included, without
+        changing what is saved; every global RNG is left as found.
 
         Returns:
             SaveHandle: ``result(timeout_secs)``, ``done()``, ``url``.
 
         Raises:
             SaveInFlightError: a save is in flight and ``when_busy="raise"``.
-            BackgroundSaveError: (an ``OSError``) the previous save failed and nobody saw it yet
-                (its exception is the ``__cause__``); this save is not started.
-            ValueError: a rule of ``save_opd_checkpoint`` is broken (checked now, nothing written),
-                or a process group of several ranks is initialised and no ``rank_rng_states`` are
-                given (asynchronous saves are single-writer);
-                ``UnsafeCheckpointError`` for state weights-only loading cannot restore.
+            BackgroundSaveError: (an ``OSError``) the previous save failed unreported (``__cause__``);
+                this save is not started.
+            ValueError: a rule is broken (nothing written; ``UnsafeCheckpointError`` for unloadable
+                state), or several ranks and no ``rank_rng_states``.
             RuntimeError: the checkpointer is closed.
         """
         with self._lock:
@@ -175,20 +156,18 @@ class AsyncCheckpointer:
             return None if self._pending is None else self._pending.url
 
     def close(self, timeout_secs: float | None = None) -> str | None:
-        """Wait for the save in flight, then refuse further saves and stop the worker (its thread
-        has ended when this returns, unless the save timed out: the exit sequence ends it then).
+        """Wait for the save in flight, then refuse further saves and stop the worker.
 
         Args:
-            timeout_secs (float | None): seconds to wait; past that the save is abandoned
-                uncommitted (it may still commit if it is inside the manifest create).
+            timeout_secs (float | None): past that the save is abandoned uncommitted (it may still commit
+                if inside the manifest create).
 
         Returns:
             str | None: the last save's committed URL, or ``None`` when none committed.
 
         Raises:
             TimeoutError: still in flight after ``timeout_secs`` (abandoned).
-            BackgroundSaveError: the last save failed (or was abandoned) and the failure was not
-                reported yet.
+            BackgroundSaveError: the last save failed (or was abandoned), unreported.
         """
         with self._lock:
             if self.saves.closed:

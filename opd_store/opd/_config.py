@@ -1,28 +1,11 @@
 """The OPD training config: a pydantic schema that knows which of its fields change the math.
 
-``OPDConfig`` has nested sections and offers the seed's config contract:
-``fingerprint()`` (SHA-256 of the canonical JSON of the fields that change the math) and
-``as_dict()`` (what the checkpoint writes to ``config.yaml``). The schema also says which fields are
-execution-only, so that ``execution_change`` resumes (:mod:`opd_store.opd._resume`) can tell an
-allowed change from a refused one.
-
-Markings live in pydantic field metadata (``json_schema_extra``), so they sit next to the field they
-describe and show up in the JSON schema:
-
-* ``{"execution_only": True}`` (:data:`EXECUTION_ONLY_KEY`): the field does not change what is
-  computed, only how or where (parallelism, worker counts, inference batch sizes, logging,
-  checkpoint cadence, location and retention, the resume mode itself). A marked section covers every
-  field beneath it. Execution-only fields are left out of the fingerprint.
-* ``{"rollout_limit": True}`` (:data:`ROLLOUT_LIMIT_KEY`): the rollout limit (stopping rule). It
-  changes the math, so it is in the fingerprint, but ``rollout_limit_change`` resumes may change it.
-
-Provenance keys that are execution-only (for example the code revision) are declared by the class
-variable :attr:`OPDConfig.execution_only_provenance`, not by a config field: whether a provenance
-entry may change is a property of the schema, and a run must not be able to widen it from YAML.
-
-This module depends on pydantic only; :mod:`opd_store.opd._resume` reads the markings
-through the duck-typed hooks ``execution_only_paths()``, ``rollout_limit_path()`` and
-``execution_only_provenance`` and never imports this module.
+``fingerprint()`` and ``as_dict()`` are the seed's config contract. Markings live in pydantic
+field metadata (``json_schema_extra``), next to the field: :data:`EXECUTION_ONLY_KEY` (changes how
+or where, not what is computed; left out of the fingerprint; a marked section covers its fields)
+and :data:`ROLLOUT_LIMIT_KEY` (the stopping rule: in the fingerprint, changeable under
+``rollout_limit_change``). Execution-only provenance keys are a class variable so YAML cannot
+widen them. :mod:`opd_store.opd._resume` reads the markings through duck-typed hooks.
 """
 
 from __future__ import annotations
@@ -48,12 +31,11 @@ def execution_only(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
     """A pydantic ``Field`` marked execution-only (left out of the fingerprint).
 
     Args:
-        default (Any): the field's default, as for ``pydantic.Field`` (omit it to use
-            ``default_factory`` or to make the field required).
-        **kwargs: passed to ``pydantic.Field`` (``default_factory``, ``ge``, ``description``...).
+        default (Any): as for ``pydantic.Field`` (omit it for ``default_factory`` or a required field).
+        **kwargs: passed to ``pydantic.Field``.
 
     Returns:
-        pydantic.fields.FieldInfo: the field, with ``json_schema_extra={"execution_only": True}``.
+        pydantic.fields.FieldInfo: with ``json_schema_extra={"execution_only": True}``.
     """
     return Field(default, json_schema_extra={EXECUTION_ONLY_KEY: True}, **kwargs)
 
@@ -159,10 +141,8 @@ class RolloutSection(_Section):
 
 
 class ExecutionSection(_Section):
-    """Worker counts and inference batch sizes: how the work is spread, not what is computed.
-
-    None of these depends on the world size (which the checkpoint records separately and which may
-    never change on resume).
+    """Worker counts and inference batch sizes: how the work is spread, not what is computed (none
+    depends on the world size, which the checkpoint records separately).
     """
 
     rollout_workers: int = Field(1, ge=1, description="student generation workers per rank")
@@ -199,17 +179,14 @@ class CheckpointSection(_Section):
 
 
 class OPDConfig(_Section):
-    """The whole OPD training config.
+    """The whole OPD training config; ``OPDConfig()`` is valid (every field has a default).
 
-    Sections ``execution``, ``logging`` and ``checkpoint`` are marked execution-only as a whole;
-    ``rollout.rollout_limit`` is marked as the rollout limit. Everything else changes the math.
-    All fields have defaults, so ``OPDConfig()`` is a valid config.
+    ``execution``, ``logging`` and ``checkpoint`` are execution-only; ``rollout.rollout_limit`` is the
+    rollout limit; everything else changes the math.
 
     Attributes:
-        execution_only_provenance (ClassVar[tuple[str, ...]]): provenance keys that may differ
-            under ``execution_change`` and ``rollout_limit_change`` resumes (provenance entries,
-            like config fields, change only where marked execution-only, for example the code
-            revision). A class variable, so YAML cannot widen it; subclass to change it.
+        execution_only_provenance (ClassVar[tuple[str, ...]]): provenance keys that may differ under
+            ``execution_change`` and ``rollout_limit_change`` (the code revision); subclass to change.
     """
 
     execution_only_provenance: ClassVar[tuple[str, ...]] = ("code_revision",)
@@ -223,22 +200,14 @@ class OPDConfig(_Section):
 
     @classmethod
     def execution_only_paths(cls) -> tuple[str, ...]:
-        """Dotted paths of the execution-only fields and sections, in declaration order.
-
-        A path covers everything beneath it (``"logging"`` covers ``"logging.log_dir"``).
-
-        Returns:
-            tuple[str, ...]: for ``OPDConfig``, ``("execution", "logging", "checkpoint")``.
+        """Dotted paths of the execution-only fields and sections, in declaration order; a path covers
+        everything beneath it (``("execution", "logging", "checkpoint")`` for ``OPDConfig``).
         """
         return tuple(_marked_paths(cls, EXECUTION_ONLY_KEY))
 
     @classmethod
     def rollout_limit_path(cls) -> str | None:
-        """Dotted path of the field marked as the rollout limit (stopping rule).
-
-        Returns:
-            str | None: ``"rollout.rollout_limit"`` for ``OPDConfig``; ``None`` if no field is
-            marked.
+        """Dotted path of the field marked as the rollout limit, or ``None`` if none is marked.
 
         Raises:
             TypeError: more than one field is marked (a schema bug: the resume rule needs one).
@@ -249,23 +218,14 @@ class OPDConfig(_Section):
         return paths[0] if paths else None
 
     def as_dict(self) -> dict[str, Any]:
-        """All fields as plain JSON types (tuples become lists), in declaration order.
-
-        This is what the checkpoint writes to ``config.yaml`` (the seed's contract).
-
-        Returns:
-            dict[str, Any]: nested dicts of str, int, float, bool, None and lists.
+        """All fields as plain JSON types (tuples become lists), in declaration order: what the
+        checkpoint writes to ``config.yaml`` (the seed's contract).
         """
         return self.model_dump(mode="json")
 
     def fingerprint(self) -> str:
-        """SHA-256 of the canonical JSON of the fields that change the math (the seed's contract).
-
-        Canonical JSON: sorted keys, no whitespace, ASCII only. Execution-only fields are left out,
-        so changing them keeps the fingerprint; the rollout limit is included.
-
-        Returns:
-            str: 64 lowercase hex digits.
+        """SHA-256 (64 lowercase hex digits) of the canonical JSON (sorted keys, no whitespace, ASCII) of
+        the fields that change the math, the rollout limit included (the seed's contract).
         """
         math_fields = _without_paths(self.as_dict(), self.execution_only_paths())
         canonical = json.dumps(

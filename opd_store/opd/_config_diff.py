@@ -1,9 +1,6 @@
-"""Comparing a checkpoint's config and provenance with the current run's, field by field.
-
-Used by :mod:`opd_store.opd._resume` to decide a resume: every difference is collected (by dotted
-path, keys present on one side only included) and classified at once against the config's
-execution-only markings, so a later difference can never reset what an earlier one established
-(the seed's per-key loop could). Standard library and :mod:`opd_store.errors` only.
+"""Comparing a checkpoint's config and provenance with the current run's, field by field: every
+difference is collected by dotted path and classified at once against the execution-only
+markings (:mod:`opd_store.opd._resume`). Standard library and :mod:`opd_store.errors` only.
 """
 
 from __future__ import annotations

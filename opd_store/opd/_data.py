@@ -1,34 +1,9 @@
-"""Resuming a shuffled ``torch.utils.data.DataLoader`` mid-epoch.
+"""Resuming a shuffled ``torch.utils.data.DataLoader`` mid-epoch (docs/resume.md, "Data order").
 
-What decides which batches a shuffled loader hands out in an epoch is the state of the loader's
-``generator`` when the epoch's iterator is created: ``iter(loader)`` draws the workers' base seed
-from it, and ``RandomSampler`` draws the epoch's permutation from it at the first batch. So the
-exact position of a run in its data order is three values:
-
-* the generator's state at the start of the current epoch (a ``torch.uint8`` tensor),
-* the epoch number,
-* how many batches of that epoch were already handed out.
-
-:class:`LoaderPosition` keeps them; its :meth:`~LoaderPosition.state_dict` is plain ints and one
-tensor, so it goes into ``trainer_state`` as is and loads under ``torch.load(weights_only=True)``.
-The recipe (docs/resume.md, "Data order")::
-
-    generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(dataset, batch_size=8, shuffle=True, generator=generator)
-    position = LoaderPosition(generator)
-    if resuming:
-        trainer_state = load_opd_checkpoint(...)
-        position.load_state_dict(trainer_state["data_position"])
-    for epoch in range(position.epoch, epochs):
-        for batch in position.iterate(loader, epoch):
-            ...  # train on the batch
-            if time_to_save:
-                trainer_state["data_position"] = position.state_dict()
-                save_opd_checkpoint(..., trainer_state=trainer_state)
-
-A loader without its own ``generator`` draws its permutation from the global torch RNG at the
-first batch of each epoch, a state no checkpoint taken mid-epoch holds: :meth:`LoaderPosition.iterate`
-refuses such a loader.
+A shuffled loader's epoch is decided by its ``generator``'s state when the epoch's iterator is
+created, so the position is three values: that state, the epoch, and the batches handed out.
+:class:`LoaderPosition` keeps them for one run; :class:`GlobalSamplePosition` keeps a global
+sample index that an elastic resume re-splits over another number of ranks.
 """
 
 from __future__ import annotations
@@ -71,12 +46,14 @@ class LoaderPosition:
     """Where a run is in the data order of a shuffled ``DataLoader``, saveable in trainer state.
 
     Args:
-        generator (torch.Generator): the generator passed to the ``DataLoader``
-            (``DataLoader(..., shuffle=True, generator=generator)``); a CPU generator.
+        generator (torch.Generator): the CPU generator passed to ``DataLoader(..., generator=)``.
 
     Attributes:
         epoch (int): the epoch in progress (0 before the first).
         batches_done (int): batches of ``epoch`` handed out so far.
+
+    Raises:
+        TypeError: ``generator`` is not a ``torch.Generator``.
     """
 
     def __init__(self, generator: torch.Generator) -> None:
@@ -120,25 +97,21 @@ class LoaderPosition:
     def iterate(self, loader: Any, epoch: int) -> Iterator[Any]:
         """Yield ``loader``'s batches of ``epoch``, continuing a loaded position.
 
-        A new epoch records the generator's state, then iterates the loader. The epoch of a loaded
-        position sets the generator back to that epoch's start, creates the iterator (the same
-        draws as the interrupted run), and skips the batches already handed out. Skipped batches
-        are fetched (the loader has no other way to advance) with every global RNG snapshotted and
-        restored, so dataset code that draws random numbers does not move the restored streams.
-        ``batches_done`` counts a batch as soon as it is handed out: save after training on it.
+        A loaded epoch restarts the generator at the epoch's start and skips the batches already handed
+        out, fetching them with every global RNG snapshotted and restored (dataset code that draws must
+        not move the restored streams). A batch counts once handed out: save after training on it.
 
         Args:
-            loader (torch.utils.data.DataLoader): built with ``generator=`` this position's
-                generator; ``persistent_workers`` off (persistent workers keep RNG state no
-                checkpoint holds).
+            loader (torch.utils.data.DataLoader): built with ``generator=`` this position's generator,
+                without ``persistent_workers`` (their RNG state is in no checkpoint).
             epoch (int): the epoch to iterate, ``>= self.epoch``.
 
         Yields:
             Any: the loader's batches.
 
         Raises:
-            ValueError: the loader has another (or no) generator, uses persistent workers, or
-                ``epoch`` is before the position's epoch.
+            ValueError: the loader has another (or no) generator, uses persistent workers, or ``epoch``
+                is before the position's epoch.
         """
         if getattr(loader, "generator", None) is not self.generator:
             raise ValueError(
@@ -178,25 +151,23 @@ GLOBAL_STATE_KEYS = ("epoch", "samples_done", "epoch_start_generator_state")
 class GlobalSamplePosition:
     """Where a multi-rank run is in its data order, as a global sample index (elastic-safe).
 
-    Each epoch's order is one permutation of ``range(dataset_size)`` drawn from ``generator`` when
-    the epoch starts. Every step hands out the next ``world_size * batch_size`` samples of that
-    order: rank ``r`` takes ``batch_size`` of them starting at ``samples_done + r * batch_size``;
-    then ``samples_done`` (the same on every rank: replicated state, saved once) advances by
-    ``world_size * batch_size``. Resumed at another world size (``resume_mode: elastic``), the
-    position is the same global index and the rest of the epoch is split over the new ranks: no
-    sample is skipped or repeated. The last step of an epoch hands out what remains (a rank may
-    get a short or an empty batch, so every rank takes the same number of steps).
+    Each epoch's order is a permutation drawn from ``generator``; rank ``r`` takes ``batch_size``
+    samples from ``samples_done + r * batch_size``, and ``samples_done`` (replicated) advances by
+    ``world_size * batch_size``. The last step of an epoch hands out what remains, so every rank
+    takes the same number of steps (docs/resume.md, "The data position as a global sample index").
 
     Args:
         generator (torch.Generator): a CPU generator seeded the same on every rank.
-        dataset_size (int): samples in the dataset, ``> 0``.
-        batch_size (int): samples per rank per step, ``> 0``.
-        rank (int): this rank, ``0 <= rank < world_size``.
-        world_size (int): ranks of this run.
+        dataset_size (int), batch_size (int): samples in the dataset / per rank per step, ``> 0``.
+        rank (int), world_size (int): this rank, ``0 <= rank < world_size``.
 
     Attributes:
         epoch (int): the epoch in progress.
         samples_done (int): samples of the epoch's order handed out to all ranks together.
+
+    Raises:
+        TypeError: ``generator`` is not a ``torch.Generator``.
+        ValueError: a size is < 1 or ``rank`` is out of range.
     """
 
     def __init__(self, generator: torch.Generator, *, dataset_size: int, batch_size: int, rank: int,

@@ -1,13 +1,8 @@
 """``torch.distributed`` for the OPD layer: the process group, collective loads, rank-0 decisions.
 
-With a process group initialised (NCCL in production, gloo in tests), every rank calls
-:func:`~opd_store.opd._save.save_opd_checkpoint`; its write and commit stages run on every rank as
-the collectives of :mod:`opd_store.pipeline._collective`, over :class:`RankGroup` (the group's
-object collectives ``all_gather_object`` and ``broadcast_object_list``).
-
-Loads (:func:`load_collective`) run locally on each rank, then gather the outcome: when some rank
-failed, every rank raises. Decisions that must be the same everywhere (which checkpoint is the
-latest) are made on rank 0 and broadcast (:func:`decide_on_rank0`).
+Multi-rank saves run the collectives of :mod:`opd_store.pipeline._collective` over
+:class:`RankGroup`; loads run on each rank, then agree (:func:`load_collective`: when one failed,
+every rank raises); shared decisions are made on rank 0 and broadcast (:func:`decide_on_rank0`).
 """
 
 from __future__ import annotations
@@ -63,15 +58,14 @@ class RankGroup:
 
 
 def current_group(*, rank: int | None = None, world_size: int | None = None) -> RankGroup | None:
-    """The initialised process group as a :class:`RankGroup`, or ``None`` without one (or with one rank).
+    """The initialised process group as a :class:`RankGroup`; ``None`` without one (or with one rank).
 
     Args:
-        rank (int | None): the caller's rank; must equal the group's when given.
-        world_size (int | None): the caller's world size; must equal the group's when given.
+        rank (int | None), world_size (int | None): the caller's; must equal the group's when given.
 
     Raises:
-        ValueError: ``rank`` or ``world_size`` differ from the process group's (a misconfigured
-            rank would otherwise write another rank's part), or ``rank`` is not 0 without a group.
+        ValueError: they differ from the group's (a misconfigured rank would write another rank's
+            part), or ``rank`` is not 0 without a group.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if rank not in (None, 0):
@@ -83,15 +77,11 @@ def current_group(*, rank: int | None = None, world_size: int | None = None) -> 
 
 
 def check_group_args(group: RankGroup, *, rank: int | None, world_size: int | None) -> None:
-    """Check a caller's ``rank``/``world_size`` arguments against the process group.
-
-    Multi-rank saves and loads call this inside their first collective, so a rank with a wrong
-    argument fails every rank at once instead of leaving the others waiting on the collective until
-    the process group's timeout (no rank may hang when one rank fails).
+    """Check a caller's ``rank``/``world_size`` against the group, inside the first collective, so a
+    wrong argument fails every rank at once rather than hanging the others until the timeout.
 
     Raises:
-        ValueError: ``rank`` or ``world_size`` differ from the group's (a misconfigured rank would
-            otherwise write another rank's part).
+        ValueError: they differ from the group's.
     """
     if rank is not None and rank != group.rank:
         raise ValueError(f"rank {rank} differs from the process group's rank {group.rank}")
@@ -100,18 +90,15 @@ def check_group_args(group: RankGroup, *, rank: int | None, world_size: int | No
 
 
 def load_collective(group: RankGroup, load: Callable[[], T]) -> T:
-    """Run ``load`` on every rank, then agree on the outcome.
-
-    Rank obligations: every rank calls this (a collective).
+    """Run ``load`` on every rank, then agree on the outcome (a collective: every rank calls it).
 
     Returns:
-        the local result, when every rank's ``load`` succeeded.
+        the local result, when every rank succeeded.
 
     Raises:
-        Exception: the local error itself when every rank failed with the same error type and
-            message (a world-size change: a ``ResumeMismatchError`` naming both sizes).
-        opd_store.errors.DistributedLoadError: (an ``OSError``) some ranks failed, or they failed
-            differently; every rank raises it, naming each failing rank and its error.
+        Exception: the local error itself when every rank failed with the same type and message.
+        DistributedLoadError: (an ``OSError``) some ranks failed, or differently; on every rank,
+            naming each failing rank and its error.
     """
     result = None
     local_error: BaseException | None = None
@@ -140,17 +127,15 @@ def _picklable(error: BaseException) -> BaseException:
 
 
 def decide_on_rank0(group: RankGroup, decide: Callable[[], T]) -> T:
-    """Run ``decide`` on rank 0 only and return its result on every rank (or raise its error).
+    """Run ``decide`` on rank 0 and return its result on every rank, so every rank resumes from the
+    same step even while another writer commits.
 
-    Used so that every rank resumes from the same checkpoint even while another writer is
-    committing: each rank listing the store itself could see different latest steps.
-
-    Rank obligations: every rank calls this (a collective); ``decide`` must not run collectives
-    itself (it runs on rank 0 only), e.g. not :func:`latest_complete_checkpoint`, which is one.
+    Rank obligations: every rank calls this; ``decide`` runs no collective (not
+    :func:`latest_complete_checkpoint`, which is one).
 
     Raises:
-        Exception: the error ``decide`` raised on rank 0, re-raised on every rank (same type and
-            message; a ``RuntimeError`` with its text when it cannot be pickled).
+        Exception: ``decide``'s error on rank 0, on every rank (a ``RuntimeError`` with its text when
+            it cannot be pickled).
     """
     outcome = None
     if group.rank == 0:
@@ -165,33 +150,29 @@ def decide_on_rank0(group: RankGroup, decide: Callable[[], T]) -> T:
 
 
 def agreement_group(timeout_secs: float) -> RankGroup:
-    """A gloo group of every rank with a timeout of its own, for :func:`agree_on_notice`: a rank
-    that stops answering makes the others fail there within ``timeout_secs``, whatever the default
-    group's timeout. Rank obligations: every rank calls it (creating a group is a collective)."""
+    """A gloo group of every rank with its own ``timeout_secs``, for :func:`agree_on_notice`, so a rank
+    that stops answering fails the others in that time. Every rank calls it (a collective).
+    """
     import datetime
 
     return RankGroup.of(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_secs)))
 
 
 def agree_on_notice(watcher: PreemptionWatcher | None, group: RankGroup | None) -> PreemptionNotice | None:
-    """At an update boundary: the preemption notice any rank has seen, agreed by every rank.
+    """At an update boundary: the preemption notice any rank has seen, agreed by every rank, so every
+    rank checkpoints the same step (docs/spot.md, "Several ranks").
 
-    One small collective per call (an ``all_reduce`` of one flag; a gather of the notices only
-    when a rank has one), so every rank checkpoints the same step: a notice seen by one rank
-    (its SIGTERM, the AWS or GCE metadata notice) stops every rank at the same boundary. The
-    agreed notice is the one with the earliest deadline (the first rank's when none has one); its
-    ``detail`` names the rank that saw it, its deadline is on this rank's monotonic clock.
+    One ``all_reduce`` of a flag per call (a gather only when a rank has a notice); the agreed notice
+    is the one with the earliest deadline, its ``detail`` naming the rank that saw it.
 
-    Rank obligations: every rank of ``group`` calls it at the same boundaries (a collective). Run
-    it on a group with a short timeout (``dist.new_group(backend="gloo", timeout=...)``): a rank
-    that died makes it fail within that time (gloo: at once, the peer's connection is closed),
-    never after the default group's long timeout.
+    Rank obligations: every rank of ``group`` calls it at the same boundaries; use a group with a
+    short timeout (:func:`agreement_group`) so a dead rank fails it quickly.
 
     Returns:
         PreemptionNotice | None: the agreed notice, or ``None`` when no rank has one.
 
     Raises:
-        RuntimeError: the collective failed (a rank died or did not answer within the group's timeout).
+        RuntimeError: the collective failed (a rank died or did not answer within the timeout).
     """
     local = watcher.notice if watcher is not None and watcher.should_checkpoint_now() else None
     if group is None:

@@ -1,27 +1,9 @@
 """Elastic resume: what every rank restores when the world size changed (``resume_mode: elastic``).
 
-A job back from a preemption with fewer or more machines resumes from the same checkpoint at
-another world size only under the explicit resume mode ``elastic`` (under ``exact`` the change is
-refused naming both sizes). The policy, the same for replicated checkpoints
-(:func:`~opd_store.opd._load.load_opd_checkpoint`) and sharded ones
-(:func:`~opd_store.opd._sharded_load.load_sharded_opd_checkpoint`):
-
-* **Model and optimizer** load at any size: replicated state is the same on every rank; sharded
-  state is resharded by DCP's planner (every element equal to what was saved).
-* **RNG**: rank ``r`` below the saved world size gets its own saved state back. A new rank
-  (``r >= saved_world_size``) gets a state derived from the checkpoint alone
-  (:func:`elastic_seed`: SHA-256 of the step, the config fingerprint and the rank), so every
-  machine derives the same state and two resumes of the same checkpoint draw the same numbers.
-* **Extra saved states**: when the world shrinks, the RNG states of ranks ``saved_world_size'..``
-  have no rank to go to; they are reported (:attr:`ElasticResume.unclaimed_ranks`, logged once by
-  rank 0) and stay in the checkpoint.
-* **Data position**: a global sample index (:class:`~opd_store.opd._data.GlobalSamplePosition`)
-  is re-split over the new ranks, so no sample is skipped or repeated.
-
-What is *not* the same as the uninterrupted run: the per-rank random streams of new ranks, which
-rank draws which sample, and every reduction over ranks (a different number of ranks sums in
-another order and averages over another count), so losses and weights diverge from the step of
-the resume on (docs/resume.md).
+Model and optimizer load at any size (DCP reshards); rank ``r < saved_world_size`` gets its own
+RNG back, a new rank one derived from the checkpoint alone (:func:`elastic_seed`); states of ranks
+no longer present are reported and kept. The policy and what it does not reproduce:
+docs/resume.md, "Elastic resume".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Migrating the seed's OPD checkpoints (legacy steps) into any store: what the OPD layer checks.
+"""Migrating the seed's OPD checkpoints (legacy ``step-NNNNNN/`` directories) into any store.
 
-The seed wrote ``step-NNNNNN/`` directories holding ``COMPLETE``, ``training_state.pt``, ``rng.pt``
-or ``rng-rank-XX.pt``, ``adapter/`` and ``config.yaml``. They already load in place
-(``load_opd_checkpoint`` and ``load_adapter`` read them through the legacy adapter);
-:func:`migrate_legacy` copies them to a store URL (a bucket, typically) so they gain a manifest
-with sizes and CRC32C checksums. Payload names and bytes are kept exactly; the marker is dropped
-(the manifest replaces it). The layout, the copy and its verification are the legacy adapter's
-(:func:`opd_store.store.import_legacy_steps`); this module adds the OPD layer's rules:
-
-* the step must hold ``training_state.pt``, copied first; its trainer counters, fingerprints and
-  world size become the manifest's;
-* a file that may be a pickle (``.pt``, ``.bin``, ``.pth``) must load weights-only, since a
-  migrated checkpoint is only ever loaded that way (such a file is held whole while it streams, to
-  be scanned); every other file (the adapter's weights, the processor's) streams in bounded memory.
+The copy and its verification are :func:`opd_store.store.import_legacy_steps`'; this module adds
+the OPD layer's rules: the step must hold ``training_state.pt`` (copied first; its counters,
+fingerprints and world size become the manifest's), and a possible pickle (``.pt``, ``.bin``,
+``.pth``, held whole to be scanned) must load weights-only, the only way a migrated checkpoint is
+loaded. docs/resume.md, "Legacy checkpoints".
 """
 
 from __future__ import annotations
@@ -117,41 +109,32 @@ def migrate_legacy(
     storage_options: dict[str, Any] | None = None,
     steps: Iterable[int] | None = None,
 ) -> MigrationResult:
-    """Copy the seed's checkpoints (legacy steps) into a store as manifest-committed, verified
-    checkpoints (module docstring; :func:`opd_store.store.import_legacy_steps` does the copy).
+    """Copy the seed's checkpoints into a store as manifest-committed, verified checkpoints.
 
-    Steps are copied in ascending order, one commit each; a failure stops the migration with the
-    earlier steps committed (run it again: they are then skipped as identical).
-
-    Rank obligations: one process runs it (it is not part of training).
+    Steps are copied in ascending order, one commit each; a failure leaves the earlier steps
+    committed (a rerun skips them as identical).
 
     Args:
-        src_dir (str | os.PathLike | CheckpointStore): the seed's checkpoints directory (its
-            ``step-NNNNNN`` directories with ``COMPLETE``); a local path, or a store.
-        dst (str | os.PathLike | CheckpointStore): destination store: local path, fsspec URL or
-            store.
+        src_dir (str | os.PathLike | CheckpointStore): the seed's checkpoints directory.
+        dst (str | os.PathLike | CheckpointStore): destination: local path, fsspec URL or store.
         storage_options (dict | None): fsspec options for ``dst`` when it is a URL.
-        steps (Iterable[int] | None): only these steps; default every legacy step of ``src_dir``
-            (steps without ``COMPLETE`` are seed saves that never finished and are ignored, as the
-            seed ignored them).
+        steps (Iterable[int] | None): only these steps; default every legacy step with ``COMPLETE``.
 
     Returns:
-        list[str]: a :class:`~opd_store.store.MigrationResult`: URLs of the newly committed
-        checkpoints, in step order; its ``skipped`` attribute lists the URLs of steps already at
-        the destination with identical content.
+        MigrationResult: a ``list[str]`` of the new checkpoints' URLs in step order; ``skipped``
+        lists steps already at the destination with identical content.
+
+    Rank obligations: one process runs it (not part of training).
 
     Raises:
-        FileNotFoundError: a requested step is not a legacy step of ``src_dir``
-            (:class:`~opd_store.errors.CheckpointNotFoundError`), or one lacks
-            ``training_state.pt``.
-        FileExistsError: the destination step holds different content, or an incomplete or
-            corrupt checkpoint (:class:`~opd_store.errors.CommitConflictError`, naming the
-            differing files); nothing is overwritten.
-        UnsafeCheckpointError: (a ``ValueError``) a source ``.pt`` payload needs plain pickle, so
-            its copy could never be loaded; nothing of that step is committed.
-        IntegrityError: (a ``ValueError``) a source file changed while it was copied (nothing of
-            that step is committed), or the read-back differs from the source (that copy is
-            deleted).
+        CheckpointNotFoundError: (a ``FileNotFoundError``) a requested step is not a legacy step of
+            ``src_dir``, or one lacks ``training_state.pt``.
+        CommitConflictError: (a ``FileExistsError``) the destination step holds different, incomplete
+            or corrupt content, naming the differing files; nothing is overwritten.
+        UnsafeCheckpointError: (a ``ValueError``) a source ``.pt`` payload needs plain pickle; nothing
+            of that step is committed.
+        IntegrityError: (a ``ValueError``) a source file changed while copied (nothing committed), or
+            the read-back differs from the source (that copy is deleted).
         IncompleteCheckpointError: (a ``ValueError``) a source file vanished while it was copied.
     """
     return import_legacy_steps(as_store(src_dir), as_store(dst, storage_options), _OPDStepImport, steps=steps)

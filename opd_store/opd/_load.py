@@ -1,9 +1,6 @@
-"""Loading OPD checkpoints: the exact next-update state of one rank, and finding the latest one.
+"""Loading OPD checkpoints: one rank's exact next-update state, and finding the latest one.
 
-The load order (seed, with every check moved before the first restore so a refused resume
-changes nothing) is documented on :func:`load_opd_checkpoint`; the resume modes are decided by
-:mod:`opd_store.opd._resume`. Adapter weights and the processor load through
-:mod:`opd_store.opd._adapter`.
+The load order and what is validated: docs/resume.md ("What is validated on load").
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ from ._safe_load import load_payload
 
 
 def read_config_dict(store: ReadableStore, step: int) -> dict | None:
-    """The step's ``config.yaml`` as a dict (``None`` when absent or not a mapping): consulted
-    only when the config fingerprints differ (:func:`~opd_store.opd._resume.validate_resume`)."""
+    """The step's ``config.yaml`` as a dict (``None`` when absent or not a mapping)."""
     try:
         data = store.read(step, CONFIG_YAML)
     except CheckpointNotFoundError:
@@ -67,11 +63,9 @@ def check_teacher_count(trainer: Mapping[str, Any], teacher: Mapping[str, Any], 
 def finish_resume(*, trainer: dict, teacher: dict, scheduler: Any, scheduler_state: Any,
                   teacher_state_loader: Callable[[dict], None], decision: Any, elastic: ElasticResume,
                   rng_state: Any) -> None:
-    """The last restores of a resume, once every check passed and the model and optimizer are
-    restored: the scheduler, the teacher, a changed rollout limit's new validation baseline (seed:
-    the validation keys dropped from ``trainer``, ``rollout_limit_changed_at_update`` set), the
-    elastic report, and this rank's RNG state last (``rng_state``, or one derived from the
-    checkpoint for a rank the saved run did not have)."""
+    """The last restores once every check passed: scheduler, teacher, a changed rollout limit's
+    validation baseline (seed), the elastic report, and this rank's RNG state last.
+    """
     scheduler.load_state_dict(scheduler_state)
     teacher_state_loader(teacher)
     if decision.rollout_limit_changed:
@@ -97,51 +91,39 @@ def load_opd_checkpoint(
 ) -> dict:
     """Restore the exact next-update state of one rank from an OPD checkpoint.
 
-    Every check runs before the first restore, so a refused resume changes nothing (the seed's
-    order otherwise): completeness, schema, the resume mode's validation
-    (:func:`~opd_store.opd._resume.validate_resume`, docs/resume.md), the teacher's
-    ``update_count``; then optimizer, scheduler, teacher and this rank's RNG state last, so nothing
-    that runs during the restore moves the generators afterwards (field notes). Payloads load on
-    the CPU; ``Optimizer.load_state_dict`` moves the state to each parameter's device and dtype.
-
-    Rank obligations: every rank calls this with its own ``rank`` and the same ``world_size`` and
-    gets its own RNG state back; under a process group of more than one rank both default to the
-    group's and the load is a collective (a failure on any rank raises on every rank).
+    Every check (completeness, schema, :func:`~opd_store.opd._resume.validate_resume`, the teacher's
+    ``update_count``) runs before the first restore, so a refused resume changes nothing; the RNG is
+    restored last (docs/resume.md, "What is validated on load"). Payloads load on the CPU.
 
     Args:
-        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix's path or
-            URL, or ``(store, step)``; a legacy step (the seed's own directory) works too.
+        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): step path/URL or ``(store, step)``;
+            a legacy step works too.
         optimizer (torch.optim.Optimizer): built over the same parameters as when saved.
         scheduler (Any): LR scheduler with ``load_state_dict``.
-        config (Any): the current config (``fingerprint()``, ``as_dict()``, optional
-            ``checkpoint.resume_mode`` and execution-only markings).
+        config (Any): the current config (``fingerprint()``, ``as_dict()``, ``checkpoint.resume_mode``).
         provenance_fingerprints (dict[str, str]): this run's provenance.
         teacher_state_loader (Callable[[dict], None]): receives the saved teacher state.
-        rank (int | None): this process's rank, ``0 <= rank < world_size``; default the process
-            group's, or 0 without one.
-        world_size (int | None): this run's world size; must equal the saved one (except under
-            ``elastic``); default the process group's, or 1 without one.
+        rank (int | None): ``0 <= rank < world_size``; default the process group's, or 0.
+        world_size (int | None): must equal the saved one unless ``elastic``; default the group's, or 1.
         storage_options (dict | None): fsspec options for a URL.
-        allow_pickle (bool): opt-in to load old pickle-only payloads with plain pickle; honoured
-            only for local directories (a bucket checkpoint never runs code on load).
+        allow_pickle (bool): load old pickle-only payloads; local directories only.
 
     Returns:
-        dict: the trainer state (tensors on the CPU; under ``rollout_limit_change`` with a changed
-        limit, without the validation keys: docs/resume.md).
+        dict: the trainer state (tensors on the CPU).
+
+    Rank obligations: under a process group of more than one rank every rank calls this (a
+    collective; a failure on any rank raises on every rank) and gets its own RNG state back.
 
     Raises:
-        ValueError: the checkpoint is sharded (load it with ``load_sharded_opd_checkpoint``), is
-            incomplete (:class:`~opd_store.errors.IncompleteCheckpointError`, naming its URL), has
-            an unknown schema, a malformed training state or a teacher update count other than
-            ``successful_updates``, or ``rank`` is out of range.
-        opd_store.errors.ResumeMismatchError: (a ``ValueError``) the resume is refused, naming every
-            differing field or both world sizes (the same on every rank).
-        opd_store.errors.UnsafeCheckpointError: (a ``ValueError``) a payload needs plain pickle and
-            ``allow_pickle`` is off, or ``allow_pickle`` was asked for a non-local store.
-        opd_store.errors.IntegrityError: a payload's bytes differ from its manifest entry.
-        FileNotFoundError: a payload (such as this rank's RNG file) is missing.
-        opd_store.errors.DistributedLoadError: (an ``OSError``) ranks of a process group failed
-            differently, or some did not; raised on every rank, naming each failing rank.
+        ValueError: sharded checkpoint, unknown schema, malformed training state, teacher count other
+            than ``successful_updates``, or ``rank`` out of range.
+        IncompleteCheckpointError: (a ``ValueError``) the checkpoint is not complete.
+        ResumeMismatchError: (a ``ValueError``) the resume is refused, naming every differing field.
+        UnsafeCheckpointError: (a ``ValueError``) a payload needs pickle and ``allow_pickle`` is off,
+            or ``allow_pickle`` was asked for a non-local store.
+        IntegrityError: a payload's bytes differ from its manifest entry.
+        CheckpointNotFoundError: (a ``FileNotFoundError``) a payload (this rank's RNG file) is missing.
+        DistributedLoadError: (an ``OSError``) some ranks failed; raised on every rank, naming each.
     """
     load = functools.partial(
         _load_one, checkpoint, optimizer=optimizer, scheduler=scheduler, config=config,
@@ -246,33 +228,23 @@ def latest_complete_checkpoint(
 ) -> str:
     """The newest complete checkpoint (manifest-committed or legacy) under a directory.
 
-    Steps are ordered numerically. Uncommitted steps (a save that never committed) are skipped and
-    logged, never chosen (field notes: a half-written newest checkpoint must not win). A committed
-    step newer than the one found that is damaged (a payload missing or short, an unreadable
-    manifest) is in the way of the run resumed from it, which would save that step again: it is
-    refused with the remedy, as when no complete step is left beside a damaged one (a caller
-    starting from scratch on ``FileNotFoundError`` would hit it too). The rule is
-    :mod:`opd_store.store._resume_guard`'s (docs/resume.md, "A damaged checkpoint"). Only the
-    manifests and listings are read: a flipped byte of the step returned is found by the load,
-    which reads each payload once, checked.
+    Uncommitted steps are skipped (field notes: a half-written newest checkpoint must not win); a
+    damaged committed step ahead is refused (docs/resume.md, "A damaged checkpoint"). Only manifests
+    and listings are read; the load checks payload bytes.
 
     Args:
         checkpoints_dir (str | os.PathLike | BaseStore): local path, fsspec URL or store.
         storage_options (dict | None): fsspec options for a URL.
 
-    Rank obligations: with a ``torch.distributed`` process group of more than one rank
-    initialised, every rank calls this (a collective): rank 0 decides and broadcasts, so every rank
-    resumes from the same step even while another writer commits a newer one.
-
     Returns:
         str: the checkpoint's URL (a plain absolute path for a local store).
 
+    Rank obligations: under a process group every rank calls this; rank 0 decides and broadcasts.
+
     Raises:
-        FileNotFoundError: no complete checkpoint and no damaged one
-            (:class:`~opd_store.errors.CheckpointNotFoundError`; seed message).
-        opd_store.errors.IntegrityError: (a ``ValueError``) a committed step newer than the newest
-            complete one (or, without one, any committed step) is damaged: one line naming the
-            step, the file and the remedy.
+        CheckpointNotFoundError: (a ``FileNotFoundError``) no complete and no damaged checkpoint.
+        IntegrityError: (a ``ValueError``) a committed step newer than the newest complete one is
+            damaged: one line naming the step, the file and the remedy.
     """
     reader = LegacyReader(as_store(checkpoints_dir, storage_options))
 

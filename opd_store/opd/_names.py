@@ -1,29 +1,10 @@
 """OPD checkpoint names: the payload layout, checkpoint references, and the checks every load shares.
 
-One checkpoint per successful update count, ``step-NNNNNN`` under the checkpoints directory, with
-the seed's payload names inside the committed attempt:
-
-==========================  ====================================================================
-``adapter/...``             ``model.save_pretrained`` output (the LoRA adapter), file by file
-``processor/...``           ``processor.save_pretrained`` output, when a processor is given
-``rng.pt``                  this process's RNG state (world size 1), or
-``rng-rank-XX.pt``          one per rank (world size > 1)
-``training_state.pt``       schema ``opd_checkpoint_v1`` (one rank) or ``..._v2`` (several):
-                            ``trainer``, ``optimizer``, ``scheduler``, ``config_fingerprint``,
-                            ``provenance_fingerprints``, ``world_size``, ``teacher``
-``config.yaml``             ``yaml.safe_dump(config.as_dict(), sort_keys=False)``
-==========================  ====================================================================
-
-The manifest's metadata repeats the trainer counters and fingerprints (readable without torch) and
-names the processor class. The checkpoint exists exactly when its manifest does (the store's
-commit), which replaces the seed's ``COMPLETE`` marker plus directory rename; the seed's own
-directories (legacy steps: the marker, no manifest) still load with the same calls, read through
-:class:`~opd_store.store.LegacyReader` (:func:`open_checkpoint`).
-
-Where a checkpoint is named, these are accepted: a local path or fsspec URL of the step prefix
-(``/runs/a/step-000042``, ``s3://bucket/run/step-000042``), or a ``(store, step)`` pair (a
-:class:`~opd_store.store._checkpoint_store.CheckpointStore` or a :class:`~opd_store.tiered._store.TieredStore`). A
-checkpoints directory is a local path, an fsspec URL or a store.
+The seed's payload names inside a committed attempt (``adapter/``, ``processor/``, ``rng.pt`` /
+``rng-rank-XX.pt``, ``training_state.pt``, ``config.yaml``): docs/resume.md, "What is saved". The
+manifest replaces the seed's ``COMPLETE`` marker; the seed's own directories still load through
+:class:`~opd_store.store.LegacyReader`. A checkpoint is named by its step prefix's path or URL,
+or a ``(store, step)`` pair; a checkpoints directory by a path, URL or store.
 """
 
 from __future__ import annotations
@@ -82,14 +63,12 @@ def resolve_checkpoint(
     """Turn a checkpoint reference into ``(store, step)``.
 
     Args:
-        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix's local path
-            or URL (as returned by :func:`save_opd_checkpoint` and
-            :func:`latest_complete_checkpoint`), or a store and a step.
+        checkpoint (str | os.PathLike | tuple[ReadableStore, int]): the step prefix's path or URL,
+            or a store and a step.
         storage_options (dict | None): fsspec options for a URL (ignored for a store).
 
     Raises:
-        ValueError: the path does not end in a canonical ``step-NNNNNN`` name, or the step is
-            not a non-negative int.
+        ValueError: the path does not end in ``step-NNNNNN``, or the step is not a non-negative int.
         TypeError: a bare store (it names no step).
     """
     if isinstance(checkpoint, tuple) and len(checkpoint) == 2 and isinstance(checkpoint[0], ReadableStore):
@@ -111,12 +90,11 @@ def resolve_checkpoint(
 
 
 def require_complete(store: ReadableStore, step: int) -> VerifyReport:
-    """The step's report (sizes checked), or raise when it is not complete (a legacy step is,
-    read through a :class:`~opd_store.store.LegacyReader`).
+    """The step's report (sizes checked), or raise when it is not complete.
 
     Raises:
-        IncompleteCheckpointError: naming the URL, the status and every problem, and for a committed
-            step that is damaged the remedy (:func:`~opd_store.store.remedy`, docs/resume.md).
+        IncompleteCheckpointError: naming the URL, the status, every problem and, for a damaged
+            committed step, the remedy (docs/resume.md, "A damaged checkpoint").
     """
     report = store.verify(step)
     if not report.ok:

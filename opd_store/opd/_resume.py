@@ -1,38 +1,11 @@
-"""Resume modes: may this run resume that checkpoint?
+"""Resume modes: may this run resume that checkpoint? (docs/resume.md, "Resume modes").
 
-The seed checked the config fingerprint, the provenance fingerprints and the world size one key at
-a time and called a ``validate_execution_change`` it never defined, once per differing key, keeping
-only the last call's rollout-limit flag. Here the whole set of differences is collected first and
-decided at once, so a later difference can never reset what an earlier one established.
-
-Modes (``config.checkpoint.resume_mode``):
-
-* ``exact`` (default, the seed's only behaviour): config fingerprint, provenance and world size must
-  all match.
-* ``execution_change``: the parent's ``config.yaml`` and the current config may differ only in
-  fields the config marks execution-only; provenance only in keys it marks execution-only.
-* ``rollout_limit_change``: as ``execution_change``, and the rollout limit (stopping rule) may
-  change.
-* ``elastic``: as ``execution_change``, and the world size may change (a job back from a
-  preemption with fewer or more machines). What the loaders then restore is the elastic policy of
-  :mod:`opd_store.opd._elastic` (docs/resume.md, "Elastic resume").
-
-Under every other mode a world-size change is refused, naming both sizes: each rank restores its
-own RNG state, and a different number of ranks has no exact next update.
-
-The config is duck-typed. It must offer ``fingerprint() -> str`` and ``as_dict() -> dict``
-(the seed's contract). It may also offer the markings that
-:class:`opd_store.opd._config.OPDConfig` provides:
-
-* ``execution_only_paths() -> Iterable[str]``: dotted paths of execution-only fields; a path covers
-  everything beneath it;
-* ``rollout_limit_path() -> str | None``: dotted path of the rollout limit;
-* ``execution_only_provenance``: an iterable of provenance keys that may change (or a callable
-  returning one).
-
-A config with none of these has no execution-only markings, so every change is refused under every
-mode, and the error says so. This module uses only the standard library and
-:mod:`opd_store.errors`; it never imports the config module.
+The seed checked differences one key at a time and could reset its rollout-limit flag; here the
+whole set is collected first and decided at once. The config is duck-typed: ``fingerprint()`` and
+``as_dict()`` (the seed's contract), optionally the markings of
+:class:`opd_store.opd._config.OPDConfig`: ``execution_only_paths()`` (dotted paths, each covering
+everything beneath it), ``rollout_limit_path()`` and ``execution_only_provenance`` (keys, or a
+callable returning them). Without markings every change is refused, and the error says so.
 """
 
 from __future__ import annotations
@@ -66,13 +39,10 @@ class ResumeDecision:
 
     Attributes:
         mode (str): the resume mode used, one of :data:`RESUME_MODES`.
-        rollout_limit_changed (bool): True only under ``rollout_limit_change`` when the rollout
-            limit differs from the parent's; the loader then drops the validation baseline and
-            records ``rollout_limit_changed_at_update`` (the seed's rule).
-        accepted_changes (tuple[str, ...]): dotted config paths and ``"provenance.<key>"`` entries
-            that differed but were allowed. The config is diffed only when its fingerprint
-            differs, so execution-only config changes are listed only then; empty when
-            fingerprint and provenance both matched.
+        rollout_limit_changed (bool): only under ``rollout_limit_change``, when the limit differs; the
+            loader then resets the validation baseline (the seed's rule).
+        accepted_changes (tuple[str, ...]): allowed differing config paths (diffed only when the
+            fingerprint differs) and ``"provenance.<key>"`` entries.
         saved_world_size (int | None): the parent's world size.
         world_size (int | None): this run's; differs from ``saved_world_size`` only under ``elastic``.
     """
@@ -88,15 +58,14 @@ def resume_mode_of(config: Any) -> str:
     """The resume mode a config asks for.
 
     Args:
-        config (Any): any config object; ``config.checkpoint.resume_mode`` is read when present
-            (``checkpoint`` may also be a mapping with a ``"resume_mode"`` key).
+        config (Any): ``config.checkpoint.resume_mode`` is read when present (``checkpoint`` may be a
+            mapping).
 
     Returns:
-        str: the mode, or ``"exact"`` when the config has no checkpoint section or no resume mode
-        (the seed's only behaviour, so seed-style configs keep it).
+        str: the mode; ``"exact"`` (the seed's only behaviour) when the config names none.
 
     Raises:
-        ValueError: the mode is not one of :data:`RESUME_MODES`; the message names it.
+        ValueError: the mode is not one of :data:`RESUME_MODES`.
     """
     section = getattr(config, "checkpoint", None)
     if isinstance(section, Mapping):
@@ -122,35 +91,25 @@ def validate_execution_change(
 ) -> tuple[tuple[str, ...], bool]:
     """Check that only execution-only fields (and maybe the rollout limit) changed.
 
-    The seed called this function without defining it; this is our definition.
-    Nested dicts are compared leaf by leaf by dotted path, keys present on one side only included;
-    tuples and lists compare equal, as they do after the YAML round trip of ``config.yaml``.
-    Provenance is compared key by key; an added or removed key is a difference. Every difference is
-    classified before anything is decided, so the rollout-limit flag cannot be reset by another
-    difference (the seed's per-key loop could do that).
+    The seed called this function without defining it. Dicts are compared leaf by leaf by dotted
+    path (keys on one side included; tuples equal lists, as after the YAML round trip); provenance
+    key by key. Every difference is classified before anything is decided.
 
     Args:
         saved_config_dict (dict): the parent's ``config.yaml``, parsed with ``yaml.safe_load``.
-        config (Any): the current config; ``as_dict()`` is diffed against ``saved_config_dict`` and
-            its markings (see the module docstring) decide which differences are allowed.
-        saved_provenance (dict[str, str]): the parent's provenance fingerprints.
-        provenance_fingerprints (dict[str, str]): this run's provenance fingerprints.
-        allow_rollout_limit_change (bool): whether the rollout limit may differ
-            (``rollout_limit_change`` mode).
+        config (Any): the current config; its markings decide which differences are allowed.
+        saved_provenance, provenance_fingerprints (dict[str, str]): the parent's and this run's.
+        allow_rollout_limit_change (bool): whether the rollout limit may differ.
         checkpoint_url (str): named in error messages.
-        mode (str | None): the resume mode the user asked for, named in error messages (``elastic``
-            judges config changes as ``execution_change`` does); default ``rollout_limit_change`` or
-            ``execution_change`` after ``allow_rollout_limit_change``.
+        mode (str | None): the mode named in errors; default from ``allow_rollout_limit_change``.
 
     Returns:
-        tuple[tuple[str, ...], bool]: the differing paths that were accepted (config paths sorted,
-        then ``"provenance.<key>"``), and whether the rollout limit changed.
+        tuple[tuple[str, ...], bool]: the accepted differing paths (config paths sorted, then
+        ``"provenance.<key>"``), and whether the rollout limit changed.
 
     Raises:
-        ResumeMismatchError: any difference is not allowed; the message names the checkpoint and
-            every refused difference with its dotted path, saved and current values and reason.
-            Also raised when ``saved_config_dict`` is not a mapping. A config without markings
-            refuses every difference, and the message says why.
+        ResumeMismatchError: a difference is not allowed (each named with dotted path, saved and
+            current values and reason), or ``saved_config_dict`` is not a mapping.
     """
     mode = mode or ("rollout_limit_change" if allow_rollout_limit_change else "execution_change")
     if not isinstance(saved_config_dict, Mapping):
@@ -205,38 +164,26 @@ def validate_resume(
 ) -> ResumeDecision:
     """Decide whether this run may resume a checkpoint, under the config's resume mode.
 
-    Order of the rules:
-
-    1. World size must match, under every mode but ``elastic`` (each rank restores its own RNG).
-    2. Fingerprint and provenance both match: accepted without diffing (the seed's ``exact`` rule;
-       the fingerprint stands for the config).
-    3. ``exact``: any mismatch is refused (the seed). The message lists the differing config fields
-       when ``saved_config_dict`` is given, and says which other mode would accept the change.
-    4. Other modes with a config that declares no markings: refused, saying why.
-    5. Fingerprint matches, provenance differs: only provenance is judged (the config is unchanged
-       as far as its fingerprint can tell).
-    6. Fingerprint differs and no ``config.yaml``: refused, nothing to diff.
-    7. Otherwise :func:`validate_execution_change`. If the dicts are identical although the
-       fingerprints differ (the config's fingerprint definition changed), the change is accepted,
-       since every field it could be in is equal.
+    Rules, in order: (1) world size must match except under ``elastic``; (2) fingerprint and
+    provenance both match: accepted (the seed); (3) ``exact``: any mismatch refused, naming the
+    differing fields and the mode that would accept them; (4) a config without markings: refused;
+    (5) only provenance differs: only provenance is judged; (6) fingerprint differs and no
+    ``config.yaml``: refused; (7) otherwise :func:`validate_execution_change` (identical dicts under
+    different fingerprints are accepted).
 
     Args:
-        checkpoint_url (str): the checkpoint, named in every error.
-        saved_config_fingerprint (str): the parent's ``config_fingerprint``.
-        saved_provenance (dict[str, str]): the parent's provenance fingerprints.
-        saved_world_size (int): the parent's world size.
-        saved_config_dict (dict | None): the parent's ``config.yaml`` parsed with
-            ``yaml.safe_load``; ``None`` if the checkpoint has none.
-        config (Any): an ``OPDConfig`` or any object with ``fingerprint()`` and ``as_dict()``.
-        provenance_fingerprints (dict[str, str]): this run's provenance fingerprints.
-        world_size (int): this run's world size.
+        checkpoint_url (str): named in every error.
+        saved_config_fingerprint (str), saved_provenance (dict[str, str]), saved_world_size (int):
+            the parent's.
+        saved_config_dict (dict | None): the parent's parsed ``config.yaml``, ``None`` if absent.
+        config (Any): an object with ``fingerprint()`` and ``as_dict()``.
+        provenance_fingerprints (dict[str, str]), world_size (int): this run's.
 
     Returns:
-        ResumeDecision: the mode used, whether the rollout limit changed, and the accepted changes.
+        ResumeDecision: the mode used, whether the rollout limit changed, the accepted changes.
 
     Raises:
-        ResumeMismatchError: the resume is refused; the message names the checkpoint URL and every
-            differing field (dotted path, saved value, current value), or both world sizes.
+        ResumeMismatchError: refused, naming the URL and every differing field or both world sizes.
         ValueError: the config asks for an unknown resume mode.
     """
     url = checkpoint_url or "<unnamed>"

@@ -1,34 +1,18 @@
 """Per-rank RNG state: capture, restore, and protection of the global generators around a save.
 
-An OPD update draws from four global generators: Python's :mod:`random`, numpy's legacy global
-generator (``np.random.*``, a ``RandomState``), torch's CPU generator and, where CUDA is available,
-one generator per CUDA device. Exact resume needs all of them back (the seed's contract; field
-notes: "rank 1 restored with rank 0's RNG"), and a save must not move any of them: botocore's retry
-back-off draws from Python's ``random``, so an S3 retry during a save would shift the training's
-random stream.
+An OPD update draws from Python's ``random``, numpy's legacy global generator, torch's CPU
+generator and each CUDA device's; exact resume needs all of them back (the seed; field notes:
+"rank 1 restored with rank 0's RNG"), and a save must move none (botocore's retry back-off draws
+from ``random``). Format ``opd_rng_v1`` loads weights-only with no allow-list::
 
-State format (``opd_rng_v1``), chosen so that ``torch.load(weights_only=True)`` restores it with no
-allow-list at all (a checkpoint from a bucket never runs code on load)::
+    {"format": "opd_rng_v1",
+     "python": random.getstate(),
+     "numpy": {"bit_generator": "MT19937", "key": int64 tensor [624] (uint32 values widened),
+               "pos": int, "has_gauss": int, "cached_gaussian": float},
+     "torch": uint8 tensor [5056],
+     "cuda": [uint8 tensor per device]}   # only when CUDA is available
 
-    {
-        "format": "opd_rng_v1",
-        "python": (int, tuple[int, ...], float | None),    # random.getstate(), unchanged
-        "numpy": {
-            "bit_generator": "MT19937",
-            "key": torch.Tensor,     # int64, shape [624]: the MT19937 key, uint32 values widened
-            "pos": int,
-            "has_gauss": int,
-            "cached_gaussian": float,
-        },
-        "torch": torch.Tensor,       # uint8, shape [5056]: torch.get_rng_state()
-        "cuda": list[torch.Tensor],  # uint8, one per CUDA device, only when CUDA is available
-    }
-
-numpy's own ``get_state()`` tuple holds a ``uint32`` ndarray, which weights-only loading can only
-take through numpy's array reconstructor; widening the key to an ``int64`` tensor keeps every bit
-(each value is below 2**32) and removes the numpy pickle from the file. :func:`restore_rng_state`
-also takes the seed's format (numpy's ``get_state()`` tuple under ``"numpy"``), so legacy
-``rng.pt`` files restore with the same call.
+:func:`restore_rng_state` also takes the seed's format (numpy's ``get_state()`` tuple).
 """
 
 from __future__ import annotations
@@ -79,17 +63,10 @@ def _cuda_available() -> bool:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Capture the calling process's global RNG states (this rank's).
+    """Capture the calling process's global RNG states (``opd_rng_v1``).
 
-    Rank obligations: every rank calls this for itself (the state is per process); in
-    single-writer mode rank 0 gathers the results in rank order and passes them to
-    ``save_opd_checkpoint(rank_rng_states=...)``.
-
-    Returns:
-        dict: the ``opd_rng_v1`` state of the module docstring; ``torch`` is a uint8 tensor of
-        shape ``[5056]``, ``numpy.key`` an int64 tensor of shape ``[624]``, ``cuda`` (present
-        only when CUDA is available) one uint8 tensor per device. Loadable with
-        ``torch.load(weights_only=True)`` without any allow-list.
+    Rank obligations: every rank calls this for itself; in single-writer mode rank 0 passes every
+    rank's result, in rank order, as ``save_opd_checkpoint(rank_rng_states=...)``.
     """
     state: dict[str, Any] = {
         "format": RNG_FORMAT,
@@ -103,18 +80,14 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def derived_rng_state(seed: int) -> dict[str, Any]:
-    """A fresh ``opd_rng_v1`` state of every global generator, seeded from ``seed`` alone.
-
-    The same ``seed`` gives the same state on every machine and torch/numpy build of the same
-    generator algorithms (Mersenne Twister for Python and numpy, torch's CPU Philox/MT): the
-    state new ranks of an elastic resume start from (:mod:`opd_store.opd._elastic`).
+    """A fresh ``opd_rng_v1`` state seeded from ``seed`` alone, the same on every machine: where the
+    new ranks of an elastic resume start.
 
     Args:
-        seed (int): ``0 <= seed < 2**63``; numpy's legacy generator takes ``seed % 2**32``, and
-            CUDA device ``d`` (when CUDA is available) is seeded with ``seed + d``.
+        seed (int): ``0 <= seed < 2**63``; numpy takes ``seed % 2**32``, CUDA device ``d`` ``seed + d``.
 
-    Returns:
-        dict: as :func:`capture_rng_state` (``cuda`` only when CUDA is available).
+    Raises:
+        ValueError: ``seed`` out of range.
     """
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed must be in [0, 2**63), got {seed}")
@@ -133,15 +106,10 @@ def derived_rng_state(seed: int) -> dict[str, Any]:
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Set the global RNGs of this process from a captured state.
+    """Set this process's global RNGs from ``opd_rng_v1`` or the seed's format; absent keys are left.
 
-    Accepts the ``opd_rng_v1`` format and the seed's format (``python``, ``numpy`` as numpy's
-    ``get_state()`` tuple, ``torch``, optional ``cuda``). Keys that are absent are left alone.
-
-    CUDA: a saved ``cuda`` list is restored device by device. When this process sees a different
-    number of devices, the common prefix is restored and a ``RuntimeWarning`` names both counts;
-    when CUDA is unavailable the saved CUDA states are skipped with a warning (inspection of a GPU
-    checkpoint on a CPU machine). The world size itself is checked by the resume validation.
+    A different CUDA device count restores the common prefix with a ``RuntimeWarning``; without CUDA
+    the saved CUDA states are skipped with a warning.
 
     Args:
         state (Mapping[str, Any]): from :func:`capture_rng_state` or a seed ``rng.pt``.
@@ -185,17 +153,12 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 @contextlib.contextmanager
 def preserve_global_rng() -> Iterator[None]:
-    """Snapshot every global RNG on entry and put it back on exit, even when the body raises.
+    """Snapshot every global RNG on entry and restore it on exit, even when the body raises.
 
-    Wraps every synchronous OPD save: botocore's retry back-off draws from Python's
-    ``random`` (``random.random()`` in both its legacy and standard retry modes), and third-party
-    code run during a save (``save_pretrained``, fsspec) may draw from numpy or torch. CUDA
-    generators are snapshotted when CUDA is already initialised in this process; when it is not,
-    nothing in the body has drawn from them and snapshotting would create a CUDA context on every
-    device for nothing.
-
-    Not thread-safe against other threads drawing from the same global generators while the body
-    runs: their draws are undone on exit.
+    Wraps every OPD save: botocore's retry back-off draws from ``random``, and ``save_pretrained`` or
+    fsspec may draw from numpy or torch. CUDA is snapshotted only when already initialised (else
+    nothing drew from it, and snapshotting would create a context). Not thread-safe: other threads'
+    draws during the body are undone.
     """
     snapshot: dict[str, Any] = {
         "python": random.getstate(),

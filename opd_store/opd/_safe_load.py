@@ -1,35 +1,14 @@
 """Loading checkpoint payloads without running code, and keeping unloadable state out of them.
 
-Loading: every payload goes through ``torch.load(weights_only=True)`` with
-``map_location="cpu"``. Besides what torch allows by default (tensors, containers, numbers,
-strings, ``torch.Size``/``dtype``/``device``, ``OrderedDict``, ``set``, ``Counter``), exactly this
-is allow-listed, because seed checkpoints store numpy's RNG state (a ``uint32`` ndarray):
-
-* numpy's array reconstructor, under both of its pickle names: ``numpy.core.multiarray._reconstruct``
-  (files written under numpy 1.x) and ``numpy._core.multiarray._reconstruct`` (numpy 2.x);
-* ``numpy.ndarray`` and ``numpy.dtype``;
-* the dtype classes of the plain numeric dtypes (bool, signed and unsigned 8 to 64-bit integers,
-  16 to 64-bit floats, 64 and 128-bit complex): unpickling a dtype ends in a ``BUILD`` on an
-  instance of its class (``numpy.dtypes.UInt32DType`` for the MT19937 key), which weights-only
-  loading only allows for allow-listed types. Object, string, datetime and structured dtypes stay
-  refused.
-
-torch keeps its allow-list in one process-wide set, so it is extended only for the duration of a
-load, under a process-wide lock (:data:`_ALLOW_LIST_LOCK`), and only with the entries that were not
-already there (so a caller's own ``add_safe_globals`` entries survive). A ``torch.load`` running
-concurrently in another thread, outside this module, could see these entries while a load is in
-progress; they are data-only constructors.
-
-``allow_pickle=True`` is the explicit opt-in for old payloads that only plain pickle can read: the
-weights-only load is tried first, and only when it refuses is ``torch.load(weights_only=False)``
-used. Callers decide where the opt-in may apply; :mod:`opd_store.opd._names` refuses it for
-anything but a local store, so a checkpoint from a bucket never runs code on load.
-
-Saving: :func:`sanitize_state` converts what weights-only loading cannot take but
-has an exact plain equivalent (numpy scalars, numeric ndarrays) and refuses everything else with
-:class:`~opd_store.errors.UnsafeCheckpointError` naming the key path, so nothing unloadable is ever
-written, let alone discovered at resume (field notes: "weights-only loading rejects
-training-state objects").
+Every payload loads with ``torch.load(weights_only=True, map_location="cpu")``. Allow-listed
+beyond torch's defaults, because seed checkpoints hold numpy's RNG state (a ``uint32`` ndarray):
+numpy's array reconstructor under its 1.x and 2.x names, ``ndarray``, ``dtype``, and the plain
+numeric dtype classes (unpickling a dtype ends in a ``BUILD`` on e.g. ``UInt32DType``). torch's
+allow-list is process-wide, so missing entries are added only for a load, under
+:data:`_ALLOW_LIST_LOCK`. ``allow_pickle`` (local stores only) falls back to plain pickle.
+:func:`sanitize_state` converts or refuses at save time what weights-only loading cannot take
+(field notes: "weights-only loading rejects training-state objects"). docs/resume.md, "Safe
+loading" and "What trainer state may hold".
 """
 
 from __future__ import annotations
@@ -93,9 +72,8 @@ def _as_file(data: bytes | bytearray | memoryview | BinaryIO) -> BinaryIO:
 
 
 def find_unsafe_globals(data: bytes | bytearray | memoryview | BinaryIO) -> list[str]:
-    """Pickle globals in a ``torch.save`` payload that :func:`load_payload` would refuse.
-
-    A static scan of the pickle (nothing is imported or called).
+    """Pickle globals in a ``torch.save`` payload that :func:`load_payload` would refuse (a static
+    scan: nothing is imported or called).
 
     Args:
         data (bytes | BinaryIO): the payload (a ``torch.save`` zip archive).
@@ -105,7 +83,7 @@ def find_unsafe_globals(data: bytes | bytearray | memoryview | BinaryIO) -> list
         :data:`ALLOWED_GLOBAL_NAMES`; empty when weights-only loading can take the payload.
 
     Raises:
-        ValueError: not a ``torch.save`` archive (or a pickle that the scanner cannot parse).
+        ValueError: not a ``torch.save`` archive (or a pickle the scanner cannot parse).
     """
     handle = _as_file(data)
     try:
@@ -126,25 +104,19 @@ def _weights_only_load(data: bytes | bytearray | memoryview | BinaryIO) -> Any:
 def load_payload(
     data: bytes | bytearray | memoryview | BinaryIO, *, source: str, allow_pickle: bool = False
 ) -> Any:
-    """Load one ``torch.save`` payload without running code (unless explicitly allowed).
-
-    Tensors land on the CPU whatever device saved them (``map_location="cpu"``); callers move
-    them (``Optimizer.load_state_dict`` moves optimizer state to each parameter's device).
+    """Load one ``torch.save`` payload onto the CPU without running code (unless allowed).
 
     Args:
-        data (bytes | BinaryIO): the payload bytes (already verified against the manifest by
-            :meth:`CheckpointStore.read`) or a seekable binary file.
-        source (str): URL (and payload name) used in error messages.
-        allow_pickle (bool): opt-in for an old payload that weights-only loading refuses: then it
-            is loaded with ``weights_only=False``, which runs whatever code the pickle names. Only
-            for trusted local files (the seed wrote plain pickles).
+        data (bytes | BinaryIO): the payload bytes (already verified) or a seekable binary file.
+        source (str): URL and payload name, for error messages.
+        allow_pickle (bool): load a payload weights-only loading refuses with ``weights_only=False``,
+            which runs the code the pickle names; trusted local files only.
 
     Returns:
         Any: the loaded object.
 
     Raises:
-        UnsafeCheckpointError: weights-only loading refused the payload and ``allow_pickle`` is
-            False; the message names the refused pickle globals and the opt-in.
+        UnsafeCheckpointError: refused and ``allow_pickle`` is False; names the globals and the opt-in.
     """
     try:
         return _weights_only_load(data)
@@ -179,11 +151,8 @@ def _path_key(key: Any) -> str:
 
 
 def conversion_hint(value: Any) -> str:
-    """How to turn a config-like or framework object into checkpointable plain values.
-
-    Covers the kinds training state tends to hold: dataclasses, pydantic
-    models, OmegaConf-style mappings and sequences, dict subclasses and ``defaultdict``, enums,
-    ``pathlib`` paths, namedtuples, ``torch.Generator`` and tensor subclasses. Empty for others.
+    """How to turn a config-like or framework object (dataclass, pydantic, OmegaConf, dict subclass,
+    enum, path, namedtuple, ``torch.Generator``, tensor subclass) into plain values; else empty.
     """
     import dataclasses
     import enum
@@ -243,29 +212,20 @@ def _numpy_array(value: np.ndarray, path: str) -> torch.Tensor:
 def sanitize_state(value: Any, *, path: str = "state") -> Any:
     """Return a copy of ``value`` that ``torch.load(weights_only=True)`` restores exactly.
 
-    Kept as they are: ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``,
-    ``bytearray`` (exact types, not subclasses such as enums), ``torch.Tensor`` and
-    ``torch.nn.Parameter``, ``torch.dtype``, ``torch.device``, ``torch.Size``. Rebuilt with
-    sanitised contents: ``dict``, ``collections.OrderedDict``, ``collections.Counter``, ``list``,
-    ``tuple``, ``set`` (exact types), keys included. Converted: numpy scalars to the equal Python
-    value (``np.float32(0.5)`` to ``0.5`` as a Python float, ``np.int64(3)`` to ``3``), numeric numpy
-    arrays to tensors of the same dtype and shape (so such a value comes back as a tensor).
-
-    Containers are copied; tensors are not (the same tensor objects appear in the result).
+    Kept: exact ``None``/``bool``/``int``/``float``/``complex``/``str``/``bytes``/``bytearray``,
+    tensors and parameters, ``torch.dtype``/``device``/``Size``. Rebuilt (keys too): exact ``dict``,
+    ``OrderedDict``, ``Counter``, ``list``, ``tuple``, ``set``. Converted: numpy scalars to the equal
+    Python value, numeric ndarrays to tensors. Containers are copied, tensors are not.
 
     Args:
         value (Any): trainer or teacher state, an optimizer or scheduler ``state_dict()``, RNG state.
-        path (str): how the value is named in errors (``trainer_state``); keys are appended
-            (``trainer_state['history'][2]``).
+        path (str): the value's name in errors; key paths are appended (``trainer_state['a'][2]``).
 
     Returns:
         Any: the sanitised copy.
 
     Raises:
-        UnsafeCheckpointError: a value of any other type (an arbitrary object, a dataclass, a
-            namedtuple, an enum, a ``defaultdict``, a ``frozenset``, a tensor subclass, a
-            non-numeric ndarray, ...) or a reference cycle; the message names its key path and
-            type. Raised at save time, before anything is written.
+        UnsafeCheckpointError: any other type, or a reference cycle; names the key path and type.
     """
     return _sanitize(value, path, set())
 
@@ -309,24 +269,21 @@ _YAML_SCALARS = (type(None), bool, int, float, str)
 
 
 def plain_config_dict(value: Any, *, path: str = "config.as_dict()") -> Any:
-    """Return ``value`` as plain YAML data for ``config.yaml``, or refuse it naming the key.
+    """Return ``value`` as plain YAML data for ``config.yaml``, or refuse it naming the key
+    (``yaml.safe_dump`` would raise an untyped ``RepresenterError`` naming none).
 
-    ``config.yaml`` is written with ``yaml.safe_dump``, which raises an untyped
-    ``RepresenterError`` naming no key for anything but plain data. Kept:
-    ``None``, ``bool``, ``int``, ``float``, ``str``; ``dict`` with ``str`` keys, ``list`` and
-    ``tuple`` (as lists) rebuilt with converted contents. Converted: numpy scalars to the equal
-    Python value.
+    Kept: ``None``, ``bool``, ``int``, ``float``, ``str``; ``dict`` with ``str`` keys, ``list`` and
+    ``tuple`` (as lists); numpy scalars are converted.
 
     Args:
         value (Any): ``config.as_dict()``.
-        path (str): how the value is named in errors.
+        path (str): the value's name in errors.
 
     Returns:
-        Any: plain data that ``yaml.safe_dump`` writes and ``yaml.safe_load`` reads back equal.
+        Any: data that ``yaml.safe_dump`` writes and ``yaml.safe_load`` reads back equal.
 
     Raises:
-        UnsafeCheckpointError: any other value (a path, an enum, a dataclass, ...) or a non-str
-            key; the message names its key path, type and how to convert it.
+        UnsafeCheckpointError: any other value or a non-str key; names its path, type and conversion.
     """
     kind = type(value)
     if kind in _YAML_SCALARS:

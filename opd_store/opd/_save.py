@@ -1,14 +1,8 @@
-"""Saving OPD checkpoints: the seed's save contract on any store, through the one save pipeline
-(ARCHITECTURE.md, "The save path"): :func:`save_opd_checkpoint` runs every stage on the caller's
-thread (every rank's part through :func:`~opd_store.pipeline.run_save_collective` in multi-rank
-mode); this module is the snapshot's payload writer (:func:`save_request`).
+"""Saving OPD checkpoints: the seed's save contract on any store, through the save pipeline
+(ARCHITECTURE.md, "The save path"); :func:`save_request` is the snapshot's payload writer.
 
-Every payload is written with ``torch.save`` straight into the transaction's writer (no whole
-serialised copy in memory), without torch's own zip CRC-32 (:mod:`opd_store.format._torch_io`: the
-payload's CRC32C in the manifest covers the bytes and is checked on every read, and skipping the
-zip CRC saves about 2.5 s of CPU per GiB, docs/performance.md) and read back with
-``torch.load(weights_only=True)`` through :mod:`opd_store.opd._safe_load`; state is sanitised
-before saving, so nothing unloadable is ever written.
+Payloads are ``torch.save``-d straight into the transaction without torch's zip CRC-32 (the
+manifest's CRC32C covers them: :mod:`opd_store.format._torch_io`, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -48,7 +42,11 @@ def stream_pretrained(txn, obj: Any, directory: Path, prefix: str, state_dict: d
 
 
 def stream_directory(txn, directory: Path, prefix: str, writer_name: str) -> None:
-    """Every file under ``directory`` into the transaction as ``prefix/...``."""
+    """Every file under ``directory`` into the transaction as ``prefix/...``.
+
+    Raises:
+        ValueError: ``directory`` holds no file (``writer_name`` wrote nothing).
+    """
     files = sorted(path for path in directory.rglob("*") if path.is_file())
     if not files:
         raise ValueError(f"{writer_name} wrote no files")
@@ -81,48 +79,40 @@ def save_opd_checkpoint(
     lineage: RunLineage | None = None,
     rank: int | None = None,
 ) -> str:
-    """Commit one OPD checkpoint, step ``successful_updates``, after a complete update with a
-    cleared failure queue.
+    """Commit one OPD checkpoint at step ``successful_updates``, after a complete update.
 
-    The seed's rules are checked before anything is written (docs/resume.md, "What is saved" and
-    "What trainer state may hold"): the trainer counters, no ``rollouts`` or ``failure_queue``, the
-    teacher's ``update_count``, one RNG state per rank, state that weights-only loading restores,
-    a plain-YAML ``config.as_dict()``. Every global RNG is left as found, even when the storage
-    retries (this process's RNG state is captured first).
-
-    Rank obligations (docs/resume.md, "Several ranks"): *multi-rank* (a process group of more than
-    one rank, no ``rank_rng_states``): every rank calls this with the same arguments, writes its
-    own ``rng-rank-XX.pt``, and returns the same URL or raises the same error; *single-writer*
-    (the seed's): rank 0 alone, after a barrier, with every rank's ``capture_rng_state()`` in rank
-    order.
+    The seed's rules are checked before anything is written (docs/resume.md, "What is saved", "What
+    trainer state may hold"); every global RNG is left as found, even when the storage retries.
 
     Args:
-        checkpoints_dir (str | os.PathLike | BaseStore): a local path, fsspec URL or store (plain or tiered).
+        checkpoints_dir (str | os.PathLike | BaseStore): local path, fsspec URL or store.
         model, processor: ``save_pretrained(dir)`` writes the adapter, the processor (or ``None``).
-        optimizer, scheduler: their ``state_dict()`` is saved (restored onto the parameters' devices).
+        optimizer, scheduler: their ``state_dict()`` is saved.
         trainer_state, teacher_state (dict), config (``fingerprint()``, ``as_dict()``),
-            provenance_fingerprints (dict[str, str]): the run's state, as the rules say.
-        world_size (int | None): ranks of the run (schema v1 for 1, v2 above); default the group's, or 1.
+            provenance_fingerprints (dict[str, str]): the run's state.
+        world_size (int | None): schema v1 for 1, v2 above; default the group's, or 1.
         rank_rng_states (list[dict] | None): per-rank RNG states, index = rank (single-writer mode).
-        storage_options (dict | None): fsspec options when ``checkpoints_dir`` is a URL.
-        retention (RetentionPolicy | None): applied once the step is durable (docs/cli.md,
-            "Retention rules"); ``None`` keeps every step.
+        storage_options (dict | None): fsspec options for a URL.
+        retention (RetentionPolicy | None): applied once the step is durable; ``None`` keeps all.
         lineage (RunLineage | None): run id and resume parent, recorded in the manifest metadata.
         rank (int | None): this process's rank; must equal the process group's.
 
     Returns:
         str: the committed checkpoint's URL, as ``load_opd_checkpoint`` and ``load_adapter`` take it.
 
+    Rank obligations (docs/resume.md, "Several ranks"): multi-rank (a group, no ``rank_rng_states``):
+    every rank calls this with the same arguments and gets the same URL or error; single-writer:
+    rank 0 alone, after a barrier, with every rank's ``capture_rng_state()`` in rank order.
+
     Raises:
-        ValueError: a rule is broken (:class:`~opd_store.errors.UnsafeCheckpointError` names the key
-            path of state or config that cannot be restored), or a ``retention`` a tiered store
-            with ``bucket_retention`` refuses. Nothing is written.
-        FileExistsError: (``CommitConflictError``) the step is committed, or holds a legacy checkpoint.
-        opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
-        opd_store.errors.DistributedSaveError: (multi-rank) any rank failed, on every rank, naming
-            each; ``DistributedCommitConflictError`` for a committed step. Nothing is committed.
-        opd_store.errors.RetentionError: (plain store) the retention pass failed; the step is
-            committed (``url``). A tiered store raises it at its next save, ``flush`` or ``close``.
+        ValueError: a rule is broken (``UnsafeCheckpointError`` names the key path), a ``rank`` other
+            than 0 in single-writer mode, or a ``retention`` the store refuses. Nothing is written.
+        CommitConflictError: (a ``FileExistsError``) the step is committed or holds a legacy checkpoint.
+        CommitError: (an ``OSError``) the commit failed; nothing is committed.
+        DistributedSaveError: (multi-rank) any rank failed, raised on every rank naming each
+            (``DistributedCommitConflictError`` for a committed step); nothing is committed.
+        RetentionError: the retention pass failed; the step is committed (a tiered store raises it
+            at its next save, ``flush`` or ``close``).
         RuntimeError: (multi-rank) a rank died or the process group timed out mid-save.
     """
     group = None
@@ -160,8 +150,9 @@ def save_opd_checkpoint(
 
 
 def _write_payloads(txn, snapshot: OpdSnapshot, shared: bool) -> None:
-    """Stream ``snapshot`` into ``txn`` (a transaction, or a multi-rank part): the shared payloads
-    (adapter, processor, training state, config) when ``shared``, and the snapshot's RNG parts."""
+    """Stream ``snapshot`` into ``txn`` (transaction or part): the shared payloads when ``shared``,
+    and the snapshot's RNG parts.
+    """
     with tempfile.TemporaryDirectory(prefix="opd-save-") as tmp:
         if shared:
             if snapshot.adapter_dir is not None:
@@ -179,8 +170,7 @@ def _write_payloads(txn, snapshot: OpdSnapshot, shared: bool) -> None:
 
 
 def save_request(snapshot: OpdSnapshot) -> SaveRequest:
-    """The pipeline's :class:`~opd_store.pipeline.SaveRequest` of an OPD snapshot: its
-    payload writer, retention and lineage; releasing it removes a staged adapter directory."""
+    """The pipeline's ``SaveRequest`` for an OPD snapshot; its release removes a staged adapter dir."""
     adapter_dir = snapshot.adapter_dir
 
     def release() -> None:
@@ -200,17 +190,16 @@ def write_opd_checkpoint(snapshot: OpdSnapshot, *, before_commit: Callable[[], N
 
     Args:
         snapshot (OpdSnapshot): from :func:`~opd_store.opd._snapshot.snapshot_opd_checkpoint`.
-        before_commit (Callable[[], None] | None): called after the last payload, before the
-            manifest create; an exception it raises aborts the save uncommitted.
+        before_commit (Callable[[], None] | None): runs before the manifest create; raising aborts.
         cancelled (threading.Event | None): the background worker's exit-deadline event.
 
     Returns:
-        str: the committed checkpoint's URL (see :func:`save_opd_checkpoint`).
+        str: the committed checkpoint's URL.
 
     Raises:
-        FileExistsError: the step is already committed (:class:`~opd_store.errors.CommitConflictError`).
-        opd_store.errors.CommitError: the commit failed (an ``OSError``); nothing is committed.
-        opd_store.errors.RetentionError: the retention pass after the commit failed (committed).
+        CommitConflictError: (a ``FileExistsError``) the step is already committed.
+        CommitError: (an ``OSError``) the commit failed; nothing is committed.
+        RetentionError: the retention pass after the commit failed (committed).
         OSError: a payload could not be written; nothing is committed.
     """
     url = run_save(save_request(snapshot), cancelled=cancelled, before_commit=before_commit)

@@ -1,28 +1,9 @@
-"""Saving OPD checkpoints of a sharded student (FSDP2) through DCP: the seed's rules, DCP's layout.
+"""Saving OPD checkpoints of a sharded (FSDP2) student through DCP: the seed's rules, DCP's layout.
 
-:func:`save_sharded_opd_checkpoint` is the sibling of
-:func:`~opd_store.opd._save.save_opd_checkpoint` for a student whose parameters and optimizer state
-are sharded over the ranks (``torch.distributed.fsdp.fully_shard``, full-parameter or PEFT LoRA):
-no rank holds the whole state, so every rank writes its own shards through DCP
-(:mod:`opd_store.dcp`) and one manifest commits them. The same rules apply (trainer keys, no
-rollouts or failure queue, the teacher's update count, plain YAML config, weights-only loadable
-state, a committed step refused), checked on every rank and agreed in one collective before
-anything is written, so no rank waits alone when another refuses.
-
-What one sharded checkpoint holds (DCP keys; DCP's metadata gives every key's shape and chunks)::
-
-    model.<parameter name>         the student's trainable parameters (a LoRA student: its adapter;
-                                   a full-parameter student: its whole state dict), sharded
-    optim.state.<name>.<key>       the optimizer's state per parameter (DCP's FQN-keyed form), sharded
-    optim.param_groups...          its param groups
-    opd.training_state             bytes: torch.save of {schema, trainer, scheduler, teacher,
-                                   config_fingerprint, provenance_fingerprints, world_size} (rank 0's)
-    rank_state.rank-00003          bytes: torch.save of {rng, extra}: rank 3's RNG state and its
-                                   own extra state (keyed by rank: DCP deduplicates equal keys)
-
-plus ``config.yaml`` and the processor's files (``processor/...``) as payloads of the same attempt,
-and the manifest's metadata (counters, fingerprints, ``world_size``, ``mesh_shape``) readable
-without torch.
+Every rank writes its own shards through :mod:`opd_store.dcp` and one manifest commits them; the
+rules are checked on every rank and agreed in one collective before anything is written, so no
+rank waits alone. The keys a checkpoint holds: docs/sharded.md, "OPD checkpoints of a sharded
+student".
 """
 
 from __future__ import annotations
@@ -62,15 +43,16 @@ def rank_state_key(rank: int) -> str:
 
 
 def saves_trainable_only(model: torch.nn.Module) -> bool:
-    """True when the student has frozen parameters (a LoRA student): then only its trainable
-    parameters are checkpointed (the frozen base is rebuilt from its own weights, as the seed's
-    adapter-only save assumes); otherwise the whole model state dict is."""
+    """True when the student has frozen parameters (LoRA): only trainable ones are checkpointed, the
+    frozen base is rebuilt from its own weights (the seed's adapter-only save assumes it).
+    """
     return any(not param.requires_grad for param in model.parameters())
 
 
 def student_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """``(model, optimizer)`` state dicts in DCP's form (``get_state_dict``: DTensor shards of a
-    sharded student, FQN-keyed optimizer state), the model's filtered by :func:`saves_trainable_only`."""
+    """``(model, optimizer)`` state dicts in DCP's form (``get_state_dict``), the model's filtered by
+    :func:`saves_trainable_only`.
+    """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -81,7 +63,11 @@ def student_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 
 def group_of(process_group: Any) -> RankGroup | None:
-    """The saving/loading group (``None``: one process, no collectives)."""
+    """The saving/loading group (``None``: one process, no collectives).
+
+    Raises:
+        ValueError: ``process_group`` given while ``torch.distributed`` is not initialised.
+    """
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ValueError("a process_group was given but torch.distributed is not initialised")
@@ -142,35 +128,29 @@ def save_sharded_opd_checkpoint(
 ) -> str:
     """Commit one OPD checkpoint of a sharded (or replicated) student through DCP.
 
-    Rank obligations: every rank of ``process_group`` (default: the default group) calls this with
-    the same step, after the update ended on every rank; the trainer, scheduler and teacher state
-    saved are rank 0's, the RNG state and ``rank_state`` each rank's own. Without a process group,
-    one process saves alone.
-
     Args:
-        checkpoints_dir (str | os.PathLike | BaseStore): where (plain or tiered store, or URL).
+        checkpoints_dir (str | os.PathLike | BaseStore): plain or tiered store, or URL.
         model (torch.nn.Module): the student, sharded with ``fully_shard`` or not.
         optimizer (torch.optim.Optimizer): over the student's (sharded) parameters.
         scheduler (Any): LR scheduler with ``state_dict()``.
-        trainer_state, config, provenance_fingerprints, teacher_state: as
-            :func:`~opd_store.opd._save.save_opd_checkpoint` (same rules).
-        processor (Any | None): saved with ``save_pretrained`` as ``processor/...`` (rank 0).
-        rank_state (dict | None): this rank's own extra state (tensors and plain values), restored
-            to the same rank by :func:`~opd_store.opd._sharded_load.load_sharded_opd_checkpoint`.
-            Replicated state (a :class:`~opd_store.opd._data.GlobalSamplePosition`) goes into
-            ``trainer_state``.
+        trainer_state, config, provenance_fingerprints, teacher_state: as ``save_opd_checkpoint``.
+        processor (Any | None): saved as ``processor/...`` (rank 0).
+        rank_state (dict | None): this rank's own extra state, restored to the same rank; replicated
+            state (``GlobalSamplePosition``) goes into ``trainer_state``.
         storage_options (dict | None): fsspec options for a URL.
         retention (RetentionPolicy | None): applied by rank 0 once the step is durable.
         lineage (RunLineage | None): recorded in the manifest.
-        process_group: the ranks saving together (DCP's ``process_group``).
+        process_group: the ranks saving together (default: the default group).
 
     Returns:
         str: the committed checkpoint's URL, the same on every rank.
 
+    Rank obligations: every rank of ``process_group`` calls this with the same step after the
+    update; trainer, scheduler and teacher state are rank 0's, RNG and ``rank_state`` each rank's.
+
     Raises:
-        ValueError: (one process) a rule above is broken; UnsafeCheckpointError for unloadable state.
-        DistributedSaveError: (a process group) any rank's checks or writes failed, on every rank,
-            naming each failing rank; nothing committed.
+        ValueError: (one process) a rule is broken (``UnsafeCheckpointError`` for unloadable state).
+        DistributedSaveError: (a group) any rank's checks or writes failed, on every rank, naming each.
         DistributedCommitConflictError / CommitConflictError: the step is already committed.
         RetentionError: (rank 0) the retention pass after the commit failed; the step is committed.
     """

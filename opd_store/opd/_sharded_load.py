@@ -1,23 +1,10 @@
 """Loading sharded OPD checkpoints: the exact next-update state at the same world size, the
-elastic policy at another.
+elastic policy at another (docs/sharded.md).
 
-:func:`load_sharded_opd_checkpoint` is the sibling of
-:func:`~opd_store.opd._load.load_opd_checkpoint` for checkpoints written by
-:func:`~opd_store.opd._sharded.save_sharded_opd_checkpoint`. The order keeps the seed's rule that a
-refused resume changes nothing:
-
-1. every rank reads the manifest and decides the resume under the config's mode
-   (:func:`~opd_store.opd._resume.validate_resume`: config fingerprint, provenance, world size; a
-   world-size change only under ``elastic``); the outcome is agreed, so every rank raises the same
-   ``ResumeMismatchError`` naming both sizes;
-2. a first DCP load fetches the small state (the training state and this rank's own state);
-   the teacher's update count is checked;
-3. a second DCP load fills the student's and the optimizer's tensors in place, resharded by DCP to
-   this run's mesh; every file a rank reads is checked against the manifest before any tensor
-   changes (:mod:`opd_store.dcp._reader`), and a damaged one fails every rank;
-4. ``set_state_dict`` hands the state to the model and optimizer, then the scheduler, the teacher
-   (``teacher_state_loader``) and, last, this rank's RNG: its own, or under an elastic resume for a
-   rank that did not exist, one derived from the checkpoint (:mod:`opd_store.opd._elastic`).
+A refused resume changes nothing (the seed): every rank decides the resume and agrees on it; a
+first DCP load reads the small state (teacher count checked); a second fills the tensors in
+place, every file checked before any tensor changes; then ``set_state_dict``, scheduler, teacher
+and, last, this rank's RNG (its own, or derived by :mod:`opd_store.opd._elastic`).
 """
 
 from __future__ import annotations
@@ -58,14 +45,11 @@ class ShardedResume:
     """What :func:`load_sharded_opd_checkpoint` restored on this rank.
 
     Attributes:
-        trainer_state (dict): the saved trainer state (tensors on the CPU); under
-            ``rollout_limit_change`` with a changed limit, without the validation keys and with
-            ``rollout_limit_changed_at_update``, as the seed's loader returns it.
-        rank_state (dict | None): this rank's own ``rank_state`` as saved, ``None`` for a rank
-            that did not exist in the saved run.
-        decision (ResumeDecision): the accepted resume (mode, accepted changes, both world sizes).
-        elastic (ElasticResume): the world sizes and where this rank's RNG came from
-            (``restored`` or ``derived``), and the saved ranks no rank restores.
+        trainer_state (dict): the saved trainer state (tensors on the CPU), as the seed's loader
+            returns it.
+        rank_state (dict | None): this rank's own saved ``rank_state``; ``None`` for a new rank.
+        decision (ResumeDecision): the accepted resume.
+        elastic (ElasticResume): both world sizes and where this rank's RNG came from.
     """
 
     trainer_state: dict
@@ -88,28 +72,24 @@ def load_sharded_opd_checkpoint(
 ) -> ShardedResume:
     """Restore a sharded OPD checkpoint onto this run's (sharded) student and optimizer.
 
-    Rank obligations: every rank of ``process_group`` (default: the default group) calls this;
-    the model and optimizer are built (and sharded) as in the saving run, over this run's mesh.
-
     Args:
         checkpoint (str | os.PathLike | tuple[BaseStore, int]): the step's URL or ``(store, step)``.
-        model, optimizer, scheduler: built as when saved (any world size under ``elastic``).
-        config, provenance_fingerprints, teacher_state_loader: as
-            :func:`~opd_store.opd._load.load_opd_checkpoint`.
+        model, optimizer, scheduler: built (and sharded) as when saved, over this run's mesh.
+        config, provenance_fingerprints, teacher_state_loader: as ``load_opd_checkpoint``.
         storage_options (dict | None): fsspec options for a URL.
-        process_group: the ranks loading together.
+        process_group: the ranks loading together (default: the default group).
 
     Returns:
         ShardedResume: the trainer state, this rank's own state and what the resume did.
 
-    Raises:
-        IncompleteCheckpointError: the step is not complete, or a rank file is missing or
-            truncated (naming step, rank and file); on every rank, nothing changed.
-        IntegrityError: a file's bytes differ from the manifest (naming step, rank and file); on
-            every rank, nothing changed.
-        ResumeMismatchError: the resume is refused (a world-size change outside ``elastic`` names
-            both sizes); on every rank, nothing changed.
-        ValueError: not a sharded OPD checkpoint, or a teacher count that differs.
+    Rank obligations: every rank of ``process_group`` calls this.
+
+    Raises (on every rank, nothing changed):
+        IncompleteCheckpointError: the step is not complete, or a rank file is missing or truncated.
+        IntegrityError: a file's bytes differ from the manifest (naming step, rank and file).
+        ResumeMismatchError: the resume is refused (naming both sizes on a world-size change).
+        ValueError: not a sharded OPD checkpoint, a malformed training state, or a teacher count that
+            differs.
         DistributedLoadError: ranks failed in different ways.
     """
     group = group_of(process_group)

@@ -1,10 +1,7 @@
 """The snapshot stage of an OPD save: check the seed's rules, capture the RNG first, then the state.
 
-:func:`snapshot_opd_checkpoint` returns an :class:`OpdSnapshot`: everything one checkpoint writes,
-captured at one instant. Nothing is written here. The synchronous, asynchronous and multi-rank
-saves (:mod:`opd_store.opd._save`, :mod:`opd_store.opd._async_save`) all start with it; the
-asynchronous save passes a ``stage`` function so every tensor is a private copy and training may
-go on while it is written.
+Nothing is written here; the synchronous, asynchronous and multi-rank saves all start with
+:func:`snapshot_opd_checkpoint` (the asynchronous one with a ``stage`` copy function).
 """
 
 from __future__ import annotations
@@ -29,7 +26,12 @@ from ._safe_load import plain_config_dict, sanitize_state
 
 
 def check_trainer_state(trainer_state: Any, teacher_state: Any) -> int:
-    """The seed's rules on what may be checkpointed; returns the step."""
+    """The seed's rules on what may be checkpointed; returns the step.
+
+    Raises:
+        ValueError: a state is not a mapping, lacks a counter, holds ``rollouts``/``failure_queue``,
+            or the teacher's ``update_count`` differs from ``successful_updates``.
+    """
     if not isinstance(trainer_state, Mapping):
         raise ValueError(f"OPD trainer state must be a mapping, got {type(trainer_state).__name__}")
     if not isinstance(teacher_state, Mapping):
@@ -82,12 +84,10 @@ def class_name(obj: Any) -> str | None:
 
 @dataclasses.dataclass
 class OpdSnapshot:
-    """Everything one OPD checkpoint writes, captured at one instant (the snapshot phase of a save).
+    """Everything one OPD checkpoint writes, captured at one instant.
 
-    Built by :func:`snapshot_opd_checkpoint`, written by :func:`opd_store.opd._save.write_opd_checkpoint`
-    (or the multi-rank stages). With a ``stage`` function (the asynchronous save) every tensor in ``training_state``,
-    ``rng_payloads`` and ``adapter_state_dict`` is a private copy, so training may go on while it
-    is written; without one (the synchronous save) tensors are the live ones.
+    With a ``stage`` function (asynchronous save) every tensor is a private copy, so training may go
+    on during the write; without one the tensors are the live ones.
 
     Attributes:
         store (BaseStore): where the checkpoint goes (plain or tiered).
@@ -95,19 +95,15 @@ class OpdSnapshot:
         world_size (int): ranks of the run.
         metadata (dict): the manifest metadata (JSON).
         training_state (dict): the ``training_state.pt`` payload.
-        rng_payloads (dict[int, dict]): rank to its RNG state: every rank's in single-writer mode,
-            this rank's only in multi-rank mode.
+        rng_payloads (dict[int, dict]): rank -> RNG state (every rank's, or this rank's in multi-rank).
         config_yaml (bytes): the ``config.yaml`` payload.
-        model (Any): the student (its ``save_pretrained`` writes the adapter), or ``None`` when
-            ``adapter_dir`` already holds the adapter's files.
-        adapter_state_dict (dict[str, torch.Tensor] | None): passed as ``state_dict=`` to
-            ``model.save_pretrained`` (staged copies), or ``None`` to let it read the live model.
-        adapter_dir (str | None): a directory the adapter was already written to (a staged save of
-            a model whose ``save_pretrained`` takes no ``state_dict``); removed by the write.
+        model (Any): the student, or ``None`` when ``adapter_dir`` holds the adapter's files.
+        adapter_state_dict (dict[str, torch.Tensor] | None): staged ``state_dict=`` for
+            ``save_pretrained``; ``None``: the live model.
+        adapter_dir (str | None): a staged adapter directory, removed by the write.
         processor (Any | None): tokenizer/processor with ``save_pretrained``.
-        retention (RetentionPolicy | None): applied once the step is durable, or ``None``.
-        lineage (RunLineage | None): run id and resume parent (already in ``metadata``), used by
-            the retention pass.
+        retention (RetentionPolicy | None): applied once the step is durable.
+        lineage (RunLineage | None): run id and resume parent, for the retention pass.
     """
 
     store: BaseStore
@@ -129,9 +125,8 @@ def config_record(config: Any) -> tuple[str, bytes]:
     """``(fingerprint, config.yaml bytes)`` of a run's config, checked before anything is written.
 
     Raises:
-        ValueError: ``config.fingerprint()`` is not a ``str``, or ``config.as_dict()`` is not plain
-            YAML data (naming its key: a ``Path`` or an enum would make ``config.yaml``
-            unloadable with ``yaml.safe_load``).
+        ValueError: ``fingerprint()`` is not a ``str``, or ``as_dict()`` is not plain YAML data (naming
+            the key: a ``Path`` or enum would make ``config.yaml`` unloadable by ``yaml.safe_load``).
     """
     fingerprint = config.fingerprint()
     if not isinstance(fingerprint, str):
@@ -170,9 +165,10 @@ def _accepts_state_dict(model: Any) -> bool:
 
 
 def _stage_adapter(model: Any, stage: Callable[[Any], Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """Capture the adapter now: staged copies of the trainable parameters and buffers (frozen
-    parameters are referenced: training does not change them), or the files ``save_pretrained``
-    writes into a new temporary directory when it takes no ``state_dict``."""
+    """Capture the adapter now: staged copies of trainable parameters and buffers (frozen ones are
+    referenced), or ``save_pretrained``'s files in a temporary directory when it takes no
+    ``state_dict``.
+    """
     if _accepts_state_dict(model):
         trainable = {name for name, param in model.named_parameters() if param.requires_grad}
         buffers = {name for name, _ in model.named_buffers()}
@@ -206,28 +202,21 @@ def snapshot_opd_checkpoint(
     stage: Callable[[Any], Any] | None = None,
     rank_rng_parts: dict[int, dict] | None = None,
 ) -> OpdSnapshot:
-    """The snapshot phase of :func:`save_opd_checkpoint`: check the seed's rules and capture state.
+    """The snapshot phase of ``save_opd_checkpoint``: its arguments, rules and errors; nothing written.
 
-    Arguments, rules and errors are those of :func:`save_opd_checkpoint` (nothing is written). The
-    caller wraps it in :func:`~opd_store.opd._rng.preserve_global_rng`; this process's RNG state is
-    captured first.
+    The caller wraps it in :func:`~opd_store.opd._rng.preserve_global_rng`.
 
     Args:
-        stage (Callable | None): applied to every tensor-bearing value after sanitising (the
-            trainer, optimizer, scheduler, teacher and RNG states, a ``Tensor -> Tensor`` copy
-            applied recursively by the caller's function) and to the adapter's trainable tensors;
-            ``None`` keeps the live tensors (synchronous save, no copy).
-        rank_rng_parts (dict[int, dict] | None): multi-rank mode: this rank's RNG state
-            keyed by its rank, captured by the caller; ``rank_rng_states`` is then ignored and
-            ``world_size`` is the process group's.
+        stage (Callable | None): a ``Tensor -> Tensor`` copy applied to every state and the adapter's
+            trainable tensors; ``None`` keeps the live tensors.
+        rank_rng_parts (dict[int, dict] | None): multi-rank mode: this rank's RNG state by rank;
+            ``rank_rng_states`` is then ignored and ``world_size`` is the group's.
 
     Returns:
-        OpdSnapshot: what :func:`~opd_store.opd._save.write_opd_checkpoint` (one writer) or the
-        multi-rank stages write.
+        OpdSnapshot: what ``write_opd_checkpoint`` or the multi-rank stages write.
 
     Raises:
-        ValueError: as :func:`~opd_store.opd._save.save_opd_checkpoint`, and when ``retention`` is
-            given for a store that applies its own (a tiered store's ``bucket_retention``).
+        ValueError: as ``save_opd_checkpoint``, and ``retention`` given for a store that applies its own.
     """
     if rank_rng_parts is None:
         own_rng = capture_rng_state() if rank_rng_states is None else None

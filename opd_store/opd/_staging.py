@@ -11,16 +11,12 @@ import torch
 class StagingBuffers:
     """Copies of a state's tensors in reusable host buffers (the snapshot's copy).
 
-    :meth:`stage` maps a state tree (dict, ``OrderedDict``, ``Counter``, list, tuple, set; as
-    produced by :func:`~opd_store.opd._safe_load.sanitize_state`) to an equal tree whose tensors are
-    private copies on the CPU. The n-th tensor staged since :meth:`begin` reuses the n-th buffer of
-    the previous snapshot when dtype and shape match, so a steady-state save allocates nothing.
-    Only reuse buffers after the write of the previous snapshot has finished (the checkpointer
-    has at most one in flight).
+    The n-th tensor staged since :meth:`begin` reuses the previous snapshot's n-th buffer when dtype
+    and shape match, so a steady-state save allocates nothing; reuse only once the previous write
+    finished.
 
     Args:
-        pin_memory (bool | None): allocate pinned host memory for tensors that come from CUDA
-            (``None``: when CUDA is available).
+        pin_memory (bool | None): pinned host memory for CUDA tensors (``None``: when CUDA is available).
     """
 
     def __init__(self, pin_memory: bool | None = None) -> None:
