@@ -1,27 +1,11 @@
 """Local checkpoint directories in and out of a store: upload files as payloads, fetch a step back.
 
-Frameworks write a checkpoint as a directory of files (``checkpoint-42/optimizer.pt``, ...). This
-module turns such a directory into payloads of one save attempt and back:
-
-* :func:`directory_files` lists a directory as ``{payload name: path}``;
-* :func:`snapshot_files` hard-links the files into a private staging directory, so a framework that
-  deletes or rewrites its checkpoint directory while an upload is pending (the Hugging Face
-  ``Trainer`` removes old ``checkpoint-N`` directories under ``save_total_limit`` before the next
-  ``on_save``) cannot take bytes from under the upload;
-* :func:`upload_files` streams files into a transaction or a rank's part, each through a payload
-  writer that computes size and CRC32C as the bytes pass, and refuses a file that changed while it
-  was read;
-* :func:`fetch_step` copies a committed step into a local directory, each payload verified against
-  the manifest's size and CRC32C by the store's ``open``, and publishes the directory with
-  one local ``rename`` only once every file is there.
-
-Why hard links and not copies: a link costs one metadata write per file whatever the size (a copy
-of a 10 GiB state costs 10 GiB of writes and disk), and the linked inode keeps its bytes when the
-framework unlinks its own name (POSIX ``unlink(2)`` frees the data only with the last link). A
-framework that rewrites a file *in place* (``open(..., "wb")`` truncates the shared inode) is caught
-by the (inode, size, mtime) comparison made after each file is streamed; such an upload is not
-committed. Where links are impossible (another filesystem, a filesystem without links) the file is
-copied instead.
+:func:`snapshot_files` hard-links a framework's files into a private staging directory, so
+deleting its directory meanwhile (the Trainer's ``save_total_limit``) cannot take bytes from an
+upload: a link costs one metadata write per file and the inode keeps its bytes until the last
+link goes (POSIX ``unlink(2)``); a file rewritten in place is caught by the (inode, size, mtime)
+check after streaming; where links are impossible the file is copied. :func:`fetch_step` publishes
+a verified step with one local ``rename``. docs/integrations.md, "Hugging Face Trainer and TRL".
 """
 
 from __future__ import annotations
@@ -79,11 +63,8 @@ class FileSnapshot:
 
 
 def directory_files(directory: str | os.PathLike) -> dict[str, Path]:
-    """Every regular file under ``directory`` as ``{relative posix name: path}``, sorted by name.
-
-    Symbolic links are followed only when they point to a regular file. Names are what the payloads
-    will be called, so a name the store refuses (``:``, ``#``, glob characters) fails the save with
-    the store's ``ValueError`` naming it.
+    """Every regular file under ``directory`` as ``{relative posix name: path}``, sorted by name
+    (symbolic links followed only to regular files); a name the store refuses fails the save later.
 
     Raises:
         FileNotFoundError: ``directory`` does not exist.
@@ -105,8 +86,7 @@ def snapshot_files(files: Mapping[str, Path], staging_dir: str | os.PathLike, *,
 
     Args:
         files (Mapping[str, Path]): payload name -> the framework's file.
-        staging_dir (str | os.PathLike): a new directory on the same filesystem (links cannot
-            cross filesystems; the file is copied then).
+        staging_dir (str | os.PathLike): a new directory on the same filesystem (else files are copied).
         link (bool): ``False`` copies every file (for frameworks that rewrite files in place).
 
     Returns:
@@ -137,25 +117,17 @@ def snapshot_files(files: Mapping[str, Path], staging_dir: str | os.PathLike, *,
 
 
 def upload_files(txn, files: Iterable[FileSnapshot]) -> int:
-    """Stream local files into ``txn`` (a :class:`~opd_store.commit._transaction.Transaction` or a rank's
-    part), one payload each, and return the bytes written.
-
-    Each file is read in :data:`CHUNK_BYTES` pieces into ``txn.open(name)``, whose writer computes
-    size and CRC32C on the way. After the last byte the file is compared with its snapshot: a file
-    deleted or rewritten meanwhile aborts the payload, so what the manifest records is exactly
-    the bytes that were read.
+    """Stream local files into ``txn`` (a transaction or a rank's part), one payload each, in
+    :data:`CHUNK_BYTES` pieces; return the bytes written. A file that changed against its snapshot
+    aborts its payload, so the manifest records exactly the bytes read.
 
     Raises:
-        IncompleteCheckpointError: a file is missing, shorter or longer than when its save began,
-            or was rewritten while it was read (names the file); the caller's transaction is left
-            to abort (nothing is committed).
-        ValueError: a name the store refuses (see :func:`opd_store.format._names.check_payload_name`).
-        StoragePermissionError: the backend refused a request (names the operation, the payload's
-            URL and the step; the backend's error is the ``__cause__``).
-        StoreUnreachableError: the store could not be reached (names the payload, the step and the
-            endpoint; cause chained).
-        OSError: any other backend failure (:class:`~opd_store.errors.PayloadUploadError` naming the
-            object and the request).
+        IncompleteCheckpointError: a file is missing, resized or rewritten while read (names it);
+            the caller's transaction aborts.
+        ValueError: a name the store refuses.
+        StoragePermissionError: the backend refused a request (names the operation, URL and step).
+        StoreUnreachableError: the store could not be reached (names payload, step and endpoint).
+        OSError: any other backend failure (``PayloadUploadError`` naming the object and request).
     """
     total = 0
     for snap in files:
@@ -183,22 +155,16 @@ def upload_files(txn, files: Iterable[FileSnapshot]) -> int:
 def fetch_step(store: BaseStore, step: int, target_dir: str | os.PathLike, *, manifest=None) -> Path:
     """Copy the complete step ``step`` of ``store`` into ``target_dir``, verified, and return it.
 
-    Every payload of the manifest is read once through the store's ``open`` (size and CRC32C
-    checked against the manifest before a byte is used) into a hidden sibling directory, which is
-    renamed to ``target_dir`` once every file is there. A ``target_dir`` that already exists (a
-    directory an earlier process left, possibly half-written) is replaced: the store is the source
-    of truth. The fetch is the verification: a resume that fetches needs no deep verify first.
+    Every payload is read once through ``store.open`` (checked before a byte is used) into a hidden
+    sibling, renamed to ``target_dir`` once complete; an existing ``target_dir`` is replaced (the
+    store is the source of truth). The fetch is the verification.
 
     Args:
         manifest (Manifest | None): the step's manifest when the caller already read it.
 
-    Returns:
-        Path: ``target_dir``.
-
     Raises:
         CheckpointNotFoundError: no manifest for ``step``.
-        IncompleteCheckpointError, IntegrityError: a payload is missing or its bytes differ from
-            the manifest (nothing is published at ``target_dir``).
+        IncompleteCheckpointError, IntegrityError: a payload is missing or differs (nothing published).
         OSError: a backend or local failure.
     """
     target = Path(target_dir)

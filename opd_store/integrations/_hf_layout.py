@@ -1,19 +1,12 @@
 """What a Hugging Face ``Trainer`` checkpoint directory holds, and which rank owns which file.
 
-Pure functions over file names (no I/O, no transformers import). The rules come from
-``transformers.Trainer._save_checkpoint`` (transformers 4.46 - 5.x; TRL's ``GKDTrainer``,
-``GOLDTrainer`` and ``DistillationTrainer`` save only through it):
-
-* the process with ``args.should_save`` (rank 0) writes the model or adapter
-  (``model.safetensors``, ``pytorch_model.bin``, ``adapter_model.safetensors``, ...; sharded
-  weights as ``*.index.json`` plus the shards it names), ``training_args.bin``, the tokenizer or
-  processor files, ``trainer_state.json``, and unless ``save_only_model`` ``optimizer.pt``,
-  ``scheduler.pt`` and (with a gradient scaler) ``scaler.pt``;
-* every process writes its own RNG state: ``rng_state.pth`` when ``world_size == 1``, else
-  ``rng_state_{process_index}.pth``; sharded FSDP state (``torch.distributed.checkpoint``) is one
-  ``__{rank}_{n}.distcp`` file per rank inside its directory;
-* transformers' just-in-time checkpoint (``enable_jit_checkpoint``) writes
-  ``checkpoint-is-incomplete.txt`` before it saves and removes it after.
+Pure functions over file names. The rules are ``transformers.Trainer._save_checkpoint``'s
+(transformers 4.46 - 5.x; TRL's distillation trainers save only through it): rank 0 writes the
+model or adapter (sharded: ``*.index.json`` and its shards), ``training_args.bin``, tokenizer
+files, ``trainer_state.json`` and, unless ``save_only_model``, ``optimizer.pt``, ``scheduler.pt``,
+``scaler.pt``; every process writes ``rng_state.pth`` (one process) or ``rng_state_{rank}.pth``
+and its ``__{rank}_{n}.distcp`` shards; ``enable_jit_checkpoint`` brackets its save with
+``checkpoint-is-incomplete.txt``.
 """
 
 from __future__ import annotations
@@ -47,13 +40,8 @@ def step_of_dirname(path: str | None) -> int | None:
 
 
 def best_step_of(state) -> int | None:
-    """The step of the Trainer's best checkpoint, or ``None`` (no ``metric_for_best_model``, or no
-    evaluation yet).
-
-    ``state.best_model_checkpoint`` (a ``TrainerState``; the directory ``load_best_model_at_end``
-    loads at the end of training and ``save_total_limit`` never deletes) is set by
-    ``Trainer._save_checkpoint`` only once that directory exists, so it is the one read;
-    ``best_global_step`` (transformers >= 4.51) names a step before its checkpoint is saved.
+    """The step of the Trainer's best checkpoint, or ``None``: read from ``best_model_checkpoint``,
+    set only once that directory exists (``best_global_step`` names a step before its save).
     """
     return step_of_dirname(getattr(state, "best_model_checkpoint", None))
 
@@ -91,11 +79,9 @@ def missing_files(
 
     Args:
         files (Mapping[str, Path]): this rank's files (payload name -> path).
-        rank (int): the process index.
-        world_size (int): processes in the run.
+        rank (int), world_size (int): the process index and count.
         save_only_model (bool): ``TrainingArguments.save_only_model`` (no optimizer, scheduler, RNG).
-        optimizer_in_files (bool): whether ``optimizer.pt``/``scheduler.pt`` are expected
-            (``False`` under DeepSpeed or FSDP, which write their own layouts).
+        optimizer_in_files (bool): ``optimizer.pt``/``scheduler.pt`` expected (not under DeepSpeed/FSDP).
 
     Returns:
         list[str]: one line per problem, each naming the file.

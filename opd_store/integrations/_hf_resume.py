@@ -1,14 +1,8 @@
-"""Resume a Hugging Face ``Trainer`` run from the newest complete checkpoint of a store.
+"""Resume a Hugging Face ``Trainer`` run from the newest complete checkpoint of a store
+(docs/integrations.md; the damaged-step rule: docs/resume.md, "A damaged checkpoint").
 
-``trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer))`` on a fresh machine:
-check that this run may resume the newest committed step (the OPD layer's resume rules over
-``TrainingArguments`` and the model config, :mod:`opd_store.integrations._run_config`), fetch every
-file verified against the manifest into ``<output_dir>/checkpoint-N`` (the fetch is the check:
-each payload is downloaded once), and fetch the Trainer's best checkpoint with it. A damaged or
-uncommitted newer step is skipped with a warning (the rule every entry point keeps:
-:mod:`opd_store.store._resume_guard`, docs/resume.md). ``Trainer.train`` resolves
-``resume_from_checkpoint`` before any callback runs, so the fetch happens before the call.
-Re-exported by :mod:`opd_store.integrations.transformers`.
+``Trainer.train`` resolves ``resume_from_checkpoint`` before any callback runs, so the check and
+the verified fetch happen before the call.
 """
 
 from __future__ import annotations
@@ -45,26 +39,24 @@ def store_checkpoint(
 ) -> str | None:
     """Fetch the newest complete checkpoint of ``url`` into a local directory for ``Trainer.train``.
 
-    ``trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer))`` resumes a run
-    on a fresh machine, and starts it from scratch when the store holds no complete checkpoint
-    (the function returns ``None``, which ``train`` reads as "no resume"). Newer steps that are
-    uncommitted or damaged (a payload missing, short or altered) are skipped with a warning naming
-    the step and the file; each payload of the resumed step is downloaded once, verified as it
-    lands. The checkpoint its ``trainer_state.json`` names as best (``best_model_checkpoint``) is
-    fetched beside it, and that field pointed at it, so ``load_best_model_at_end`` ends on it.
+    Newer uncommitted or damaged steps are skipped with a warning naming the step and file; each
+    payload is downloaded once, verified as it lands. The best checkpoint ``trainer_state.json``
+    names is fetched beside it and pointed at, so ``load_best_model_at_end`` ends on it.
 
     Args:
-        url (str | os.PathLike | BaseStore): the store (a URL, or a store: plain or tiered).
-        local_dir (str | os.PathLike | None): where ``checkpoint-N`` is created; default
-            ``trainer.args.output_dir``.
+        url (str | os.PathLike | BaseStore): the store (a URL, or a plain or tiered store).
+        local_dir (str | os.PathLike | None): where ``checkpoint-N`` goes; default ``args.output_dir``.
         storage_options (dict | None): fsspec options.
-        trainer (transformers.Trainer | None): when given, the checkpoint's recorded run config is
-            checked against ``trainer.args`` and ``trainer.model`` before anything is fetched.
-        step (int | None): a given complete step instead of the newest (not skipped if damaged).
-        resume_mode (str): see :class:`StoreCallback` (``elastic`` is refused).
+        trainer (transformers.Trainer | None): its args and model config are checked against the
+            checkpoint's before anything is fetched.
+        step (int | None): this complete step instead of the newest (not skipped if damaged).
+        resume_mode (str): as :class:`StoreCallback` (``elastic`` is refused).
 
     Returns:
-        str | None: the local checkpoint directory, or ``None`` when the store is empty.
+        str | None: the local checkpoint directory; ``None`` (no resume) when the store is empty.
+
+    Rank obligations: with several ranks every rank calls it (a collective): rank 0 chooses, checks
+    and fetches; each other distinct local directory is fetched once, after.
 
     Raises:
         StoreUnreachableError: the store cannot be used.
@@ -72,13 +64,8 @@ def store_checkpoint(
         CheckpointNotFoundError: ``step`` is not complete.
         IntegrityError, IncompleteCheckpointError: a payload of the given ``step`` differs from its
             manifest (nothing is published locally).
-        DistributedLoadError: (several ranks) the fetch failed on some ranks but not all; raised
-            on every rank, naming each failing rank and its error.
+        DistributedLoadError: (several ranks) the fetch failed on some ranks; raised on every rank.
         ValueError: neither ``local_dir`` nor ``trainer`` given, or ``resume_mode='elastic'``.
-
-    Rank obligations: with a process group of several ranks, every rank calls it (a collective):
-    rank 0 chooses, checks and fetches the step; every other distinct local directory (found by
-    the filesystem, so hosts sharing one fetch it once) is fetched once, after.
     """
     check_trainer_resume_mode(resume_mode)
     store = as_store(url, storage_options)
@@ -125,12 +112,9 @@ def store_checkpoint(
 def _newest_intact_fetched(store: BaseStore, local: Path, check: Callable[[int, Any], None]) -> int | None:
     """Fetch the newest step that is complete and whose bytes match its manifest; return it.
 
-    Steps are tried newest first (one listing, one manifest read per committed step): one that is
-    not complete by the listing (uncommitted, a payload missing or short) is skipped without a
-    download; a complete one is checked (``check``: the run config) and fetched, and a payload whose
-    CRC32C differs (found while it downloads) skips it too, nothing of it published. Each skipped
-    step is one warning ``URL: skipped step N (<status>: <what, naming the file>)``; ``None``, with
-    a warning, when no step is intact.
+    Newest first: a step incomplete by the listing is skipped without a download, a complete one is
+    checked (``check``) and fetched, and a CRC32C mismatch while downloading skips it too. One warning
+    per skipped step; ``None``, with a warning, when no step is intact.
     """
     for info in reversed(store.checkpoints()):
         if info.status != COMPLETE:
@@ -150,17 +134,12 @@ def _newest_intact_fetched(store: BaseStore, local: Path, check: Callable[[int, 
 
 
 def _fetch_with_best(store: BaseStore, step: int, local: Path, manifest=None) -> None:
-    """Fetch ``step`` into ``local/checkpoint-<step>``, then the best checkpoint its
-    ``trainer_state.json`` names, and point ``best_model_checkpoint`` at the local copy.
-
-    The Trainer drops a ``best_model_checkpoint`` that is not a local directory when it resumes
-    (and then ends a ``load_best_model_at_end`` run on its last weights), and the recorded path is
-    the saving machine's. A best checkpoint the store no longer holds intact is a warning naming
-    the step; the resume goes on without it, as the Trainer's own would.
+    """Fetch ``step`` into ``local/checkpoint-<step>``, then the best checkpoint it names, and point
+    ``best_model_checkpoint`` at the local copy (the Trainer drops a non-local one on resume). A best
+    checkpoint no longer intact is a warning.
 
     Raises:
-        IntegrityError, IncompleteCheckpointError: a payload of ``step`` is damaged (from
-            :func:`fetch_step`; nothing is published).
+        IntegrityError, IncompleteCheckpointError: a payload of ``step`` is damaged (nothing published).
     """
     target = fetch_step(store, step, local / checkpoint_dirname(step), manifest=manifest)
     state_path = target / TRAINER_STATE_NAME
@@ -188,14 +167,11 @@ def _fetch_with_best(store: BaseStore, step: int, local: Path, manifest=None) ->
 
 
 def _fetches_its_directory(group: Any, local: Path) -> bool:
-    """Whether this rank of ``group`` (the process group's ``RankGroup``) fetches into ``local``:
-    the lowest rank of the ranks whose ``local`` is the same directory, found by the filesystem
-    (each rank creates a marker file there and looks for the others'), not by host name and path:
-    hosts sharing an output directory over a network filesystem would otherwise both fetch
-    ``checkpoint-N`` and collide publishing it ("Directory not empty"). A rank that cannot create
-    its marker fetches alone (and its fetch names why).
+    """Whether this rank fetches into ``local``: the lowest rank sharing that directory, found by
+    marker files rather than host names (hosts sharing a network filesystem would otherwise collide
+    publishing ``checkpoint-N``). A rank that cannot create its marker fetches alone.
 
-    Rank obligations: a collective (two ``all_gather``): every rank calls it.
+    Rank obligations: a collective (two ``all_gather``).
     """
     token = uuid.uuid4().hex
     marker = local / f"{FETCH_MARKER_PREFIX}{token}"
@@ -217,9 +193,9 @@ def _fetches_its_directory(group: Any, local: Path) -> bool:
 
 
 def _align_special_tokens(trainer: Any) -> None:
-    """What ``Trainer.train`` does to the model config before training (transformers 5: copy the
-    tokenizer's bos/eos/pad ids into ``model.config``), done now so the config compared with the
-    checkpoint's is the one the run will train with. Idempotent; absent before transformers 5."""
+    """What ``Trainer.train`` does to the model config first (transformers 5: the tokenizer's special
+    token ids into ``model.config``), done now so the compared config is the trained one.
+    """
     try:
         from transformers.trainer_utils import align_special_tokens
     except ImportError:
@@ -229,10 +205,8 @@ def _align_special_tokens(trainer: Any) -> None:
 
 
 def resume_from_store(trainer: Any, url: str | os.PathLike | BaseStore, **kwargs: Any):
-    """``trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer, **kwargs))``.
-
-    Returns:
-        transformers.trainer_utils.TrainOutput: what ``train`` returns.
+    """``trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer, **kwargs))``;
+    returns ``train``'s ``TrainOutput``.
     """
     return trainer.train(resume_from_checkpoint=store_checkpoint(url, trainer=trainer, **kwargs))
 

@@ -1,22 +1,10 @@
 """Which Lightning checkpoint a load reads, and its bytes read once, verified.
 
-Each checkpoint name under the plugin's root is a store whose steps are the name's *versions*
-(:mod:`opd_store.integrations.lightning`). A load keeps the rule every entry point keeps
-([docs/resume.md](../../docs/resume.md#damaged-checkpoints)), in Lightning's terms:
-
-- ``ckpt_path="last"`` reads the newest commit among the ``last*.ckpt`` names. When that version
-  is damaged (its payload missing, short, or with another CRC32C), the newest intact version of
-  any name under the root (by commit time) is loaded instead, with one warning naming what was
-  skipped, as if it had been passed as ``ckpt_path``. The resumed run cannot collide with the
-  damaged version: a save commits a version above every listed one. With no intact version, the
-  load stops (before training) with one line naming every damaged version and the remedy.
-- An explicit path names one checkpoint: its newest committed version, or a one-line error naming
-  its damage and the remedy (loading another checkpoint silently would change the run).
-- A path outside the root: another store of versions (same rules), or a plain file, read unchecked
-  as Lightning reads one (there is no manifest to check it against).
-
-A payload is downloaded once: the reader whose size and CRC32C were checked
-(:meth:`opd_store.store.BaseStore.open`) is what ``torch.load`` reads.
+``ckpt_path="last"`` reads the newest ``last*.ckpt`` commit, or, when damaged, the newest intact
+version of any name with a warning (a new save commits above every listed version, so no
+collision); an explicit path reads its newest version or fails naming the damage; a path outside
+the root is another store or a plain file read unchecked. The rule: docs/resume.md, "A damaged
+checkpoint"; in Lightning's terms: docs/integrations.md, "Lightning".
 """
 
 from __future__ import annotations
@@ -47,8 +35,7 @@ class Version:
     """One committed version of a checkpoint name.
 
     Attributes:
-        name (str): the checkpoint name relative to the plugin's root (``last.ckpt``), or the path
-            given for a store outside it.
+        name (str): the name relative to the root (``last.ckpt``), or the path of an outside store.
         store (BaseStore): the name's store.
         info (CheckpointInfo): the version (its ``step``) with status and manifest.
     """
@@ -71,12 +58,12 @@ class Version:
         return self.info.created_at or _EPOCH, step, self.info.step
 
     def open(self) -> BinaryIO:
-        """The payload's reader, after its size and CRC32C were checked against the manifest.
+        """The payload's reader, its size and CRC32C checked against the manifest.
 
         Raises:
-            IncompleteCheckpointError: the listing already showed a payload missing or short
-                (nothing is downloaded); or it vanished since.
-            IntegrityError: the downloaded bytes differ from the manifest (size or CRC32C).
+            IncompleteCheckpointError: a payload missing or short by the listing (nothing downloaded),
+                or vanished since.
+            IntegrityError: the downloaded bytes differ from the manifest.
             ManifestError: the manifest cannot be parsed.
         """
         if self.info.status != COMPLETE:
@@ -121,19 +108,18 @@ def is_last_name(name: str, pattern: re.Pattern) -> bool:
 
 
 def open_last(root_url: str, names: dict[str, BaseStore], pattern: re.Pattern) -> tuple[Version, BinaryIO]:
-    """What ``ckpt_path="last"`` loads (module docs): the newest commit among the names matching
-    ``pattern``, else (damaged) the newest intact version of any name, with one warning naming the
-    skipped versions.
+    """What ``ckpt_path="last"`` loads: the newest commit among names matching ``pattern``, else (it is
+    damaged) the newest intact version of any name, with one warning naming the skipped versions.
 
     Args:
         root_url (str): the plugin's root (for messages).
         names (dict[str, BaseStore]): every checkpoint name under the root with its store.
-        pattern (re.Pattern): the ``last*.ckpt`` names (the callback's).
+        pattern (re.Pattern): the ``last*.ckpt`` names.
 
     Raises:
         CheckpointNotFoundError: no ``last*.ckpt`` name holds a committed version.
-        IntegrityError, IncompleteCheckpointError, ManifestError: (the newest damage's class) no
-            committed version under the root is intact: one line naming each and the remedy.
+        IntegrityError, IncompleteCheckpointError, ManifestError: no committed version is intact
+            (one line naming each and the remedy).
     """
     versions = [version for name, store in names.items() for version in committed_versions(name, store)]
     lasts = [version for version in versions if is_last_name(version.name, pattern)]

@@ -1,19 +1,10 @@
 """A trainer run's config in the shape the OPD layer's resume rules judge.
 
-:func:`opd_store.opd._resume.validate_resume` decides whether a run may resume a checkpoint from a
-config object offering ``fingerprint()``, ``as_dict()`` and the execution-only markings
-(``execution_only_paths()``, ``rollout_limit_path()``, ``execution_only_provenance``) plus
-``checkpoint.resume_mode``. :class:`RunConfig` gives a framework run that shape, so a Hugging Face
-``Trainer`` or a Lightning run is refused or accepted by the same rules, with the same messages
-(each differing field by dotted path, saved and current value), as an OPD checkpoint
-(docs/resume.md). No second comparison is written here.
-
-``as_dict()`` holds two sections: ``training_args`` (for the Hugging Face Trainer, every field of
-``TrainingArguments``, TRL's configs included) and ``model`` (the model's config, and the PEFT
-adapter's configs under ``model.peft``). Which of them are execution-only (do not change the math,
-so a resume may change them under ``execution_change``) is listed in
-:data:`TRAINING_ARGS_EXECUTION_ONLY`; everything else, unknown future fields included, counts as
-changing the math, so a new field can only make the check stricter.
+:class:`RunConfig` offers ``fingerprint()``, ``as_dict()`` and the execution-only markings, so a
+Hugging Face or Lightning run is accepted or refused by
+:func:`opd_store.opd._resume.validate_resume`, with the same messages (docs/resume.md). Sections:
+``training_args`` and ``model`` (``model.peft`` for adapters); execution-only fields are listed
+in :data:`TRAINING_ARGS_EXECUTION_ONLY`, so an unknown future field can only make the check stricter.
 """
 
 from __future__ import annotations
@@ -102,9 +93,8 @@ class RunConfig:
     Attributes:
         sections (dict): ``{"training_args": {...}, "model": {...}}`` as plain JSON.
         execution_only (tuple[str, ...]): dotted paths a resume may change under ``execution_change``.
-        provenance (dict[str, str]): library versions (``torch``, ``transformers``, ...); marked
-            execution-only, so ``exact`` refuses a change and ``execution_change`` accepts it.
-        resume_mode (str): one of ``exact``, ``execution_change``, ``rollout_limit_change``.
+        provenance (dict[str, str]): library versions, execution-only (``exact`` refuses a change).
+        resume_mode (str): ``exact``, ``execution_change`` or ``rollout_limit_change``.
 
     Raises:
         ValueError: an unknown resume mode.
@@ -207,9 +197,11 @@ def trainer_run_config(args: Any, model: Any, *, resume_mode: str = "exact") -> 
 
     Args:
         args (transformers.TrainingArguments): the run's arguments (TRL's configs are subclasses).
-        model (torch.nn.Module | None): the trained model; its ``config`` (a ``PretrainedConfig``)
-            and, for a PEFT model, its ``peft_config`` are recorded.
+        model (torch.nn.Module | None): its ``config`` and a PEFT model's ``peft_config`` are recorded.
         resume_mode (str): see :class:`RunConfig`.
+
+    Raises:
+        ValueError: an unknown resume mode.
     """
     training_args = _redact(json.loads(args.to_json_string()))
     model_section: dict[str, Any] = {}
@@ -231,16 +223,14 @@ def trainer_run_config(args: Any, model: Any, *, resume_mode: str = "exact") -> 
 
 
 def check_resume(saved: Mapping[str, Any] | None, current: RunConfig, *, checkpoint_url: str, world_size: int):
-    """Refuse or accept resuming a checkpoint whose manifest recorded ``saved`` (see
-    :meth:`RunConfig.to_metadata`), by the OPD layer's rules.
+    """Refuse or accept resuming a checkpoint whose manifest recorded ``saved``, by the OPD rules.
 
     Returns:
-        opd_store.opd._resume.ResumeDecision: the accepted decision.
+        ResumeDecision: the accepted decision.
 
     Raises:
-        ResumeMismatchError: another run's checkpoint (names every differing field), a checkpoint
-            with no recorded config under ``exact`` when the config cannot be compared, or another
-            world size.
+        ResumeMismatchError: another run's checkpoint (names every differing field), no recorded
+            config under ``exact``, or another world size.
     """
     from ..opd import validate_resume
 

@@ -1,22 +1,9 @@
-"""The goodput ledger's run journal kept from a trainer's hooks: what the Hugging Face callback and
-the Lightning callback record (docs/ledger.md, "From other trainers"; the main job's own is
-:mod:`opd_store.job._ledger`), with the event schema of :mod:`opd_store.ledger`.
+"""The run journal kept from a trainer's hooks (the Hugging Face and Lightning callbacks), with
+:mod:`opd_store.ledger`'s event schema; events and fields: docs/ledger.md, "From other trainers".
 
-* ``start`` and ``resume`` when training begins, after one listing of the journal: the previous
-  start's last step there gives ``updates_redone``, the updates it made after the step resumed;
-* ``first_update`` after this start's first update, ``progress`` after an update at most every
-  ``progress_every_secs`` (0: every update, so the report's lost updates are exact, not a bound);
-* one ``save`` per committed save, written once each of its parts arrived
-  (:meth:`TrainerJournal.save_part`: the commit, possibly on a background thread; the seconds the
-  training thread was blocked; the other ranks' bytes and requests), from whichever thread brings
-  the last part, on the journal's writer thread: the one request the journal adds to a save;
-* ``notice`` when the integration sees a preemption notice, ``exit`` when training ends or fails.
-
-Rank 0 writes; the other ranks hold a journal that writes nothing and count only their own save
-requests. Nothing here fails or changes training (the seed's resume contract: the journal is never
-needed): a listing or write that fails is a warning (:class:`~opd_store.ledger.Journal`), and every
-request leaves the caller's random streams alone (:func:`~opd_store.runtime.route_background_random`),
-so a run resumes bit-exactly with its journal lost or damaged.
+Rank 0 writes; one ``save`` event is written once all its parts arrived (commit, blocking time,
+other ranks' bytes). Nothing here fails or changes training (the journal is never needed to
+resume): a failed request is a warning, and requests leave the caller's random streams alone.
 """
 
 from __future__ import annotations
@@ -53,19 +40,18 @@ class RequestMark:
 
 
 class TrainerJournal:
-    """One process start's journal, fed by an integration's hooks (module docstring).
+    """One process start's journal, fed by an integration's hooks.
 
     Args:
-        store (BaseStore): the integration's store; the journal goes to its durable tier, and saves'
-            requests are counted on that tier (``Storage.requests``).
+        store (BaseStore): the journal goes to its durable tier, where saves' requests are counted.
         rank (int): this process's global rank: only rank 0 writes.
         world_size (int): ranks of the run.
         progress_every_secs (float): seconds between ``progress`` events (0: after every update).
-        requests (Callable[[], dict[str, int]] | None): the requests this start's stores sent so far,
-            by kind, for the ``exit`` event; default: the durable tier's count.
+        requests (Callable[[], dict[str, int]] | None): this start's requests by kind, for ``exit``;
+            default the durable tier's count.
 
     Attributes:
-        update_secs (float): seconds spent in updates so far (:meth:`update_began` to :meth:`update_done`).
+        update_secs (float): seconds spent in updates so far.
         last_committed_step (int | None): the resumed step, or the newest step saved since.
     """
 
@@ -90,9 +76,9 @@ class TrainerJournal:
 
     # -- the start ---------------------------------------------------------------------------------
     def started(self, resumed_step: int | None, **start_fields: Any) -> None:
-        """Journal ``start`` (with ``start_fields``: ``updates``, ``checkpoint_every``, ``async_save``...)
-        and ``resume``: the step resumed from (``None``: from scratch) and the updates the previous
-        start made after it (from one listing of the journal; ``None`` when it cannot be listed)."""
+        """Journal ``start`` (with ``start_fields``) and ``resume`` (the step, ``None`` from scratch, and
+        ``updates_redone`` from one listing of the journal; ``None`` when it cannot be listed).
+        """
         self.last_committed_step = resumed_step
         if self.rank != 0:
             return
@@ -156,20 +142,17 @@ class TrainerJournal:
     def save_part(self, key: Hashable, part: str, parts: tuple[str, ...], *, failed: bool = False,
                   requests: dict[str, int] | None = None, other_ranks_requests: dict[str, int] | None = None,
                   size_bytes: int | None = None, **fields: Any) -> None:
-        """One part of the save ``key`` (any thread); once every part named in ``parts`` arrived,
-        journal its ``save`` event.
+        """One part of the save ``key`` (any thread); once every part in ``parts`` arrived, journal ``save``.
 
         Args:
             key: the save (its step; a name and a sequence number for Lightning).
-            part (str): which part this is (one of ``parts``).
+            part (str): one of ``parts``.
             parts (tuple[str, ...]): the parts the event waits for.
-            failed (bool): the save failed (nothing committed): it is dropped, unjournaled.
-            requests (dict[str, int] | None): requests of this part, by kind (summed over the parts).
-            other_ranks_requests (dict[str, int] | None): the other ranks' requests: the event's and
-                the ``exit`` event's.
-            size_bytes (int | None): bytes of this part (summed over the parts).
-            **fields: the other fields of :class:`~opd_store.ledger.SaveEvent` (``step``,
-                ``reason``, ``blocking_secs``, ``commit_secs``), each from one part.
+            failed (bool): the save failed: it is dropped, unjournaled.
+            requests (dict[str, int] | None): this part's requests by kind (summed over parts).
+            other_ranks_requests (dict[str, int] | None): the other ranks' requests.
+            size_bytes (int | None): this part's bytes (summed over parts).
+            **fields: the other :class:`~opd_store.ledger.SaveEvent` fields, each from one part.
         """
         with self._lock:
             if other_ranks_requests:

@@ -1,52 +1,20 @@
 """Lightning checkpoints in an opd_store store: a ``CheckpointIO`` plugin and a ``ModelCheckpoint``.
 
-Three additions to a Lightning script (docs/integrations.md)::
+Three additions to a Lightning script (docs/integrations.md, "Lightning")::
 
     io = StoreCheckpointIO("s3://bucket/run/checkpoints", storage_options={...})
     trainer = L.Trainer(plugins=[io],                      # or AsyncCheckpointIO(io)
                         callbacks=[StoreModelCheckpoint(io, monitor="val_loss", save_top_k=2, save_last=True)])
     trainer.fit(model, ckpt_path="last")
 
-Layout: Lightning names checkpoint *files* (``epoch=1-step=20.ckpt``, ``last.ckpt``) under a
-directory and overwrites a file when it saves the same name again (``last.ckpt`` at every save; any
-name after a resume from an older checkpoint, at a ``global_step`` the name already holds or below
-it). Here every such name is a store of its own, ``<url>/<name>/``, whose steps are *versions*
-numbered in save order: a save commits version ``N + 1`` after the highest version ``N`` listed
-(committed or not) as ``<url>/<name>/step-(N+1)/`` (payload ``checkpoint.ckpt``, created with
-``torch.save`` straight into the object, manifest created only if absent, ``global_step`` and
-``epoch`` in its metadata), through the save pipeline (:func:`opd_store.pipeline.run_save`),
-and only then, as its after-commit hooks, deletes the name's older versions: the complete ones by
-the retention policy :data:`NEWEST_VERSION_ONLY` (the one retention executor; a pinned version
-stays), the uncommitted attempts of killed saves after them. So a name that was ever saved always
-has a complete version, also across a kill mid-save, and the newest save is the one a load reads
-(size and CRC32C checked), as with Lightning's overwritten file. ``remove`` deletes every version,
-manifest first, then what is left under the name (a local directory), as Lightning deletes a file.
-
-Order with ``AsyncCheckpointIO``: its thread runs the saves in order, but ``ModelCheckpoint``
-removes an evicted top-k checkpoint on the training thread, possibly before that checkpoint's
-queued save has run (which would then put it back for good). :class:`StoreModelCheckpoint` sends a
-removal through the same queue as the saves (:data:`REMOVAL_REQUEST`), so it runs after them.
-
-Paths: Lightning hands back remote paths without their protocol (``ModelCheckpoint`` lists its
-directory and ``os.path.normpath``s the entries, Lightning #18261), and resolves ``ckpt_path="last"``
-with its own default filesystem, which knows neither the store's ``storage_options`` nor its
-completeness rule. The plugin accepts a path under its root with or without the protocol, and any
-other path too (another store of versions, or a plain checkpoint file read as Lightning reads it).
-:class:`StoreModelCheckpoint` answers ``file_exists`` and ``"last"`` from the store: when a
-``last*.ckpt`` name holds a committed version, Lightning gets the path of an empty local
-placeholder file (the only kind of path its ``"last"`` lookup can check), and the plugin decides
-at its load which version that is (:mod:`._lightning_resume`: the newest ``last*.ckpt`` commit,
-or the newest intact checkpoint when that one is damaged). Lightning asks for ``"last"`` on every
-rank before the process group exists; the load runs once it does, so rank 0 decides and every rank
-loads the same version.
-
-Loading the best model: ``Model.load_from_checkpoint(io.open(callback.best_model_path))`` (a name
-in the store is a prefix of versions, not a file Lightning's loader could open; it accepts the
-verified reader :meth:`StoreCheckpointIO.open` returns). ``trainer.test(ckpt_path="best")`` needs
-nothing more: it loads through the plugin.
-
-Strategies whose checkpoints do not go through the ``CheckpointIO`` (DeepSpeed, FSDP,
-ModelParallel: sharded saves, loads from local paths) are refused at setup
+Each checkpoint name (``last.ckpt``) is a store of its own, ``<url>/<name>/``, whose steps are
+versions in save order (payload ``checkpoint.ckpt``). A save commits version ``N + 1`` through
+:func:`opd_store.pipeline.run_save`, then deletes older versions (:data:`NEWEST_VERSION_ONLY`,
+then uncommitted attempts), so a saved name always has a complete version, as Lightning's
+overwritten file. :class:`StoreModelCheckpoint` answers ``file_exists`` and ``"last"`` from the
+store (Lightning resolves remote paths with its default filesystem and drops their protocol,
+Lightning #18261) and queues top-k removals behind ``AsyncCheckpointIO``'s saves
+(:data:`REMOVAL_REQUEST`). Strategies that bypass the ``CheckpointIO`` are refused at setup
 (:data:`BYPASSING_STRATEGIES`).
 """
 
@@ -112,9 +80,9 @@ class CheckpointSaved:
         name (str): the checkpoint name (relative to the root).
         global_step (int): the checkpoint's ``global_step``.
         ok (bool): it committed (``False``: it failed, nothing committed).
-        size_bytes (int | None): the payload's bytes (``None`` when it failed before they were written).
-        commit_secs (float): seconds from the call to its commit and after-commit stage (or failure).
-        requests (dict[str, int]): requests of the name's store (its durable tier) meanwhile, by kind.
+        size_bytes (int | None): the payload's bytes (``None``: failed before they were written).
+        commit_secs (float): seconds from the call to the end of its after-commit stage (or failure).
+        requests (dict[str, int]): requests of the name's store (durable tier) meanwhile, by kind.
         thread_id (int): ``threading.get_ident()`` of the thread that saved.
     """
 
@@ -128,36 +96,28 @@ class CheckpointSaved:
 
 
 class StoreCheckpointIO(CheckpointIO):
-    """Save, load and remove Lightning checkpoints in a store (see module docs).
+    """Save, load and remove Lightning checkpoints in a store (module docstring).
 
     Args:
-        url (str | os.PathLike | BaseStore): the root under which checkpoint names live: a URL
-            (``s3://bucket/run/ckpts``, ``gs://...``, a local directory) or a store. A plain store
-            is reopened by URL under each name; a :class:`~opd_store.TieredStore` gives each name
-            a tiered store of its own (:meth:`~opd_store.TieredStore.under`), whose uploads
-            ``remove_checkpoint`` and ``teardown`` wait for (raising their failures).
-            Give ``ModelCheckpoint`` the same ``dirpath`` (the root's URL).
-        storage_options (dict | None): fsspec options for every request of a URL (also for paths
-            outside the root).
-        local_cache_dir (str | os.PathLike | None): where the empty placeholder files Lightning
-            resolves ``"last"`` to are made (default: the temp dir); each is removed at the load.
+        url (str | os.PathLike | BaseStore): the root the names live under: a URL or a store (a
+            ``TieredStore`` gives each name its own tiered store, whose uploads ``remove_checkpoint``
+            and ``teardown`` wait for). Give ``ModelCheckpoint`` the same ``dirpath``.
+        storage_options (dict | None): fsspec options for every request (paths outside the root too).
+        local_cache_dir (str | os.PathLike | None): where ``"last"`` placeholder files are made
+            (default: the temp dir); each is removed at its load.
+
+    Attributes:
+        save_observer (Callable[[CheckpointSaved], None] | None): called after every save on the
+            thread that saved.
 
     Raises:
         StoreUnreachableError: the store cannot be used (raised here, before training).
 
-    Attributes:
-        save_observer (Callable[[CheckpointSaved], None] | None): called after every save,
-            committed or failed, on the thread that saved (:class:`StoreModelCheckpoint` journals
-            them).
+    Thread safety: ``AsyncCheckpointIO`` saves on its own thread; a removal waits for a running save
+    of the same name.
 
-    Thread safety: Lightning's ``AsyncCheckpointIO`` calls :meth:`save_checkpoint` on its own
-    thread and :meth:`remove_checkpoint` on the training thread; a removal waits for a save of the
-    same name that is running, and :class:`StoreModelCheckpoint` queues its removals behind the
-    saves (module docs).
-
-    Rank obligations: Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank
-    0 only; ``load_checkpoint`` on every rank, and a load of a ``"last"`` placeholder is a
-    collective (rank 0 picks the version).
+    Rank obligations: Lightning saves and removes on global rank 0 only and loads on every rank; a
+    load of a ``"last"`` placeholder is a collective (rank 0 picks the version).
     """
 
     def __init__(self, url: str | os.PathLike | BaseStore, *, storage_options: dict[str, Any] | None = None,
@@ -179,10 +139,8 @@ class StoreCheckpointIO(CheckpointIO):
 
     # -- names -----------------------------------------------------------------------------------
     def name_of(self, path: str | os.PathLike) -> str:
-        """The checkpoint name (relative to the root) of a path Lightning passes.
-
-        Accepted: ``<url>/<name>``, the same without its protocol (as Lightning's normalisation
-        returns it), with or without a leading ``/``.
+        """The checkpoint name (relative to the root) of a path Lightning passes: ``<url>/<name>``, with or
+        without its protocol or a leading ``/``.
 
         Raises:
             ValueError: the path is not under the root.
@@ -224,13 +182,13 @@ class StoreCheckpointIO(CheckpointIO):
         return f"{self.url.rstrip('/')}/{name}"
 
     def filesystem(self) -> Any:
-        """The fsspec filesystem of the root (a tiered root's bucket): the store's own client, with
-        its storage options."""
+        """The root's fsspec filesystem (a tiered root's bucket), with its storage options."""
         return self._tiers()[-1].storage.fs
 
     def listed_names(self) -> list[str]:
-        """Every name under the root (in either tier), whatever its versions' status (a fresh
-        listing); the run journal's prefix (``.opd-store-journal/``) is no name."""
+        """Every name under the root, in either tier, whatever its versions' status (a fresh listing; the
+        journal's prefix excluded).
+        """
         names = set()
         for tier in self._tiers():
             prefixes, _objects = tier.storage.list_children("")
@@ -239,8 +197,7 @@ class StoreCheckpointIO(CheckpointIO):
         return sorted(names)
 
     def requests(self) -> dict[str, int]:
-        """Requests the root and every name's store sent so far (their durable tiers), by kind
-        (``Storage.requests``; the run journal's ``exit`` event reports a start's)."""
+        """Requests the root and every name's store sent so far (durable tiers), by kind."""
         with self._lock:
             counts = dict(self._closed_requests)
             tiers = [self.root.durable_store(), *(store.durable_store() for store in self._stores.values())]
@@ -250,8 +207,7 @@ class StoreCheckpointIO(CheckpointIO):
         return counts
 
     def names(self) -> list[str]:
-        """Checkpoint names under the root (in either tier) that hold a complete checkpoint (a
-        fresh listing)."""
+        """Names under the root (either tier) holding a complete checkpoint (a fresh listing)."""
         return [name for name in self.listed_names() if self.exists(self.path_of(name))]
 
     def exists(self, path: str | os.PathLike) -> bool:
@@ -261,19 +217,17 @@ class StoreCheckpointIO(CheckpointIO):
 
     # -- CheckpointIO ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
-        """Commit ``checkpoint`` as the next version of the name at ``path``, then delete the
-        name's older versions (module docs). :data:`REMOVAL_REQUEST` removes the name instead.
+        """Commit ``checkpoint`` as the next version of the name at ``path``, then delete its older
+        versions; :data:`REMOVAL_REQUEST` removes the name instead.
 
         Args:
-            checkpoint (dict): Lightning's checkpoint; ``global_step`` and ``epoch`` go into the
-                manifest's metadata.
+            checkpoint (dict): Lightning's checkpoint; ``global_step`` and ``epoch`` go into the metadata.
             path (str | os.PathLike): ``<url>/<name>``, with or without the protocol.
             storage_options: Lightning's per-call options; unused (the plugin's own apply).
 
         Raises:
             ValueError: ``path`` is not under the root.
-            CommitConflictError: another process committed the same version of this name
-                concurrently (two writers of one checkpoint directory); nothing is changed.
+            CommitConflictError: another process committed the same version concurrently; nothing changed.
             OSError: a backend failure; the name's previous version is untouched.
         """
         if checkpoint.keys() == REMOVAL_REQUEST.keys() and checkpoint.get(REMOVAL_REQUEST_KEY) is True:
@@ -326,19 +280,16 @@ class StoreCheckpointIO(CheckpointIO):
             logger.warning("the save observer failed on %s", name, exc_info=True)
 
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint at ``path``, read once and verified (:meth:`open`); for a placeholder of
-        ``ckpt_path="last"`` (:meth:`last_placeholder`), the version rank 0 picks
-        (:func:`~opd_store.integrations._lightning_resume.open_last`).
+        """The checkpoint at ``path``, read once and verified; for a ``"last"`` placeholder, the version
+        rank 0 picks (:func:`~opd_store.integrations._lightning_resume.open_last`).
 
-        Rank obligations: a placeholder's load is a collective: every rank calls it (Lightning
-        does, at the restore); rank 0 picks the version and every rank loads it.
+        Rank obligations: a placeholder's load is a collective (Lightning calls it on every rank).
 
         Raises:
-            CheckpointNotFoundError: no committed version and no plain file at ``path``
-                (``FileNotFoundError``).
-            IntegrityError, IncompleteCheckpointError, ManifestError: (all ``ValueError``) the
-                version is damaged (``"last"``: every version under the root is), in one line
-                naming it, the file and the remedy; nothing was loaded.
+            CheckpointNotFoundError: (a ``FileNotFoundError``) no committed version and no plain file.
+            IntegrityError, IncompleteCheckpointError, ManifestError: (``ValueError``) the version is
+                damaged (``"last"``: every version under the root is), naming it, the file and the
+                remedy; nothing was loaded.
             DistributedLoadError: (several ranks) the load failed on some ranks only.
         """
         if self.is_placeholder(path):
@@ -347,18 +298,13 @@ class StoreCheckpointIO(CheckpointIO):
             return torch.load(reader, map_location=map_location, weights_only=weights_only)
 
     def open(self, path: str | os.PathLike) -> BinaryIO:
-        """A seekable reader of the checkpoint at ``path``, checked against its manifest (size and
-        CRC32C): for ``LightningModule.load_from_checkpoint(io.open(path))``, which cannot open a
-        name in the store by itself.
-
-        ``path`` under the root: the name's newest committed version. Outside the root: another
-        store of versions (the same), or else a plain checkpoint file, read unchecked (with this
-        plugin's storage options; a path without a protocol is local).
+        """A seekable reader of the checkpoint at ``path``, checked against its manifest, for
+        ``LightningModule.load_from_checkpoint(io.open(path))``. Under the root or in another store of
+        versions: the newest committed version; else a plain file, read unchecked.
 
         Raises:
             CheckpointNotFoundError: nothing at ``path``.
-            IntegrityError, IncompleteCheckpointError, ManifestError: the newest version is
-                damaged (one line naming the version, the file and the remedy).
+            IntegrityError, IncompleteCheckpointError, ManifestError: the newest version is damaged.
         """
         if self.is_under_root(path):
             store, name = self.store_of(path), self.name_of(path)
@@ -376,9 +322,8 @@ class StoreCheckpointIO(CheckpointIO):
         return plain
 
     def remove_checkpoint(self, path) -> None:
-        """Delete every version of the checkpoint at ``path``, each manifest first (on a tiered
-        root once the name's uploads finished), then what is left under the name (a local
-        directory, pins), and close the name's store.
+        """Delete every version of the name at ``path``, manifest first (a tiered root: once its uploads
+        finished), then what is left under the name, and close its store.
 
         Raises:
             UploadError: (a tiered root) an upload of this name failed and nobody saw it yet.
@@ -398,9 +343,8 @@ class StoreCheckpointIO(CheckpointIO):
         logger.info("removed %s", name)
 
     def teardown(self) -> None:
-        """Close every name's store (a tiered root: wait for its uploads) and delete placeholders
-        :meth:`last_placeholder` made that were not loaded. (Lightning's ``AsyncCheckpointIO``
-        does not forward ``teardown``; a loaded placeholder is deleted at the load.)
+        """Close every name's store (a tiered root: wait for uploads) and delete unloaded placeholders
+        (``AsyncCheckpointIO`` does not forward ``teardown``).
 
         Raises:
             UploadError: (a tiered root) an upload failed and nobody saw it yet.
@@ -421,15 +365,14 @@ class StoreCheckpointIO(CheckpointIO):
 
     # -- "last" ------------------------------------------------------------------------------
     def holds_last(self, pattern: re.Pattern) -> bool:
-        """Whether a name matching ``pattern`` (``last*.ckpt``) holds a committed version,
-        intact or damaged (a fresh listing)."""
+        """Whether a name matching ``pattern`` holds a committed version, intact or damaged."""
         return any(is_last_name(name, pattern) and committed_versions(name, self.store_of(self.path_of(name)))
                    for name in self.listed_names())
 
     def last_placeholder(self, pattern: re.Pattern) -> str:
-        """An empty local file, in a new private directory under the local cache, that stands for
-        ``ckpt_path="last"`` until :meth:`load_checkpoint` of its path picks the version (the
-        newest commit of a name matching ``pattern``; module docs)."""
+        """An empty local file in a new private directory that stands for ``ckpt_path="last"`` until
+        :meth:`load_checkpoint` picks the version.
+        """
         base = Path(self._local_cache_dir) if self._local_cache_dir is not None else Path(tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
         directory = Path(tempfile.mkdtemp(prefix="opd-store-lightning-last-", dir=base)).resolve()
@@ -443,9 +386,9 @@ class StoreCheckpointIO(CheckpointIO):
         return Path(os.fspath(path)) in self._placeholders
 
     def resumed_name(self, path: str | os.PathLike | None) -> str | None:
-        """The name under the root a run resumed from ``path`` (its ``trainer.ckpt_path``) loaded:
-        the version a ``"last"`` placeholder resolved to, or the name of a path under the root;
-        ``None`` otherwise."""
+        """The name a run resumed from ``path`` loaded (a placeholder's resolved version, or a path under
+        the root's name); ``None`` otherwise.
+        """
         if path is None:
             return None
         resolved = self._resumed.get(Path(os.fspath(path)))
@@ -504,17 +447,12 @@ class StoreModelCheckpoint(ModelCheckpoint):
     Args:
         checkpoint_io (StoreCheckpointIO): the plugin given to the ``Trainer`` (alone or wrapped in
             ``AsyncCheckpointIO``); its root is the ``dirpath``.
-        journal_progress_secs (float): seconds between the run journal's ``progress`` events (0:
-            after every batch). Global rank 0 journals each ``fit`` in the plugin's root: its start,
-            resume, first update, each save through the plugin, a SIGTERM and its end
-            (docs/ledger.md, "From other trainers"; :mod:`opd_store.integrations._trainer_journal`);
-            ``opd-store report <root>`` reads it.
-        **kwargs: ``ModelCheckpoint``'s arguments (``monitor``, ``save_top_k``, ``save_last``,
-            ``filename``, ``every_n_train_steps``, ``save_on_exception``...). ``save_last="link"``
-            is refused (links are local-only).
+        journal_progress_secs (float): seconds between the journal's ``progress`` events (0: every
+            batch); global rank 0 journals each ``fit`` in the root (docs/ledger.md).
+        **kwargs: ``ModelCheckpoint``'s arguments; ``save_last="link"`` is refused (local-only).
 
     Attributes:
-        journal (TrainerJournal | None): the journal of the current ``fit`` (from ``on_train_start``).
+        journal (TrainerJournal | None): the journal of the current ``fit``.
 
     Raises:
         ValueError: ``dirpath`` differs from the plugin's root, ``save_last="link"``, or a negative
@@ -546,12 +484,11 @@ class StoreModelCheckpoint(ModelCheckpoint):
         self._training_thread: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Refuse a strategy that bypasses the ``CheckpointIO``; then what ``ModelCheckpoint.setup``
-        does, with the store answering (it lists ``dirpath`` with Lightning's default filesystem,
-        without storage options, only to warn about a non-empty directory).
+        """Refuse a strategy that bypasses the ``CheckpointIO``, then ``ModelCheckpoint.setup`` with the
+        store answering.
 
         Raises:
-            ValueError: the strategy is one of :data:`BYPASSING_STRATEGIES` (one line naming it and why).
+            ValueError: the strategy is one of :data:`BYPASSING_STRATEGIES` (naming it and why).
         """
         self.journal = None  # a fit journals from on_train_start; nothing before it is a start's
         for strategy, why in BYPASSING_STRATEGIES.items():
@@ -570,20 +507,18 @@ class StoreModelCheckpoint(ModelCheckpoint):
         return trainer.strategy.reduce_boolean_decision(exists, all=False)
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
-        """A placeholder for ``"last"`` when a ``last*.ckpt`` name holds a committed version (intact
-        or damaged: the load decides, module docs), else nothing (Lightning then warns that there is
-        no last checkpoint and starts from scratch). Lightning asks on every rank, before the
-        process group exists: each rank gets its own placeholder."""
+        """A placeholder for ``"last"`` when a ``last*.ckpt`` name holds a committed version (the load
+        decides which), else nothing. Lightning asks on every rank before the group exists.
+        """
         pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?\d+)?{re.escape(self.FILE_EXTENSION)}$")
         if not self.checkpoint_io.holds_last(pattern):
             return set()
         return {self.checkpoint_io.last_placeholder(pattern)}
 
     def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
-        """Lightning's rules for a local directory, for the store's names: a checkpoint saved again
-        under the same name, one outside the root and the one the run resumed from are kept.
-        (Lightning deems every non-local path removable, so a run resumed from a remote top-k
-        checkpoint would delete it at its first eviction.)"""
+        """Lightning's local-directory rules for the store's names: a name saved again, one outside the
+        root and the one the run resumed from are kept (Lightning deems every remote path removable).
+        """
         if previous == current or not self.checkpoint_io.is_under_root(previous):
             return False
         name = self.checkpoint_io.name_of(previous)
@@ -651,9 +586,9 @@ class StoreModelCheckpoint(ModelCheckpoint):
                                blocking_secs=time.monotonic() - began)
 
     def _journal_commit(self, saved: CheckpointSaved) -> None:
-        """The plugin's ``save_observer``: the commit part of the oldest save of that name begun in
-        :meth:`_save_checkpoint`; a save that did not come through it (``trainer.save_checkpoint``)
-        is journaled alone, blocking for its whole time when it ran on the training thread."""
+        """The plugin's ``save_observer``: the commit part of the oldest save of that name; a save that did
+        not come through :meth:`_save_checkpoint` is journaled alone.
+        """
         journal = self.journal
         if journal is None:
             return
@@ -670,10 +605,9 @@ class StoreModelCheckpoint(ModelCheckpoint):
                           blocking_secs=blocking, **fields)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        """Journal how the fit ended: after Lightning's SIGTERM (``trainer.received_sigterm``) a
-        ``notice`` (``save`` with ``save_on_exception``, else ``skip`` or ``already_committed``)
-        and ``exit`` ``preempted``; else ``exit`` ``failed`` naming ``exception``. Then what
-        ``ModelCheckpoint`` does (``save_on_exception``: a save of this step)."""
+        """Journal how the fit ended (after SIGTERM: ``notice`` and ``exit`` ``preempted``; else ``exit``
+        ``failed``), then what ``ModelCheckpoint`` does.
+        """
         journal = self.journal
         if journal is None:
             super().on_exception(trainer, pl_module, exception)
@@ -702,8 +636,9 @@ class StoreModelCheckpoint(ModelCheckpoint):
                 self.checkpoint_io.save_observer = None
 
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
-        """Remove through ``AsyncCheckpointIO``'s queue when it wraps the plugin, so the removal
-        runs after the saves queued before it (module docs); directly otherwise."""
+        """Remove through ``AsyncCheckpointIO``'s queue when it wraps the plugin, so the removal runs after
+        the saves queued before it; directly otherwise.
+        """
         outer = trainer.strategy.checkpoint_io
         if isinstance(outer, AsyncCheckpointIO) and outer.checkpoint_io is self.checkpoint_io:
             if trainer.is_global_zero:

@@ -1,31 +1,16 @@
 """Hugging Face ``Trainer`` (and TRL's trainers) checkpointing into an opd_store store.
 
-Two additions to a training script (docs/integrations.md)::
+Two additions to a training script (docs/integrations.md, "Hugging Face Trainer and TRL")::
 
     callback = StoreCallback("s3://bucket/run", retention=RetentionPolicy(keep_last=3))
     trainer = GKDTrainer(..., callbacks=[callback])              # or any transformers.Trainer
     trainer.train(resume_from_checkpoint=store_checkpoint("s3://bucket/run", trainer=trainer))
 
-:class:`StoreCallback` commits every ``checkpoint-N`` directory the Trainer writes as step ``N``
-of the store (any store: a URL, a plain store, a :class:`~opd_store.TieredStore`), through the
-save pipeline (ARCHITECTURE.md, "The save path"). Its snapshot stage, on every rank, checks this
-rank's share of the directory complete (:func:`~opd_store.integrations._hf_layout.missing_files`:
-a missing or empty file stops the save, named) and describes it (size, inode, mtime); with
-``async_upload`` rank 0's files are hard-linked into a staging directory
-(:func:`~opd_store.integrations._files.snapshot_files`), so ``save_total_limit`` deleting the
-directory meanwhile cannot take bytes from the upload. Rank 0 uploads the shared files and its
-own, every other rank its own files as its part of rank 0's attempt
-(:func:`~opd_store.pipeline.run_save_collective`); the after-commit stage runs retention, then
-records :attr:`StoreCallback.committed_steps`. With ``async_upload`` the write, commit and
-after-commit stage of rank 0 run through :class:`~opd_store.pipeline.BackgroundSaves` (one upload
-in flight, a failure raised at the next save, :meth:`StoreCallback.wait` or the end of training
-as :class:`~opd_store.errors.BackgroundSaveError`).
-
-:func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations._hf_resume`,
-re-exported here) fetch the newest intact step, verified as it downloads, with the Trainer's best
-checkpoint beside it, for ``Trainer.train`` to resume. Each manifest records that best checkpoint's
-step (``best_step``), which retention keeps while a kept step names it. Refused before training:
-DeepSpeed (its ZeRO shards are not attributed to their ranks) and ``resume_mode="elastic"``.
+:class:`StoreCallback` commits every ``checkpoint-N`` the Trainer writes as step ``N`` through the
+save pipeline (ARCHITECTURE.md, "The save path"): each rank checks its share complete and uploads
+its own files as a part of rank 0's attempt; with ``async_upload`` rank 0's files are hard-linked
+first and uploaded by :class:`~opd_store.pipeline.BackgroundSaves`. :func:`store_checkpoint` and
+:func:`resume_from_store` (:mod:`opd_store.integrations._hf_resume`) fetch the newest intact step.
 """
 
 from __future__ import annotations
@@ -67,42 +52,32 @@ DEFAULT_EXIT_TIMEOUT_SECS = 60.0
 
 
 class StoreCallback(TrainerCallback):
-    """Commit every checkpoint the Trainer saves to a store (see module docs).
+    """Commit every checkpoint the Trainer saves to a store (docs/integrations.md).
 
     Args:
-        url (str | os.PathLike | BaseStore): the store: a URL (``s3://bucket/run``, ``gs://...``,
-            a local path, any fsspec URL) or a store, plain or tiered (a
-            :class:`~opd_store.TieredStore` commits on local disk and uploads in the background;
-            the end of training waits for its uploads and raises their failures).
-        storage_options (dict | None): fsspec options for every request (endpoint, credentials)
-            of a URL.
-        retention (RetentionPolicy | None): applied in the store after each commit by the rules of
-            :mod:`opd_store.retention._policy` (pins and the resume parent are kept), independent of the
-            Trainer's ``save_total_limit`` on local disk. ``None`` keeps every checkpoint.
-        async_upload (bool): upload and commit on the background worker (module docs).
-        preemption (PreemptionWatcher | None): started at ``on_train_begin`` and stopped at
-            ``on_train_end``; on a notice the update in progress finishes, the Trainer saves, the
-            callback commits (waiting for the commit) and training stops.
-        resume_mode (str): ``exact`` (default), ``execution_change`` or ``rollout_limit_change``:
-            which differences between this run and the checkpoint it resumes are accepted
-            (docs/resume.md, "Resume modes"). ``elastic`` is refused: the Trainer restores each
-            rank's RNG file and data position itself, so no elastic policy can hold
-            (:data:`~opd_store.integrations._run_config.TRAINER_RESUME_MODES`).
-        exit_timeout_secs (float): with ``async_upload``, seconds an upload in flight at
-            interpreter exit gets to commit before it is abandoned (:class:`opd_store.pipeline.BackgroundSaves`).
-        journal_progress_secs (float): seconds between the run journal's ``progress`` events (0:
-            after every update). Rank 0 journals the start, resume, first update, each commit, a
-            notice and the end in the store (docs/ledger.md, "From other trainers";
-            :mod:`opd_store.integrations._trainer_journal`); ``opd-store report`` reads it.
+        url (str | os.PathLike | BaseStore): a URL (``s3://``, ``gs://``, local path, any fsspec URL)
+            or a store, plain or tiered (the end of training waits for a tiered store's uploads).
+        storage_options (dict | None): fsspec options of a URL (endpoint, credentials).
+        retention (RetentionPolicy | None): applied in the store after each commit (pins and the
+            resume parent kept), independent of ``save_total_limit``; ``None`` keeps every checkpoint.
+        async_upload (bool): upload and commit on the background worker.
+        preemption (PreemptionWatcher | None): started at ``on_train_begin``; on a notice the update
+            finishes, the Trainer saves, the callback commits (waiting) and training stops.
+        resume_mode (str): ``exact`` (default), ``execution_change`` or ``rollout_limit_change``
+            (docs/resume.md); ``elastic`` is refused: the Trainer restores each rank's RNG file and
+            data position itself.
+        exit_timeout_secs (float): with ``async_upload``, seconds an upload in flight at interpreter
+            exit gets before it is abandoned.
+        journal_progress_secs (float): seconds between the run journal's ``progress`` events (0: every
+            update); rank 0 journals the run (docs/ledger.md, "From other trainers").
 
     Raises:
-        StoreUnreachableError: the store cannot be used (no bucket, credentials or connection);
-            raised here, before training, naming the URL and the cause.
+        StoreUnreachableError: the store cannot be used; raised here, before training, naming the URL.
         ValueError: an unknown resume mode, ``elastic``, or a negative ``exit_timeout_secs`` or
             ``journal_progress_secs``.
 
-    Rank obligations: every rank constructs the callback and runs the same ``Trainer``; the
-    collectives of a save run inside ``on_save`` on every rank.
+    Rank obligations: every rank constructs the callback and runs the same ``Trainer``; a save's
+    collectives run inside ``on_save`` on every rank.
     """
 
     def __init__(
@@ -141,22 +116,20 @@ class StoreCallback(TrainerCallback):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Check that this run may write the store, record its lineage, clear what a killed process
-        left in the output directory (staging links; a just-in-time save's unfinished directory).
+        """Check that this run may write the store, record its lineage, and clear what a killed process
+        left in the output directory (staging links, an unfinished just-in-time save). Nothing has been
+        trained when it raises.
 
         Raises:
-            ValueError: a DeepSpeed run (one line): its ZeRO files (``global_step*/zero_pp_rank_*``)
-                are per-rank shards this callback cannot attribute to their ranks, so a commit could
-                miss other machines' shards. Nothing has been trained yet.
-            CommitConflictError: the store holds complete checkpoints newer than the step this run
-                starts from (0, or the resumed step): its saves would collide with them, or
-                interleave two runs' steps. Nothing has been trained yet.
+            ValueError: a DeepSpeed run: its ZeRO files are per-rank shards this callback cannot
+                attribute to ranks, so a commit could miss other machines' shards.
+            CommitConflictError: the store holds complete checkpoints newer than this run's start step
+                (its saves would collide with them).
             IntegrityError: a committed step newer than that is damaged (names it, the file and
-                ``opd-store delete``; :mod:`opd_store.store._resume_guard`). Nothing has been trained yet.
+                ``opd-store delete``).
             ResumeMismatchError: the resumed step belongs to another run (names every field).
 
-        Rank obligations: every rank runs it (the Trainer calls callbacks on every rank); rank 0
-        decides and every rank raises its error.
+        Rank obligations: every rank runs it; rank 0 decides and every rank raises its error.
         """
         if args.deepspeed or getattr(args, "deepspeed_plugin", None) is not None:
             raise ValueError(
@@ -231,9 +204,8 @@ class StoreCallback(TrainerCallback):
         self.commit(args, state, wait=self.preempted_at is not None)
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Wait for the background upload (its thread has ended when this returns) and for the
-        store's own uploads (a tiered store's ``flush``); raise what failed. Journals ``exit``
-        (``finished``; ``preempted`` after a notice; ``failed`` with what is raised here).
+        """Wait for the background upload and the store's own uploads (a tiered store's ``flush``), and
+        journal ``exit``.
 
         Raises:
             BackgroundSaveError: a background upload failed and nobody saw it yet.
@@ -260,12 +232,8 @@ class StoreCallback(TrainerCallback):
 
     # -- commits ---------------------------------------------------------------------------------
     def _commit_jit_checkpoint(self, args, state, control) -> None:
-        """Commit a checkpoint transformers' ``enable_jit_checkpoint`` wrote on SIGTERM.
-
-        Its ``CheckpointManager`` calls ``Trainer._save_checkpoint`` directly, so ``on_save`` never
-        fires; it sets ``control.should_training_stop`` first and removes its sentinel file when
-        the save finished. Callbacks run after the Trainer's own, so the directory is complete when
-        this runs in the same event.
+        """Commit a checkpoint transformers' ``enable_jit_checkpoint`` wrote on SIGTERM: its
+        ``CheckpointManager`` calls ``Trainer._save_checkpoint`` directly, so ``on_save`` never fires.
         """
         if not getattr(args, "enable_jit_checkpoint", False) or not control.should_training_stop:
             return
@@ -281,11 +249,8 @@ class StoreCallback(TrainerCallback):
         self.commit(args, state, wait=True)
 
     def commit(self, args, state, *, wait: bool = False) -> None:
-        """Commit ``<output_dir>/checkpoint-<global_step>`` as step ``global_step`` (every rank).
-
-        The pipeline's stages (module docs): the snapshot of this rank's share, the parts under
-        one attempt, the create-only commit, the after-commit hooks. A step this run already
-        committed is left as it is.
+        """Commit ``<output_dir>/checkpoint-<global_step>`` as step ``global_step``; a step this run
+        already committed is left as it is.
 
         Args:
             args (TrainingArguments): the run's arguments.
@@ -293,19 +258,15 @@ class StoreCallback(TrainerCallback):
             wait (bool): with ``async_upload``, commit before returning (preemption, JIT saves).
 
         Raises:
-            IncompleteCheckpointError: (one process) a file the Trainer should have written is
-                missing or empty, or changed while it was read (the message names the directory
-                and the file); nothing is committed.
+            IncompleteCheckpointError: (one process) a file the Trainer should have written is missing,
+                empty, or changed while read (names the directory and file); nothing is committed.
             CommitConflictError: (one process) another run committed this step.
             BackgroundSaveError: the previous background upload failed (its error is the cause).
-            RetentionError: (one process, synchronous) the step committed and the retention pass
-                after it failed.
-            DistributedSaveError: (several ranks) any of the above, or a backend failure, on any
-                rank; raised on every rank, naming each failing rank and its error. Nothing is
-                committed (:class:`~opd_store.errors.DistributedCommitConflictError` when another
-                run committed the step).
-            OSError: (one process) a backend failure (with ``async_upload``: raised at the next
-                save or the end of training, as ``BackgroundSaveError``).
+            RetentionError: (one process, synchronous) the step committed and retention failed.
+            DistributedSaveError: (several ranks) any of these or a backend failure on any rank; raised
+                on every rank naming each (``DistributedCommitConflictError`` for a committed step).
+            OSError: (one process) a backend failure (with ``async_upload``: raised later as
+                ``BackgroundSaveError``).
 
         Rank obligations: every rank calls it for the same step (``on_save`` does).
         """
@@ -355,9 +316,7 @@ class StoreCallback(TrainerCallback):
     blocked, and the other ranks' bytes and requests)."""
 
     def _journal_save(self, step: int) -> dict[str, Any] | None:
-        """What this save's journal parts share (``None`` before training began): when it began,
-        why it saves; :meth:`_journal_mark` adds where the request count stood, the snapshot this
-        rank's bytes."""
+        """What this save's journal parts share (``None`` before training began): when it began and why."""
         if self.journal is None:
             return None
         return {"step": step, "began": time.monotonic(), "mark": None, "size_bytes": None,
@@ -378,9 +337,9 @@ class StoreCallback(TrainerCallback):
                                requests=self.journal.requests_since(mark))
 
     def _journal_blocking(self, journaled: dict[str, Any] | None, group) -> None:
-        """The blocking part (the training thread, once the save returned: after the commit, or
-        after handing it to the background upload); with several ranks, every rank's bytes and
-        requests gathered (a collective) for rank 0's event and its ``exit`` totals."""
+        """The blocking part, once the save returned; with several ranks every rank's bytes and requests
+        are gathered for rank 0 (a collective).
+        """
         if journaled is None:
             return
         others, others_bytes = {}, None
@@ -398,10 +357,9 @@ class StoreCallback(TrainerCallback):
 
     def _snapshot(self, directory: Path, state, rank: int, world_size: int, args, *,
                   stage_links: bool, journaled: dict[str, Any] | None = None) -> SaveRequest:
-        """The snapshot stage of this rank: its share, checked complete (with ``stage_links``
-        hard-linked into the staging directory), as the pipeline's :class:`SaveRequest`; with
-        ``journaled``, its bytes noted there and (rank 0) the journal's commit part run after the
-        commit."""
+        """The snapshot stage of this rank: its share, checked complete (``stage_links``: hard-linked), as
+        the pipeline's :class:`SaveRequest`.
+        """
         step = state.global_step
         files = self._share(directory, step, rank, world_size, args)
         staging = None
@@ -445,9 +403,9 @@ class StoreCallback(TrainerCallback):
         return files
 
     def _save_once(self, request: SaveRequest, cancelled: threading.Event | None) -> str | None:
-        """Write, commit and the after-commit stage with one writer (:func:`run_save`); ``None``
-        when this run already committed the step (another attempt is refused by the create-only
-        commit, so this one is dropped)."""
+        """Write, commit and after-commit with one writer; ``None`` when this run already committed the
+        step (the create-only commit refuses another attempt).
+        """
         try:
             return run_save(request, cancelled=cancelled)
         except CommitConflictError:
@@ -465,9 +423,9 @@ class StoreCallback(TrainerCallback):
         self.committed_steps.append(after.step)
 
     def _metadata(self, state, world_size: int) -> dict[str, Any]:
-        """The manifest metadata: the framework, the directory's name, the run's lineage and config,
-        and ``best_step``, the step of the Trainer's ``state.best_model_checkpoint`` (retention
-        keeps the best step a kept checkpoint names: :mod:`opd_store.retention._policy`)."""
+        """The manifest metadata: framework, directory name, lineage, config and ``best_step`` (the
+        Trainer's best checkpoint, kept by retention while a kept step names it).
+        """
         step = state.global_step
         metadata: dict[str, Any] = {"framework": FRAMEWORK, "checkpoint_name": checkpoint_dirname(step)}
         best = best_step_of(state)
@@ -511,11 +469,10 @@ def _save_steps(args, state) -> int | None:
 
 
 def _remove_unfinished_jit_saves(output_dir: Path, *, after_step: int) -> None:
-    """Remove every ``checkpoint-N`` (``N > after_step``) of ``output_dir`` holding transformers'
-    ``checkpoint-is-incomplete.txt``: a just-in-time save killed before it finished. The run will
-    save step ``N`` again into that directory, and the Trainer's regular save does not remove the
-    sentinel, so every later save of ``N`` would be refused as incomplete, on every restart. Such a
-    directory was never committed (the callback commits only after the sentinel is gone)."""
+    """Remove every ``checkpoint-N`` (``N > after_step``) holding ``checkpoint-is-incomplete.txt``: a
+    killed just-in-time save, never committed. The Trainer's next save of ``N`` would not remove the
+    sentinel, so every save of ``N`` would be refused on every restart.
+    """
     if not output_dir.is_dir():
         return
     for sentinel in output_dir.glob(f"{CHECKPOINT_PREFIX}*/{JIT_SENTINEL_NAME}"):
