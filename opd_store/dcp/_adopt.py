@@ -1,24 +1,13 @@
 """Adopt a checkpoint DCP's own writers wrote (no manifest): verify it, then commit a copy.
 
-``FileSystemWriter``/``FsspecWriter`` leave a directory of ``.metadata`` and ``__<rank>_<n>.distcp``
-files and no commit record. Written into a store's prefix (``<store>/step-000007/``), it is *not* a
-checkpoint of that store: the step has no manifest, so every reader skips it and ``opd-store ls
---all`` shows it as ``uncommitted``. :func:`adopt_dcp_checkpoint` (``opd-store import-dcp``) makes
-it one:
-
-1. ``.metadata`` is decoded without running code (:func:`~opd_store.dcp._metadata_io.loads_metadata`);
-   stream transforms (compression extensions) are refused.
-2. Every data file the metadata names must exist and hold every item it places there; every item
-   is deserialised: objects with ``torch.load(weights_only=True)``, tensors likewise, each with the
-   shape and dtype the metadata gives its chunk. DCP's files carry no checksums, so this structural
-   check is what "verified" can mean for them.
-3. The world size recorded is the number of ranks whose writers left a data file
-   (``__<rank>_<n>.distcp``, with items or, for a rank DCP gave nothing to write, empty).
-4. The files stream, one at a time, into a new attempt of the destination step through the one copy
-   routine (:func:`opd_store.store.copy_files`: CRC32C computed as they pass, bounded memory), each
-   item checked as its bytes go by (step 2: only the item being read is held, never a whole file),
-   and the manifest is created only if absent. The source files are not touched (opd_store never
-   deletes what it did not write; remove them once the copy is verified).
+A ``FileSystemWriter``/``FsspecWriter`` directory has no commit record, so no reader takes it
+(``uncommitted`` in ``opd-store ls --all``). :func:`adopt_dcp_checkpoint` (``opd-store import-dcp``)
+decodes ``.metadata`` without running code, checks every item deserialises weights-only as the
+shape and dtype its chunk gives (DCP's files carry no checksums, so a structural check is what
+"verified" can mean), records as world size the ranks that left a data file, and streams the files
+through :func:`opd_store.store.copy_files` into a new attempt (bounded memory: one item held at a
+time), committed create-only. The source is never touched. docs/sharded.md, "A checkpoint DCP's
+own writer wrote".
 """
 
 from __future__ import annotations
@@ -51,9 +40,9 @@ def _chunk_of(metadata: Any, index: Any) -> tuple[list[int], Any] | None:
 
 
 class _ItemCheck:
-    """Every item of one DCP file deserialises as what the metadata says it is, checked as the
-    file streams by: each item's bytes are kept only from its first byte to its last (a view of the
-    chunk when it lies within one), never the whole file (a :class:`~opd_store.store.FileCheck`)."""
+    """Every item of one DCP file deserialises as the metadata says, checked as the file streams by:
+    an item's bytes are held from its first byte to its last, never the whole file.
+    """
 
     def __init__(self, name: str, items: list, metadata: Any, where: str) -> None:
         for index, info in items:
@@ -114,8 +103,8 @@ def adopt_dcp_checkpoint(source: str | os.PathLike, store: BaseStore | str | os.
     """Verify the DCP checkpoint directory ``source`` and commit a copy as ``step`` of ``store``.
 
     Args:
-        source (str | os.PathLike): the directory DCP wrote (local path or fsspec URL); it may be
-            the destination's own ``step-NNNNNN/`` prefix.
+        source (str | os.PathLike): the directory DCP wrote (local path or fsspec URL; it may be the
+            destination's own ``step-NNNNNN/`` prefix).
         store (BaseStore | str | os.PathLike): the destination store.
         step (int): the step to commit (not committed yet).
         storage_options (dict | None): fsspec options of ``store`` when it is a URL.
@@ -126,8 +115,7 @@ def adopt_dcp_checkpoint(source: str | os.PathLike, store: BaseStore | str | os.
 
     Raises:
         CheckpointNotFoundError: ``source`` has no ``.metadata``.
-        IncompleteCheckpointError: a data file is missing or shorter than its items (named with
-            the rank that wrote it).
+        IncompleteCheckpointError: a data file is missing or shorter than its items (naming its rank).
         UnsafeCheckpointError: the metadata or an object item would need code to load.
         ValueError: an item is not what the metadata says, or uses stream transforms.
         CommitConflictError: ``step`` is already committed in ``store``.

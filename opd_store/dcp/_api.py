@@ -1,20 +1,12 @@
 """``save``, ``load`` and ``async_save``: DCP with opd_store's storage and opd_store's errors.
 
-Plain ``dcp.save(..., storage_writer=StoreWriter(store, step))`` works; these functions add what a
-caller of opd_store expects: the committed URL as the result, a discarded attempt when the save
-fails, the save's after-commit stage on the coordinator (``after_commit``), and DCP's
-``CheckpointException`` (a ``BaseException`` whose ``failures`` map ranks to errors) turned into
-opd_store's typed errors, the same on every rank:
-
-* a save that failed anywhere raises :class:`~opd_store.errors.DistributedSaveError` (or
-  :class:`~opd_store.errors.DistributedCommitConflictError` when the step was already committed),
-  naming each failing rank and its error; a single process raises its own error;
-* a load that failed raises the failing ranks' error itself when they all failed the same way
-  (an :class:`~opd_store.errors.IncompleteCheckpointError` for a missing or truncated rank file, an
-  :class:`~opd_store.errors.IntegrityError` for a checksum mismatch: each naming step, rank and
-  file), an error of that class naming each failing rank when they failed with one opd_store error
-  class but different messages, and :class:`~opd_store.errors.DistributedLoadError` otherwise.
-  Every check runs before DCP reads (:mod:`opd_store.dcp._reader`): no tensor has changed.
+Beyond ``dcp.save(..., storage_writer=StoreWriter(store, step))``: the committed URL as result, a
+failed save's attempt discarded, the after-commit stage on the coordinator, and DCP's
+``CheckpointException`` (ranks -> errors) turned into the same typed error on every rank
+(docs/sharded.md, "The storage layer", has the table): a save, ``DistributedSaveError`` (or
+``DistributedCommitConflictError``) naming each failing rank, one process its own error; a load,
+the ranks' shared error itself (``IncompleteCheckpointError``, ``IntegrityError``), that class
+naming each rank when messages differ, else ``DistributedLoadError``. No tensor has changed then.
 """
 
 from __future__ import annotations
@@ -61,8 +53,9 @@ def _cause(error: BaseException, wrapper: CheckpointException) -> BaseException:
 
 
 def save_error(exc: CheckpointException, *, url: str, step: int, world_size: int) -> BaseException:
-    """The opd_store error of a failed DCP save (see the module docstring): the one process's own
-    error, else the multi-rank save's :func:`~opd_store.pipeline.save_failure`."""
+    """The opd_store error of a failed DCP save: the one process's own error, else
+    :func:`~opd_store.pipeline.save_failure`'s.
+    """
     failures = _failures(exc)
     if world_size == 1 and len(failures) == 1:
         return next(iter(failures.values()))
@@ -71,8 +64,9 @@ def save_error(exc: CheckpointException, *, url: str, step: int, world_size: int
 
 def load_error(exc: CheckpointException, *, url: str, step: int,
                metadata_error: BaseException | None = None) -> BaseException:
-    """The opd_store error of a failed DCP load (see the module docstring); ``metadata_error`` is
-    this rank's typed error from ``read_metadata``, which DCP reports as an ``AssertionError``."""
+    """The opd_store error of a failed DCP load; ``metadata_error`` is this rank's typed error from
+    ``read_metadata`` (which DCP reports as an ``AssertionError``).
+    """
     failures = _failures(exc)
     if metadata_error is not None:
         failures = {rank: metadata_error if isinstance(error, AssertionError) and str(metadata_error) in str(error)
@@ -98,30 +92,26 @@ def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
          metadata: dict[str, Any] | None = None, mesh_shape: list[int] | None = None,
          extra_payloads: ExtraPayloads | None = None, after_commit: AfterCommit | None = None,
          extensions: Sequence[Any] | None = None) -> str:
-    """``dcp.save`` of ``state_dict`` as step ``step`` of ``store``, then (the coordinator) the
-    save's after-commit stage; returns the committed URL.
-
-    Rank obligations: every rank of ``process_group`` (default: the default group, or this
-    process alone without one) calls it with the same store and step.
+    """``dcp.save`` of ``state_dict`` as step ``step`` of ``store``, then (coordinator) the save's
+    after-commit stage; returns the committed URL.
 
     Args:
-        state_dict (dict): what ``dcp.save`` takes (DTensors of a sharded model, tensors, objects,
-            ``Stateful`` values).
+        state_dict (dict): what ``dcp.save`` takes (DTensors, tensors, objects, ``Stateful`` values).
         store (BaseStore | str | os.PathLike): a store or its URL.
         step (int): a step not committed yet.
         storage_options (dict | None): fsspec options for a URL.
         process_group: the group saving together (DCP's ``process_group``).
-        planner: DCP's ``SavePlanner`` (default ``DefaultSavePlanner``; plan caching works: the
-            attempt id reaches every rank by a broadcast on ``process_group``).
-        metadata, mesh_shape, extra_payloads, after_commit, extensions: see
-            :class:`~opd_store.dcp._writer.StoreWriter`.
+        planner: DCP's ``SavePlanner`` (plan caching works: the attempt id is broadcast).
+        metadata, mesh_shape, extra_payloads, after_commit, extensions: see ``StoreWriter``.
+
+    Rank obligations: every rank of ``process_group`` (default: the default group, or this process
+    alone) calls it with the same store and step.
 
     Raises:
         DistributedSaveError: (an ``OSError``) a rank failed; nothing committed; on every rank.
         DistributedCommitConflictError: (a ``FileExistsError``) the step is already committed.
-        RetentionError: (the coordinator, plain store) the step committed and its retention pass
-            failed.
-        The single process's own error without a process group (``CommitConflictError``, ...).
+        RetentionError: (coordinator, plain store) committed, and the retention pass failed.
+        Exception: without a process group, the process's own error (``CommitConflictError``, ...).
     """
     writer = StoreWriter(store, step, storage_options=storage_options, metadata=metadata, mesh_shape=mesh_shape,
                          extra_payloads=extra_payloads, after_commit=after_commit, extensions=extensions,
@@ -144,13 +134,11 @@ def load(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
     """``dcp.load`` of step ``step`` of ``store`` into ``state_dict`` (in place, resharded).
 
     Rank obligations: every rank of ``process_group`` calls it with the same store and step; with
-    ``single_process`` this process loads alone (no collectives, even under a process group).
-    ``extension_registry``: see :class:`~opd_store.dcp._reader.StoreReader`.
+    ``single_process`` this process loads alone. ``extension_registry``: see ``StoreReader``.
 
-    Raises:
-        IncompleteCheckpointError, IntegrityError, DistributedLoadError, ...: see the module
-            docstring; raised on every rank before any tensor of ``state_dict`` changed.
-        StreamTransformError: items written through a stream transform this reader cannot apply.
+    Raises (on every rank, before any tensor of ``state_dict`` changed):
+        IncompleteCheckpointError, IntegrityError, DistributedLoadError: see the module docstring.
+        StreamTransformError: items written through a transform this reader cannot apply.
         CheckpointNotFoundError: the step is not committed.
     """
     reader = StoreReader(store, step, storage_options=storage_options, extension_registry=extension_registry)
@@ -167,8 +155,8 @@ class AsyncSave:
     """A save in flight (:func:`async_save`).
 
     Attributes:
-        staged (Future[None]): done once the state is copied to host memory: the training may then
-            change its tensors (already done when the stager stages synchronously, the default).
+        staged (Future[None]): done once the state is copied to host memory (the training may then
+            change its tensors).
         committed (Future[str]): the committed URL, or :func:`save`'s errors.
     """
 
@@ -185,24 +173,18 @@ def async_save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike,
                metadata: dict[str, Any] | None = None, async_stager: Any = None,
                extra_payloads: ExtraPayloads | None = None, extensions: Sequence[Any] | None = None,
                async_checkpointer_type: Any = None) -> AsyncSave:
-    """``dcp.async_save``: returns once DCP staged ``state_dict`` (CPU copies), or, with an
-    asynchronous stager (``DefaultStager(StagingOptions(use_pinned_memory=True,
-    use_async_staging=True, ...))``: pinned host buffers, copies on a side stream), once staging
-    began; ``staged`` says when the tensors may change, ``committed`` resolves to the URL or
-    raises :func:`save`'s errors.
+    """``dcp.async_save``: returns once DCP staged ``state_dict`` (or, with an asynchronous stager,
+    once staging began); ``staged`` says when tensors may change, ``committed`` resolves to the URL
+    or raises :func:`save`'s errors.
 
-    ``async_checkpointer_type``: DCP's ``AsyncCheckpointerType`` (default ``THREAD``). ``PROCESS``
-    writes from DCP's background process (started with ``spawn`` on the first such save, with a
-    gloo group of its own; it needs a process group here, and ``MASTER_ADDR`` where the host name
-    does not resolve): the writer reaches it pickled as its store's address (a ``memory://`` or
-    tiered store is refused, ``TypeError`` from ``committed``), the commit is the same, and a
-    failure comes back from ``committed`` as the same typed error; an attempt a failed process
-    save opened is left to ``opd-store gc``. Measured against ``THREAD``: docs/performance.md.
+    ``async_checkpointer_type``: DCP's ``AsyncCheckpointerType`` (default ``THREAD``); ``PROCESS``
+    writes from DCP's ``spawn``-ed background process, the writer pickled as its store's address
+    (``memory://`` and tiered stores refused: ``TypeError`` from ``committed``). docs/sharded.md,
+    "Asynchronous saves in another process"; measured: docs/performance.md.
 
-    Rank obligations: as :func:`save`; ``process_group`` should be a group used by nothing else
-    while the save runs (its collectives run on DCP's background thread), e.g.
-    ``dist.new_group(backend="gloo")``; wait for ``committed`` before the next save (DCP's
-    background process serves one save at a time).
+    Rank obligations: as :func:`save`; ``process_group`` should be used by nothing else while the
+    save runs (its collectives run on DCP's background thread); wait for ``committed`` before the
+    next save.
     """
     writer = StoreWriter(store, step, storage_options=storage_options, metadata=metadata,
                          extra_payloads=extra_payloads, extensions=extensions, process_group=process_group)

@@ -1,26 +1,11 @@
 """DCP items in opd_store payloads: written back to back into one payload, read back from one.
 
-The byte format is DCP's own (``torch.distributed.checkpoint.filesystem``): a data file is its
-items one after the other, a tensor item is one ``torch.save`` archive of that tensor (a chunk of a
-sharded tensor: only the chunk's elements), an object item is the bytes DCP's planner produced
-(``torch.save`` of the object). Each item's place is a ``_StorageInfo(relative_path, offset,
-length)`` in the checkpoint metadata, so DCP's own readers read these files too.
-
-Two rules of opd_store are added on top of DCP's:
-
-* objects must load with ``torch.load(weights_only=True)``: checked when they are written (the save
-  fails naming the key, instead of a resume weeks later), and again before the bytes are handed to
-  DCP's planner, whose ``load_bytes`` uses ``weights_only=False`` (a checkpoint from a bucket never
-  runs code on load);
-* tensors are written with :func:`opd_store.format._torch_io.torch_save` (no zip CRC-32: the payload's
-  CRC32C in the manifest covers the bytes and is checked before any item is read).
-
-Stream transforms (DCP's extensions, ``torch.distributed.checkpoint._extension``: ``ZStandard``
-compression, or a caller's own ``StreamTransformExtension``) apply per item exactly as DCP's
-``FileSystemWriter(_extensions=...)`` applies them: each item's bytes pass through the transforms
-on their way into the file, its ``StorageInfo.transform_descriptors`` names them, and a reader
-rebuilds them from those names through an ``ExtensionRegistry`` (DCP's ``FileSystemReader`` reads
-such files too). The manifest's CRC32C covers the transformed bytes as stored.
+The byte format is DCP's own (``torch.distributed.checkpoint.filesystem``), so DCP's readers read
+these files too. Added: objects must load weights-only, checked at write (the save fails naming the
+key) and before DCP's planner sees them (its ``load_bytes`` uses ``weights_only=False``); tensors
+are written without torch's zip CRC-32 (the manifest's CRC32C covers them). Stream transforms
+(DCP's extensions, e.g. ``ZStandard``) apply per item as ``FileSystemWriter(_extensions=...)``
+does; the CRC32C covers the bytes as stored.
 """
 
 from __future__ import annotations
@@ -58,12 +43,8 @@ def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _CoalescedWriter:
-    """Small writes gathered into writes of up to ``limit_bytes``; large ones passed on as they are.
-
-    ``torch.save`` hands its writer a few records per tensor plus many small pieces of pickle
-    (about 350 ``write`` calls per MiB of a typical optimizer state); each payload-writer call
-    checksums and slices, so gathering the small ones saves most of that per-call cost (measured in
-    ``bench/dcp.py``) while a tensor's storage (one large write) is never copied.
+    """Small writes gathered into writes of up to ``limit_bytes``; large ones passed on uncopied
+    (``torch.save`` makes ~350 small writes per MiB, each a checksum call: ``bench/dcp.py``).
     """
 
     def __init__(self, writer: BinaryIO, limit_bytes: int = 1 << 20) -> None:
@@ -94,9 +75,9 @@ class _CoalescedWriter:
 
 
 class _Unclosable(io.RawIOBase):
-    """The payload stream as a transform's output: a transform closes its output when its item
-    ends (a zstd frame is finished by ``close``), which must not end the payload (DCP's
-    ``NoCloseWriter`` does the same)."""
+    """The payload stream as a transform's output: a transform closes its output at the item's end
+    (a zstd frame), which must not end the payload (as DCP's ``NoCloseWriter``).
+    """
 
     def __init__(self, stream: "_CoalescedWriter") -> None:
         super().__init__()
@@ -118,16 +99,11 @@ def _transformed(stream: "_CoalescedWriter", extensions) -> tuple[BinaryIO, list
 
 
 def resolve_transforms(descriptors, registry: Any, *, where: str) -> list:
-    """The extensions named by an item's ``transform_descriptors``, from ``registry``.
-
-    Args:
-        descriptors (Sequence[str]): e.g. ``["stream.zstd/1"]``.
-        registry (ExtensionRegistry): DCP's registry (its default knows ``ZStandard``).
-        where (str): the checkpoint URL, step and file, for the error.
+    """The extensions named by an item's ``transform_descriptors`` (``["stream.zstd/1"]``), from DCP's
+    ``registry``; ``where`` (URL, step, file) names the error.
 
     Raises:
-        StreamTransformError: (a ``ValueError``) a transform the registry does not know, or whose
-            package is missing (ZStandard without ``zstandard``/``pyzstd``), naming ``where``.
+        StreamTransformError: (a ``ValueError``) an unknown transform, or one whose package is missing.
     """
     try:
         return list(registry.from_descriptor_list(list(descriptors)))
@@ -168,19 +144,18 @@ def write_items(writer: BinaryIO, name: str, items: list, planner: Any, extensio
 
     Args:
         writer (BinaryIO): positioned at 0; its ``tell()`` gives each item's offset.
-        name (str): the file's name relative to the checkpoint (recorded in each result).
-        items (list[WriteItem]): DCP write items; ``planner.resolve_data(item)`` gives a tensor
-            (any device; copied to the CPU here) or a ``BytesIO`` (objects).
+        name (str): the file's name relative to the checkpoint.
+        items (list[WriteItem]): ``planner.resolve_data(item)`` gives a tensor (any device) or a
+            ``BytesIO`` (objects).
         planner (SavePlanner): DCP's planner of this save.
-        extensions (Sequence[StreamTransformExtension]): DCP's stream transforms, applied to each
-            item (none by default).
+        extensions (Sequence[StreamTransformExtension]): stream transforms per item (none by default).
 
     Returns:
-        list[WriteResult]: one per item, in order, with ``StorageInfo(name, offset, length,
-        transform_descriptors)`` (the length as stored, after the transforms).
+        list[WriteResult]: one per item, with ``StorageInfo(name, offset, length as stored,
+        transform_descriptors)``.
 
     Raises:
-        UnsafeCheckpointError: an object item that weights-only loading cannot restore (its key named).
+        UnsafeCheckpointError: an object item weights-only loading cannot restore (key named).
         OSError: the writer failed.
     """
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -221,16 +196,15 @@ def read_items(reader: BinaryIO, requests: list, storage_data: dict, planner: An
     """Read DCP load requests from one verified file and hand each to the planner.
 
     Args:
-        reader (BinaryIO): seekable, already checked against the manifest (size and CRC32C).
+        reader (BinaryIO): seekable, already checked against the manifest.
         requests (list[ReadItem]): this rank's requests from this file.
         storage_data (dict): the metadata's ``MetadataIndex -> StorageInfo``.
         planner (LoadPlanner): DCP's planner of this load.
         where (str): the file's URL and owner, for errors.
-        registry (ExtensionRegistry | None): rebuilds the stream transforms an item names (DCP's
-            default registry when ``None``).
+        registry (ExtensionRegistry | None): rebuilds items' transforms (``None``: DCP's default).
 
     Raises:
-        UnsafeCheckpointError: an object item that weights-only loading refuses (never handed on).
+        UnsafeCheckpointError: an object item weights-only loading refuses (never handed on).
         StreamTransformError: an item's transform the registry cannot rebuild.
         ValueError: an item outside the file, or a tensor of another shape than the request.
     """

@@ -1,19 +1,10 @@
 """DCP's checkpoint metadata as an opd_store payload: names, encoding, and a safe decoder.
 
-``torch.distributed.checkpoint`` (DCP) describes a checkpoint with one
-:class:`~torch.distributed.checkpoint.metadata.Metadata` object (every key's type, shape, dtype and
-chunks, and where each chunk's bytes lie) and reads it back with ``pickle.load``, which runs
-whatever code the file names: a checkpoint in a shared bucket must never be able to do that. This
-module writes the object exactly as DCP's own ``FileSystemWriter`` does (``pickle``, under the
-name ``.metadata``), so a committed attempt prefix is also a DCP checkpoint directory that
-``FileSystemReader``/``FsspecReader`` open, and reads it with :func:`loads_metadata`, an unpickler
-that constructs only DCP's metadata classes and torch's ``Size``/dtype/layout atoms (the same idea
-as ``torch.load(weights_only=True)``). Anything else is refused with
-:class:`~opd_store.errors.UnsafeCheckpointError` naming the global.
-
-Data file names follow DCP's (``__<rank>_<n>.distcp``); the rank in a name is the rank, in the
-saving process group, that wrote the file, which is how errors name the rank of a missing or
-damaged file.
+DCP reads its ``Metadata`` with ``pickle.load``, which runs whatever code the file names; a
+checkpoint in a shared bucket must never do that. It is written as DCP's ``FileSystemWriter``
+writes it (``.metadata``, so an attempt prefix is a DCP directory) and read by
+:func:`loads_metadata`, which constructs only DCP's metadata classes and torch atoms. Data files
+are DCP's ``__<rank>_<n>.distcp``; the rank in the name is how errors name a file's rank.
 """
 
 from __future__ import annotations
@@ -102,15 +93,10 @@ def dumps_metadata(metadata: Any) -> bytes:
 
 
 def loads_metadata(data: bytes, *, source: str) -> Any:
-    """Decode a ``.metadata`` payload without running code.
-
-    Args:
-        data (bytes): the payload (already checked against its manifest entry by the store).
-        source (str): URL named in errors.
+    """Decode a ``.metadata`` payload (already verified) without running code; ``source`` names errors.
 
     Returns:
-        torch.distributed.checkpoint.metadata.Metadata: with ``storage_data`` mapping each
-        ``MetadataIndex`` to where its bytes lie (``relative_path``, ``offset``, ``length``).
+        torch.distributed.checkpoint.metadata.Metadata: with ``storage_data`` placing each item.
 
     Raises:
         UnsafeCheckpointError: (a ``ValueError``) the pickle names any other global.

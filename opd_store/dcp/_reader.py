@@ -1,28 +1,12 @@
 """``StoreReader``: DCP's ``StorageReader`` over a committed opd_store checkpoint.
 
-``dcp.load(state_dict, storage_reader=StoreReader(store, step))`` loads with DCP's planners,
-resharding included (a checkpoint saved from W ranks loads on W'). What this class adds is the
-rule that **nothing reaches a tensor before every byte this rank reads has been checked**, and that
-a damaged checkpoint fails every rank:
-
-1. ``read_metadata`` (every rank): the step must be committed; DCP's metadata is read as a payload
-   (size and CRC32C checked) and decoded without running code
-   (:func:`~opd_store.dcp._metadata_io.loads_metadata`).
-2. ``prepare_local_plan`` (every rank, inside DCP's planning collective): the committed attempt is
-   listed and every file of the manifest must be there with its size (a missing or truncated rank
-   file fails every rank with the same :class:`~opd_store.errors.IncompleteCheckpointError`, naming
-   step, rank and file); then each file this rank's plan reads is fetched and checked against its
-   manifest entry (:meth:`BaseStore.open`: remote objects one GET held in memory, local files
-   checksummed through a read-only map). A mismatch raises :class:`~opd_store.errors.IntegrityError`
-   naming the step, the file and the rank that wrote it. DCP gathers these outcomes before any
-   rank reads: a failure anywhere raises the same ``CheckpointException`` on every rank and no
-   tensor has changed.
-3. ``read_data``: items are read from the checked files into DCP's planner; object items are
-   handed on only once ``torch.load(weights_only=True)`` accepted them (DCP's default planner
-   loads them with ``weights_only=False``).
-
-The price of step 2 on remote stores: the files a rank reads are in memory together, about that
-rank's share of the checkpoint, before its tensors are filled (docs/performance.md).
+``dcp.load(state_dict, storage_reader=StoreReader(store, step))`` keeps DCP's planners and
+resharding; this class adds that nothing reaches a tensor before every byte this rank reads is
+checked, and that a damaged checkpoint fails every rank: ``read_metadata`` decodes verified
+metadata safely; ``prepare_local_plan`` (inside DCP's planning collective) checks every file's
+presence and size, then fetches and checks the files this rank reads; ``read_data`` hands object
+items on only once weights-only loading accepted them. The price (a rank's files in memory before
+its tensors fill): docs/performance.md. docs/sharded.md, "The storage layer".
 """
 
 from __future__ import annotations
@@ -47,23 +31,19 @@ logger = logging.getLogger("opd_store.dcp")
 
 
 class StoreReader(StorageReader):
-    """DCP storage reader of one committed step (see the module docstring).
+    """DCP storage reader of one committed step.
 
     Args:
         store (BaseStore | str | os.PathLike): a store (plain or tiered) or its URL.
-        step (int): a committed step written by :class:`~opd_store.dcp._writer.StoreWriter` (or
-            adopted with ``opd-store import-dcp``).
+        step (int): a committed step written by ``StoreWriter`` (or adopted).
         storage_options (dict | None): fsspec options when ``store`` is a URL.
-        extension_registry (ExtensionRegistry | None): rebuilds the stream transforms (DCP's
-            extensions) that items were written through, from their recorded names
-            (``FileSystemReader``'s ``_extension_registry``); DCP's default registry, which knows
-            ``ZStandard``, when ``None``.
+        extension_registry (ExtensionRegistry | None): rebuilds items' stream transforms
+            (``FileSystemReader``'s ``_extension_registry``); ``None``: DCP's default (``ZStandard``).
 
-    Rank obligations: every rank of the process group passed to ``dcp.load`` uses a reader of the
-    same store and step.
+    Rank obligations: every rank of the group passed to ``dcp.load`` uses a reader of the same store
+    and step.
 
-    The reader pickles as its store's address and step (files held from a load are not carried;
-    :class:`~opd_store.dcp._store_address.StoreAddress` refuses ``memory://`` and tiered stores).
+    Pickles as its store's address and step (``memory://`` and tiered stores refused).
     """
 
     def __init__(self, store: BaseStore | str | os.PathLike, step: int, *,
@@ -140,12 +120,10 @@ class StoreReader(StorageReader):
         """Check the whole step's files, then fetch and check the files this rank reads.
 
         Raises:
-            IncompleteCheckpointError: a file of the manifest is missing or has another size
-                (every rank raises it), naming step, rank and file.
-            IntegrityError: a file this rank reads differs from its manifest entry (CRC32C),
-                naming step, rank and file.
-            StreamTransformError: an item this rank reads was written through a stream transform
-                the registry cannot rebuild (URL, step, file and transform named).
+            IncompleteCheckpointError: a file of the manifest is missing or resized (every rank raises
+                it), naming step, rank and file.
+            IntegrityError: a file this rank reads differs from its manifest entry (step, rank, file).
+            StreamTransformError: an item's transform the registry cannot rebuild.
             ValueError: an item of the plan has no place in the metadata.
         """
         self._close_files()
@@ -193,11 +171,8 @@ class StoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for a store's step URL (``<store>/step-NNNNNN``), whose files this reader checks.
-
-        DCP (through 2.13) picks a reader from a bare ``checkpoint_id`` among its own
-        ``FileSystemReader`` and ``FsspecReader`` only and never asks this class: pass
-        ``storage_reader=StoreReader(store, step)`` (docs/sharded.md).
+        """True for a store's step URL; DCP (through 2.13) never asks this class for a bare
+        ``checkpoint_id``: pass ``storage_reader=StoreReader(store, step)``.
         """
         try:
             split_checkpoint_url(checkpoint_id)

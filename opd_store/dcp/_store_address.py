@@ -1,17 +1,9 @@
 """``StoreAddress``: what rebuilds a store in another process (DCP's process-based ``async_save``).
 
-``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`` pickles the storage
-writer and sends it to a background process started with ``spawn``. A store's clients (an s3fs or
-gcsfs instance, its event loop and connections, the closure that builds them lazily) live in one
-process and do not pickle; what does is the store's address: its URL, its storage options and the
-choice of storage class those imply (a check-then-put commit when the store was opened with
-``allow_check_then_put``). The other process opens a store of its own from it, with its own clients.
-
-Refused (``TypeError`` naming the store), because a copy in another process would not be the same
-store: ``memory://`` (fsspec's memory filesystem is one per process: the save would commit into the
-background process's memory), a :class:`~opd_store.tiered.TieredStore` (its uploads run in this
-process), and a store built over a storage its URL does not rebuild
-(``CheckpointStore.from_storage`` over a wrapper, such as ``FaultyStorage`` in tests).
+A store's clients do not pickle; its URL, storage options and storage class choice do. Refused
+(``TypeError``), since a copy elsewhere would not be the same store: ``memory://`` (one per
+process), a ``TieredStore`` (its uploads run here), and a store over a storage its URL does not
+rebuild (``from_storage`` over a wrapper).
 """
 
 from __future__ import annotations
@@ -44,8 +36,7 @@ class StoreAddress:
         """The address of ``store``.
 
         Raises:
-            TypeError: a store another process cannot open as the same store (see the module
-                docstring), naming the store.
+            TypeError: a store another process cannot open as the same store, naming it.
         """
         if not isinstance(store, CheckpointStore):
             raise TypeError(f"{store!r} cannot be sent to another process: only a plain CheckpointStore is "

@@ -1,45 +1,13 @@
 """``StoreWriter``: DCP's ``StorageWriter`` over any opd_store store, committed by one manifest.
 
-``dcp.save(state_dict, storage_writer=StoreWriter(store, step))`` (or ``dcp.async_save``) runs
-DCP's planners and collectives unchanged; this class decides only where bytes go and when the
-checkpoint exists. DCP calls it in this order, with opd_store's commit protocol mapped onto it:
-
-1. ``set_up_storage_writer`` and ``prepare_local_plan`` (every rank): nothing is written.
-2. ``prepare_global_plan`` (the coordinator, rank 0 of the process group): ``store.begin(step)``
-   opens the one attempt of this save (refusing a committed step before anything is written).
-3. ``write_data`` (every rank): first the attempt id reaches every rank (below), then the rank's
-   items go into at most two payloads of that attempt,
-   ``__<rank>_0.distcp`` (its chunks of sharded tensors) and ``__<rank>_1.distcp`` (whole tensors
-   and objects, which DCP spreads over the ranks after deduplicating them and which every loading
-   rank needs), so a rank loading at the same world size reads its own shard file and the small
-   shared files, never another rank's shards. The coordinator writes into its transaction; every
-   other rank into a part (``store.begin_part``) that it seals (durable, with size and CRC32C) and
-   whose entries travel to the coordinator among its write results.
-4. ``finish`` (the coordinator, after every rank's write results arrived): the other ranks'
-   entries are added to the transaction, extra payloads (an OPD config) and DCP's metadata
-   (``.metadata``, as DCP's own writers spell it) are written, then the manifest is created only if
-   absent, listing every rank's files with size and CRC32C. That create is the commit.
-
-**How the attempt id travels.** DCP's plan cache (``DefaultSavePlanner(enable_plan_caching=True)``)
-hands a rank whose plan did not change its *cached* final plan, ``storage_data`` included, so an
-attempt id carried there would be the first save's on every later save. A writer that knows the
-save's process group (``process_group=``; :func:`opd_store.dcp.save` and ``async_save`` pass theirs)
-therefore sends the id with one ``broadcast_object_list`` from the coordinator at the start of
-``write_data``; the plans carry only that choice (:class:`AttemptPlan`, the same on every save). A
-writer without it sends the id in the plans, as DCP's own writers send their file prefixes, and
-refuses a cached plan (the coordinator sees DCP's unusable delta plans) with an error saying to
-pass ``process_group``.
-
-A rank with nothing to write (DCP deduplicates replicated values onto one rank) seals an empty
-part: no payload, no storage call, no entry.
-
-Nothing is renamed, deleted or overwritten on the way (DCP's own fsspec writer writes
-``.metadata.tmp``, deletes ``.metadata`` and renames, which on S3 is a copy and a delete with a
-window in which no metadata exists). When any rank fails, DCP's collectives raise the same
-``CheckpointException`` on every rank and ``finish`` never runs: nothing is committed, the
-previous steps are untouched. A failing rank discards its own part; the coordinator's attempt is
-discarded by :meth:`StoreWriter.abort` (:func:`opd_store.dcp.save` calls it) or the next
-``reset``; otherwise ``opd-store gc`` removes it once it is older than the grace period.
+DCP's planners and collectives run unchanged; this class decides where bytes go and when the
+checkpoint exists: ``prepare_global_plan`` (coordinator) opens the one attempt; ``write_data``
+(every rank) writes ``__<rank>_0.distcp`` (its shards) and ``__<rank>_1.distcp`` (whole tensors
+and objects) into the attempt or a sealed part; ``finish`` (coordinator) adds every rank's
+entries, extra payloads and ``.metadata``, then creates the manifest (the commit). Nothing is
+renamed or deleted (DCP's fsspec writer's ``.metadata.tmp`` rename is a copy and delete on S3);
+a failure anywhere commits nothing. The attempt id travels by one broadcast on ``process_group``
+because DCP's plan cache would replay a stale id in plans. docs/sharded.md, "The storage layer".
 """
 
 from __future__ import annotations
@@ -77,16 +45,14 @@ _GROUP_NOT_GIVEN = object()
 
 @dataclasses.dataclass(frozen=True)
 class AttemptPlan:
-    """What the coordinator shares with every rank in DCP's global plan (each plan's
-    ``storage_data``).
+    """What the coordinator shares with every rank in DCP's global plan (``storage_data``).
 
     Attributes:
-        attempt_id (str): the attempt every rank writes under; read from here only when
-            ``broadcast`` is false (DCP's plan cache may hand back an earlier save's plan).
+        attempt_id (str): the attempt every rank writes under; read from here only without
+            ``broadcast`` (a cached plan may hold an earlier save's).
         world_size (int): ranks in the save's process group.
-        broadcast (bool): the coordinator sends ``(attempt_id, world_size)`` with one broadcast
-            at the start of ``write_data`` (the writers know the process group); the same on
-            every save of a writer configured alike, so a cached plan still says it rightly.
+        broadcast (bool): the id comes by one broadcast at the start of ``write_data``; the same on
+            every save, so a cached plan still says it rightly.
     """
 
     attempt_id: str
@@ -107,27 +73,23 @@ def mesh_of(state_dict: Any) -> tuple[list[int], list[str] | None] | None:
 
 
 class StoreWriter(StorageWriter):
-    """DCP storage writer committing one opd_store checkpoint (see the module docstring).
+    """DCP storage writer committing one opd_store checkpoint (module docstring).
 
     Args:
         store (BaseStore | str | os.PathLike): a store (plain or tiered) or its URL.
         step (int): the step to commit; must not be committed yet.
         storage_options (dict | None): fsspec options when ``store`` is a URL.
-        metadata (dict | None): JSON stored in the manifest's ``metadata`` (readable without torch).
-            The writer adds ``checkpoint_format: "dcp"`` and ``mesh_shape``/``mesh_dim_names``.
-        mesh_shape (list[int] | None): recorded in the manifest; default the device mesh of the
-            first ``DTensor`` saved, or ``[world_size]`` without one.
-        extra_payloads (Callable[[Transaction], None] | None): called on the coordinator in
-            ``finish`` to write more payloads (``txn.open``/``txn.write_bytes``) before the commit.
-        after_commit (AfterCommit | None): the after-commit stage of this store and step, run by
-            :meth:`run_after_commit` on the coordinator once the step is committed.
+        metadata (dict | None): manifest metadata (JSON); the writer adds ``checkpoint_format: "dcp"``
+            and ``mesh_shape``/``mesh_dim_names``.
+        mesh_shape (list[int] | None): default the first ``DTensor``'s mesh, or ``[world_size]``.
+        extra_payloads (Callable[[Transaction], None] | None): writes more payloads in ``finish``.
+        after_commit (AfterCommit | None): this store and step's after-commit stage
+            (:meth:`run_after_commit`, coordinator).
         extensions (Sequence[StreamTransformExtension] | None): DCP's stream transforms
-            (``FileSystemWriter``'s ``_extensions``: ``[ZStandard()]`` compresses every item),
-            recorded per item in DCP's metadata and as ``dcp_stream_transforms`` in the manifest.
-        process_group (ProcessGroup | None): the group given to ``dcp.save``/``dcp.async_save``
-            (``None``: the default group); the attempt id then reaches every rank by one
-            broadcast on it, which DCP's plan cache cannot make stale (module docstring). Left
-            out, the id travels in DCP's plans and plan caching is refused.
+            (``[ZStandard()]``), recorded per item and as ``dcp_stream_transforms`` in the manifest.
+        process_group (ProcessGroup | None): the group given to ``dcp.save`` (``None``: default);
+            the attempt id is broadcast on it. Left out, the id travels in plans and plan caching is
+            refused.
 
     Attributes:
         committed_url (str | None): the step's URL, set on the coordinator once committed.
@@ -135,14 +97,11 @@ class StoreWriter(StorageWriter):
     Raises:
         ValueError: a negative ``step``, or an ``after_commit`` of another store or step.
 
-    Rank obligations: every rank of the process group passed to ``dcp.save`` uses a writer of the
-    same store, step, extensions and ``process_group`` choice; rank 0 of that group is the
-    coordinator (DCP's default).
+    Rank obligations: every rank of the group uses a writer of the same store, step, extensions
+    and ``process_group`` choice; rank 0 is the coordinator.
 
-    The writer pickles (DCP's process-based ``async_save`` sends it to a background process) as
-    its store's address, never its clients (:class:`~opd_store.dcp._store_address.StoreAddress`:
-    a ``memory://`` or tiered store is refused with a ``TypeError``); a writer with an
-    ``after_commit`` stage or an open attempt does not pickle (the stage runs in this process).
+    Pickles as its store's address (``StoreAddress``); one with an ``after_commit`` stage or an open
+    attempt does not.
     """
 
     def __init__(self, store: BaseStore | str | os.PathLike, step: int, *,
@@ -224,14 +183,13 @@ class StoreWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Open the attempt (the coordinator) and say in every plan how its id travels.
+        """Open the attempt (coordinator) and say in every plan how its id travels.
 
         Raises:
             CommitConflictError: (a ``FileExistsError``) the step is already committed; nothing written.
             UnsupportedBackendError: the backend has no create-only write.
-            ValueError: the writer's ``process_group`` has another size than DCP's group, or DCP's
-                plan cache handed back plans while the writer has no ``process_group`` (the id
-                in a cached plan would be an earlier save's); nothing written.
+            ValueError: ``process_group``'s size differs from DCP's group, or DCP's plan cache handed
+                back plans to a writer without ``process_group``; nothing written.
         """
         self.abort()
         world_size = len(plans)
@@ -295,8 +253,9 @@ class StoreWriter(StorageWriter):
 
         Raises:
             CommitConflictError: another attempt committed the step first.
-            CommitError: the manifest create failed (see :meth:`Transaction.commit`).
+            CommitError: the manifest create failed.
             IncompleteCheckpointError: a file is not stored with the size written.
+            ValueError: no open attempt (``prepare_global_plan`` did not run here).
         """
         txn, self._txn = self._txn, None
         if txn is None:
@@ -323,8 +282,7 @@ class StoreWriter(StorageWriter):
         logger.info("committed DCP checkpoint %s (world size %d)", self.committed_url, txn.world_size)
 
     def storage_meta(self) -> StorageMeta | None:
-        """``checkpoint_id`` the step's URL; ``save_id`` this save's attempt id once it is known
-        (the coordinator's ``prepare_global_plan``; ``finish`` records it in DCP's metadata)."""
+        """``checkpoint_id`` the step's URL; ``save_id`` this save's attempt id once known."""
         return StorageMeta(checkpoint_id=self.checkpoint_id,
                            save_id=None if self._attempt is None else self._attempt.attempt_id)
 
@@ -335,11 +293,8 @@ class StoreWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for a store's step URL (``<store>/step-NNNNNN``), which only this writer commits.
-
-        DCP (through 2.13) picks a writer from a bare ``checkpoint_id`` among its own
-        ``FileSystemWriter`` and ``FsspecWriter`` only and never asks this class: pass
-        ``storage_writer=StoreWriter(store, step)`` (docs/sharded.md).
+        """True for a store's step URL; DCP (through 2.13) never asks this class for a bare
+        ``checkpoint_id``: pass ``storage_writer=StoreWriter(store, step)``.
         """
         try:
             split_checkpoint_url(checkpoint_id)
@@ -349,8 +304,7 @@ class StoreWriter(StorageWriter):
 
     # -- opd_store ------------------------------------------------------------------------------
     def run_after_commit(self) -> None:
-        """Run the save's after-commit stage once: on the coordinator after ``finish`` committed
-        the step; elsewhere (or without ``after_commit``) nothing.
+        """Run the after-commit stage once, on the coordinator after ``finish`` committed; else nothing.
 
         Raises:
             RetentionError: (plain store) the retention pass failed; the step stays committed.
@@ -384,8 +338,7 @@ class StoreWriter(StorageWriter):
         return dist.get_rank(self.process_group)
 
     def _shared_attempt(self, shared: Any) -> AttemptPlan:
-        """This save's attempt on this rank: the coordinator's own; elsewhere from the coordinator's
-        broadcast when the plan says so, else from the plan (see the module docstring).
+        """This save's attempt on this rank: the coordinator's own, else from the broadcast or the plan.
 
         Raises:
             ValueError: the plan carries no :class:`AttemptPlan` (another writer planned the save).

@@ -1,10 +1,8 @@
 """Whether the main job can resume a checkpoint the way it was started: sharded or replicated.
 
-``opd-store train --shard`` writes sharded checkpoints through DCP (schema ``opd_sharded_v1``);
-without ``--shard`` it writes replicated ones (``training_state.pt`` and one RNG part per rank).
 Each kind loads only with its own loader, so a run started the other way is refused before any
-model is built, with the flag that would resume it (not the loaders' own errors, which name a
-missing payload or a Python function).
+model is built, naming the flag that would resume it (the loaders' own errors would name a missing
+payload).
 """
 
 from __future__ import annotations
@@ -20,17 +18,15 @@ def check_checkpoint_kind(store: ReadableStore, checkpoint_url: str | None, *, s
 
     Args:
         store (ReadableStore): the job's store.
-        checkpoint_url (str | None): the step to resume (``.../step-NNNNNN``); ``None``: no resume.
+        checkpoint_url (str | None): the step to resume; ``None``: no resume.
         shard (bool): whether this run shards (``--shard``).
 
     Returns:
-        int | None: the step's saved world size (the resume's ``saved_world_size``), ``None`` when
-        there is no step or no readable manifest.
+        int | None: the step's saved world size; ``None`` without a step or a readable manifest.
 
     Raises:
-        ResumeMismatchError: the step is sharded and ``shard`` is off, or the other way round; the
-            message names the step, its URL and the flag. A step whose manifest cannot be read
-            (a legacy one) is left to the loader.
+        ResumeMismatchError: the step is sharded and ``shard`` is off, or the other way round (names
+            the step, its URL and the flag); an unreadable (legacy) manifest is left to the loader.
     """
     if checkpoint_url is None:
         return None

@@ -1,9 +1,5 @@
-"""Bit-for-bit comparison of two runs' final training state, the verdict of the demos.
-
-The kill-and-resume demos (:mod:`opd_store.job._demo`, :mod:`opd_store.job._trl_demo`) each end
-with an uninterrupted run's final state and a resumed run's; both hold the adapter weights
-(``{name: tensor}``) and the optimizer's ``state_dict()``. They are equal only when every tensor is
-equal to the bit (``torch.equal``) and every other value is equal.
+"""Bit-for-bit comparison of two runs' final training state (adapter weights, optimizer
+``state_dict()``, trainer counters), the verdict of the kill-and-resume demos.
 """
 
 from __future__ import annotations
@@ -46,16 +42,9 @@ def adapter_and_optimizer_differences(reference: dict[str, Any], candidate: dict
 
 
 def job_state_differences(reference: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
-    """What differs between two final states of the main job (``opd-store train``).
-
-    The adapter and optimizer as :func:`adapter_and_optimizer_differences` compares them, plus the
-    ``trainer`` counters (``successful_updates``, ``attempted_updates``, ...), which must be equal:
-    a resumed run that skipped or repeated an update differs there even when its weights happen to
-    match.
-
-    Args:
-        reference (dict): the uninterrupted run's final state (``adapter``, ``optimizer``, ``trainer``).
-        candidate (dict): the resumed run's, alike.
+    """What differs between two final states of the main job: adapter and optimizer as
+    :func:`adapter_and_optimizer_differences` compares them, plus the ``trainer`` counters (a run that
+    skipped or repeated an update differs there even when its weights match).
 
     Returns:
         list[str]: one line per difference; empty when the two are bit-identical.

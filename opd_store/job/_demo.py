@@ -1,17 +1,10 @@
 """``opd-store demo``: train, lose the machine, resume elsewhere, and prove nothing changed.
 
-1. An uninterrupted reference run into its own store prefix.
-2. The spot run: started, SIGKILLed after a random number of updates (by the job's own kill point
-   between two updates, :mod:`opd_store.runtime._kill_points`, so the demo knows exactly where it
-   died); started again in a fresh "machine" and SIGKILLed the moment it begins a save; then
-   started once more and run to the end. Every start is a new process whose working directory,
-   ``HOME`` and temp dir are new and empty, so only the store carries state from one start to the
-   next.
-3. The final adapter weights, optimizer state and per-update loss log are compared with the
-   reference bit for bit; a summary table is printed; any mismatch exits non-zero.
-4. ``opd-store report`` of the spot store (:mod:`opd_store.ledger`) must say what the demo knows:
-   which starts were killed, the step each reached, the step the next one resumed from and the
-   updates it redid; a difference exits non-zero too.
+An uninterrupted reference run; then a spot run SIGKILLed at a random update boundary (the job's
+own kill point), again while a save streams, then run to the end, each start on a fresh "machine"
+(only the store carries state). Final weights, optimizer state and loss log must equal the
+reference bit for bit, and ``opd-store report`` must say which starts were killed, where, and the
+updates redone; any mismatch exits non-zero (README.md, the first section).
 """
 
 from __future__ import annotations
@@ -81,10 +74,12 @@ def _run_until(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, kil
                spot: CheckpointStore | None = None) -> tuple[bool, str, list[dict[str, Any]], int | None]:
     """Run one start; SIGKILL it at the chosen point. Returns (killed, kill point, events, resumed step).
 
-    ``kill_at_attempted`` arms the job's kill point before that attempted update (the process
-    SIGKILLs itself there, after the previous update, its log record and its save);
-    ``kill_on_save`` kills while a save is streaming its payloads into ``spot`` (objects written,
-    manifest not yet created). ``popen`` starts the process (see :func:`run_demo`).
+    ``kill_at_attempted`` arms the job's kill point before that attempted update; ``kill_on_save``
+    kills while a save streams into ``spot`` (objects written, no manifest). ``popen`` starts it.
+
+    Raises:
+        RuntimeError: a start that was not killed exited non-zero (its stderr in the message).
+        TimeoutError: the start ran longer than ``timeout_secs``.
     """
     if kill_at_attempted is not None:
         env = dict(env, **{kill_points.ENV_VAR: json.dumps({"phase": "between_updates",
@@ -134,11 +129,10 @@ def _log_entries(paths: list[Path]) -> dict[int, list[dict[str, Any]]]:
 def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, str], storage_options: dict[str, Any],
              workdir: Path, updates: int = 8, every: int = 2, seed: int = 0, kill_seed: int | None = None,
              timeout_secs: float = 600.0, popen: Callable[..., Any] = subprocess.Popen, out=None) -> int:
-    """Run the whole story; return 0 when the resumed run matches the reference bit for bit.
+    """Run the whole demo; return 0 when the resumed run matches the reference bit for bit.
 
-    ``popen`` starts each training process (:class:`subprocess.Popen`, or for tests a preloaded fork
-    server's ``popen``: the same command line, environment and directory, without a new
-    interpreter's imports); ``out`` (default ``sys.stdout``) gets the report.
+    ``popen`` starts each training process (``subprocess.Popen``, or a preloaded fork server's);
+    ``out`` (default ``sys.stdout``) gets the report.
 
     Raises:
         ValueError: ``every < 1`` or ``updates < 2 * every``.

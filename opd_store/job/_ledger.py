@@ -1,23 +1,9 @@
 """The main job's goodput ledger: what it journals, when it saves, and its final save on a notice.
 
-:class:`JobLedger` is what ``train`` and :class:`~opd_store.job._saving.JobSaves` call:
-
-* at the start, one listing of the journal (rank 0): the previous start's last step gives this
-  start's ``updates_redone``; with ``--checkpoint-every auto`` the resumed step's ``save`` event
-  (one GET) gives the interval in force and the save cost measured so far;
-* after each update, ``first_update`` once and ``progress`` at most every ``progress_every_secs``
-  (every update with 0), written before the next update starts, so a kill anywhere later finds it;
-* after each committed save, one ``save`` event: the only request the journal adds to a save,
-  written on the journal's writer thread so the save does not wait for it (the next event written
-  at once waits for it first); the save's requests are counted on the durable tier
-  (:mod:`opd_store.storage._request_tally`), every rank's summed, the journal's own left out;
-* on a notice, the final save planned against the deadline (:func:`~opd_store.ledger.plan_final_save`;
-  rank 0 decides for every rank) and one ``notice`` event;
-* at the end, one ``exit`` event (``finished``, ``preempted`` or ``failed``).
-
-Only rank 0 writes; every rank takes part in the collectives (the decisions and the request sums),
-at the points where every rank already meets (the start, each save, the notice). Nothing here
-fails the job: a journal that cannot be written or read is a warning (:mod:`opd_store.ledger._journal`).
+Events and when each is written: docs/ledger.md ("The run journal", "Saves planned against the
+notice", "--checkpoint-every auto"). Only rank 0 writes; every rank joins the collectives at points
+where all ranks already meet (start, each save, the notice). Nothing here fails the job: a journal
+that cannot be written or read is a warning.
 """
 
 from __future__ import annotations
@@ -47,21 +33,20 @@ SIGNAL_SOURCES = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 
 class JobLedger:
-    """One start's ledger (module docstring).
+    """One start's ledger.
 
     Args:
         store (BaseStore): the job's store (the journal goes to its durable tier).
-        group: the job's :class:`~opd_store.opd._distributed.RankGroup`, or ``None`` for one process.
+        group: the job's ``RankGroup``, or ``None`` for one process.
         updates (int): ``--updates``.
         checkpoint_every (int): the save interval in updates (with ``auto``: the starting one).
         auto (bool): ``--checkpoint-every auto``.
         progress_every_secs (float): seconds between ``progress`` events (0: after every update).
-        notice_deadline_secs (float | None): a signal's deadline, seconds after it arrives
-            (``--notice-deadline-secs``); the AWS and GCE notices carry their own.
-        async_save / shard (bool): how the job saves (recorded in the ``start`` event).
+        notice_deadline_secs (float | None): a signal's deadline in seconds (AWS and GCE notices
+            carry their own).
+        async_save / shard (bool): how the job saves (recorded in ``start``).
         sinks (list): journal sinks (the Prometheus exporter) on rank 0.
-        started_secs (float | None): when the job's process started (seconds since the epoch): the
-            launcher's, for ranks it spawned; this process's by default.
+        started_secs (float | None): the process start, seconds since the epoch (default: this one's).
     """
 
     def __init__(self, store: BaseStore, *, group, updates: int, checkpoint_every: int, auto: bool = False,

@@ -1,12 +1,8 @@
-"""A "fresh machine" for a process start (new, empty working directory, ``HOME`` and ``TMPDIR``),
-the CPU time of a process, torch's thread count for a block, whether processes still run (a
-bounded poll), and the end of a server process.
+"""A "fresh machine" for a process start, a process's CPU time, torch's thread count for a block,
+a bounded poll for processes to end, and the end of a server process.
 
-``opd-store demo``, the soak (``bench/soak.py``) and the spot tests start the job again and again
-and must prove that only the store carries state from one start to the next. Each start gets a new
-directory ``machine-XXXX/`` under ``base`` with empty ``home/``, ``tmp/`` and ``work/`` (the working
-directory), and an environment without the Hugging Face variables of this process, offline, with
-transformers' warnings off and unbuffered output (the parent reads events line by line).
+The demo, the soak and the spot tests must prove that only the store carries state between
+starts: each start gets ``machine-XXXX/`` with empty ``home/``, ``tmp/`` and ``work/``.
 """
 
 from __future__ import annotations
@@ -28,13 +24,9 @@ def fresh_machine(base: str | os.PathLike, extra_env: dict[str, str] | None = No
                   pythonpath: list[str] | None = None) -> tuple[dict[str, str], Path]:
     """Create a fresh machine under ``base``; return ``(environment, working directory)``.
 
-    Args:
-        base: an existing directory.
-        extra_env: variables to add (a store's credentials, an emulator's switches).
-        pythonpath: directories put first on ``PYTHONPATH`` (a checkout's code, test helpers).
-
-    The environment is this process's without ``HF_*``, ``TRANSFORMERS_*`` and ``PYTEST_*``
-    variables, plus ``extra_env``, :data:`MACHINE_ENV` and the new ``HOME``/``TMPDIR``.
+    The environment is this process's without ``HF_*``, ``TRANSFORMERS_*`` and ``PYTEST_*``, plus
+    ``extra_env`` (credentials, emulator switches), :data:`MACHINE_ENV` (offline, unbuffered), the new
+    ``HOME``/``TMPDIR`` and ``pythonpath`` first on ``PYTHONPATH``.
     """
     machine = Path(tempfile.mkdtemp(prefix="machine-", dir=base))
     for sub in ("home", "tmp", "work"):
@@ -72,9 +64,9 @@ def process_cpu_secs(pid: int | None = None) -> float:
 
 
 def process_running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited: a zombie (exited, not yet reaped by a
-    parent that may not be ours, such as an orphan's new parent) counts as gone. Linux reads
-    ``/proc/PID/stat``; elsewhere a zombie counts as running."""
+    """Whether process ``pid`` exists and has not exited (a zombie counts as gone on Linux, read from
+    ``/proc/PID/stat``; elsewhere as running).
+    """
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")

@@ -1,8 +1,8 @@
-"""The main job's resume guard: the newest intact step, and no committed step in the run's way.
+"""The main job's resume guard: no committed step in the run's way.
 
-The rules for damaged steps are :mod:`opd_store.store._resume_guard`'s. On top, an *intact* committed
-step between the resume point and ``--updates`` (``--resume 2`` or ``--resume never`` on a store
-that holds step 4) is refused too: the run would redo updates and then fail at that commit.
+Damaged steps follow :mod:`opd_store.store._resume_guard`'s rules; an intact committed step
+between the resume point and ``--updates`` is refused too: the run would redo updates, then fail
+at that commit.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The main job's checkpoints: every save goes through the one save pipeline, on any store.
-
-:class:`JobSaves` is what the training loop calls to checkpoint. Periodic saves run the pipeline
-on the training thread (:func:`~opd_store.opd._save.save_opd_checkpoint`) or, with ``async_save``,
-on the background worker (:class:`~opd_store.opd._async_save.AsyncCheckpointer`); the save on a
-preemption notice runs it on the training thread after the background one finished. Which store
-it is (plain or tiered) is the pipeline's business, not the job's. Every ``saved`` event is
-emitted from the training thread, in step order.
+"""The main job's checkpoints, through the one save pipeline on any store: periodic saves on the
+training thread or (``async_save``) the background worker; the notice's save on the training
+thread once the background one finished. ``saved`` events are emitted in step order.
 """
 
 from __future__ import annotations
@@ -27,19 +22,16 @@ def emit(stream: TextIO, record: dict[str, Any]) -> None:
 
 
 class JobSaves:
-    """The job's checkpoints (see the module docstring).
+    """The job's checkpoints.
 
     Args:
         store (BaseStore): where checkpoints go.
         events (TextIO): the job's event stream.
-        save_kwargs (dict): the arguments every save shares (store, model, optimizer, ...,
-            ``retention``, ``lineage``).
+        save_kwargs (dict): the arguments every save shares.
         async_save (bool): periodic saves on the background worker.
-        save (Callable): the synchronous save, called with ``trainer_state``, ``teacher_state``
-            and ``save_kwargs`` (:func:`~opd_store.opd._save.save_opd_checkpoint`, or
-            :func:`~opd_store.opd._sharded.save_sharded_opd_checkpoint` for a sharded student).
-        ledger (JobLedger | None): journals each committed save and plans the final save on a
-            notice (:mod:`opd_store.job._ledger`).
+        save (Callable): the synchronous save (``save_opd_checkpoint`` or
+            ``save_sharded_opd_checkpoint``).
+        ledger (JobLedger | None): journals saves and plans the final save on a notice.
 
     Attributes:
         saves (list[dict]): one record per committed save (``step``, ``url``, ``seconds``,
@@ -112,13 +104,13 @@ class JobSaves:
 
     def on_notice(self, notice: PreemptionNotice, trainer: dict[str, Any],
                   teacher_state: dict[str, Any]) -> dict[str, Any]:
-        """The preemption path: the update in progress has finished; wait for an asynchronous save
-        in flight, then save the current state on this thread (unless its step is already
-        committed: that checkpoint is this state's, or one the run replays exactly; or the ledger's
-        plan says it cannot commit before the notice's deadline: ``action`` ``skipped`` with
-        ``reason``, ``last_committed_step`` and ``updates_lost``) and return the ``preempted``
-        event, emitted. Several ranks: every rank calls it at the same boundary (the
-        notice was agreed) and the save is the multi-rank save, committed once."""
+        """The preemption path, once the update in progress finished: wait for a save in flight, then
+        save the current state here unless its step is committed or the ledger's plan says it cannot
+        commit before the deadline (``action`` ``skipped``); return the emitted ``preempted`` event
+        (docs/spot.md, "How the main job reacts").
+
+        Rank obligations: every rank calls it at the same (agreed) boundary; the save commits once.
+        """
         started = time.perf_counter()
         try:
             self.finish()

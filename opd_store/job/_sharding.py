@@ -1,21 +1,10 @@
-"""The main job's sharded mode (``opd-store train --shard``): the student sharded with FSDP2.
+"""The main job's sharded mode (``opd-store train --shard``): the student sharded with FSDP2 over a
+CPU mesh, checkpointed through DCP (docs/sharded.md, "The main job").
 
-The student's decoder layers and the student itself are sharded over the ranks with
-``torch.distributed.fsdp.fully_shard`` on a CPU device mesh (gloo); no rank holds the whole adapter
-or optimizer state, and checkpoints go through DCP
-(:func:`~opd_store.opd._sharded.save_sharded_opd_checkpoint`): each rank writes its shards, one
-manifest commits them. What differs from the replicated mode:
-
-* **lockstep forwards**: FSDP all-gathers parameters in every forward and backward, so every rank
-  runs the same number of them: each samples exactly ``queries_per_update`` prompts (a short
-  batch at the end of an epoch is padded with prompts whose rollouts count for nothing) and
-  computes the loss over all its rollouts with refused ones weighted 0;
-* **data order** is a :class:`~opd_store.opd._data.GlobalSamplePosition` over the corpus (a global
-  sample index in ``trainer_state["data_position"]``), so a resume at another world size
-  (``--resume-mode elastic``) re-splits the remaining prompts without skipping or repeating one;
-* **gradients** are averaged by FSDP's reduce-scatter over all ranks; each rank's loss is scaled
-  by ``world_size / contributing ranks``, so the average is over the ranks that accepted a rollout,
-  as in the replicated mode.
+FSDP all-gathers in every forward, so every rank runs the same number: each samples exactly
+``queries_per_update`` prompts (a short batch is padded with prompts weighted 0). Data order is a
+``GlobalSamplePosition`` (elastic-safe); each rank's loss is scaled by ``world_size /
+contributing ranks`` so FSDP's average is over the ranks that accepted a rollout.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """The goodput ledger: a run journal in the store (:mod:`._journal`, events :mod:`._events`), the
-report built from it (:mod:`._report`, its cost tables :mod:`._prices`, its HTML timeline
-:mod:`._timeline`), planning saves from measurements (:mod:`._planning`: the final save against a
-notice's deadline, Young/Daly, ``--checkpoint-every auto``) and live Prometheus metrics
-(:mod:`._metrics`). docs/ledger.md is the user's guide.
+report built from it (:mod:`._report`, costs :mod:`._prices`, HTML timeline :mod:`._timeline`),
+save planning (:mod:`._planning`) and Prometheus metrics (:mod:`._metrics`).
 
-The journal is written through the store's public API, beside the step prefixes and never inside
-one; nothing here is needed to save or resume. A trainer integration journals in a few lines::
-
-    journal = Journal(store, world_size=world_size)
-    journal.record("start", process_started_secs=process_started_secs(), updates=..., ...)
-    journal.record("save", step=step, reason="periodic", ...)
-
-The HTML timeline and the metrics import their libraries on first use (the ``html`` and
-``prometheus`` extras).
+Nothing here is needed to save or resume. The user's guide, with how a trainer integration
+journals (``Journal(store, world_size=...).record("start", ...)``): docs/ledger.md. The HTML
+timeline and the metrics import their libraries on first use (``html``, ``prometheus`` extras).
 """
 
 from typing import TYPE_CHECKING

@@ -1,31 +1,10 @@
 """The run journal's events: a versioned pydantic schema, one small JSON object per event.
 
-Every event names the process start it belongs to (``start_id``, 16 hex digits, new for each
-process start), its place in that start (``seq``, from 0), the writer's wall clock (``time_secs``,
-seconds since the epoch: the *writer's* clock, so events of one start are ordered by ``seq`` and
-starts by their first event), the host, the pid and the world size. The kinds:
-
-============  ======================================================================================
-start         the process started: ``process_started_secs`` (the kernel's start time of the
-              process), the job's ``updates`` and checkpoint interval, the progress interval
-resume        the step resumed from (``None``: from scratch), the updates the previous start made
-              after that step (``updates_redone``, from the journal's names; ``None`` when unknown)
-first_update  the first update of this start finished: ``secs_from_process_start``
-progress      the step reached (at most one per ``progress_every_secs``; every update when 0)
-save          a committed save: bytes, blocking seconds, seconds to commit, requests by kind
-notice        a preemption notice: source, seconds left to its deadline, the decision
-              (``save`` / ``skip`` / ``already_committed``) and the estimate it rested on
-exit          the start ended: ``finished``, ``preempted`` or ``failed`` (a start killed outright
-              writes none: the report infers the kill)
-============  ======================================================================================
-
-``step`` is the trainer's successful updates at the event and ``update_secs`` the seconds this start
-has spent in updates so far (saves and waits excluded): the report's goodput and lost work rest on
-them. A writer that does not measure something leaves the optional fields out (the trainer
-integrations, :mod:`opd_store.integrations._trainer_journal`, have no estimate for a notice and no
-failed updates). :data:`SCHEMA_VERSION` is written in every event; a reader refuses a newer one
-(:func:`parse_event`), so a report from an older opd_store skips what it cannot read instead of
-misreading it.
+Every event names its process start (``start_id``), its place in it (``seq``), the writer's
+wall clock (``time_secs``), host, pid and world size; ``step`` is the trainer's successful updates
+and ``update_secs`` this start's seconds in updates. The kinds and their fields: docs/ledger.md,
+"The run journal". A reader refuses a newer :data:`SCHEMA_VERSION` (:func:`parse_event`), so an
+older report skips what it cannot read rather than misreading it.
 """
 
 from __future__ import annotations

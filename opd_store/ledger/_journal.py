@@ -1,26 +1,11 @@
 """The run journal in the store: one create-only object per event, under a reserved prefix.
 
-Layout (the prefix is :data:`opd_store.format.JOURNAL_PREFIX`, at the store root beside the step
-prefixes; on a tiered store, in the bucket, :meth:`BaseStore.durable_store
-<opd_store.store._api.BaseStore.durable_store>`)::
-
-    .opd-store-journal/20261229T120000.123456Z-<start_id>-000003-save-s000042.json
-
-The name starts with the writer's UTC time to the microsecond, so a listing sorts by time; then the
-start, the event's sequence number in it, its kind and its step (``s-`` for none). A reader learns
-from one listing which starts there were and how far each got, without reading an object (the
-resume's ``updates_redone`` costs one listing). Each event is written once with the store's
-create-only write (:meth:`Storage.create_exclusive <opd_store.storage._base.Storage.create_exclusive>`):
-no object is read, modified and written back, so two writers never lose each other's events.
-
-The rule the journal keeps (the seed's resume contract; docs/ledger.md): **nothing needs it.** A
-resume reads the manifests, never the journal; a write that fails is logged as a warning and the
-run goes on; a journal deleted or damaged by hand only makes ``opd-store report`` skip what it
-cannot read. The prefix lies outside every ``step-NNNNNN/`` prefix (the same rule as the
-reachability probe's name, :func:`opd_store.format.probe_name`), so no listing, ``ls``, ``verify``,
-retention or orphan collection takes an event for a step or an attempt. ``gc`` bounds it
-(:func:`prune_journal`): the newest :data:`DEFAULT_KEEP_EVENTS` events are kept, older starts are
-deleted whole.
+``.opd-store-journal/<UTC time>-<start_id>-<seq>-<kind>-s<step>.json`` at the store root (a
+tiered store's bucket): a listing sorts by time and says how far each start got without a read;
+create-only writes never lose another writer's event. Nothing needs the journal (the seed's
+resume contract): a failed write is a warning, and the prefix lies outside every step prefix, so
+no listing, ``verify``, retention or orphan collection takes an event for a step; ``gc`` bounds it
+(:func:`prune_journal`). docs/ledger.md, "The run journal".
 """
 
 from __future__ import annotations
@@ -115,10 +100,10 @@ def list_journal(store: BaseStore) -> tuple[list[EventName], list[str]]:
 
 
 def process_started_secs(pid: int | None = None) -> float:
-    """When this process (or process ``pid``: a job's launcher) started, in seconds since the
-    epoch: the kernel's start time (Linux ``/proc/<pid>/stat`` field 22, clock ticks since boot)
-    placed on the wall clock through ``/proc/uptime`` (10 ms resolution; ``btime`` of ``/proc/stat``
-    is whole seconds), else when opd_store was imported."""
+    """When this process (or ``pid``'s) started, seconds since the epoch: Linux ``/proc/<pid>/stat``
+    field 22 placed on the wall clock through ``/proc/uptime`` (10 ms resolution), else when
+    opd_store was imported.
+    """
     try:
         with open(f"/proc/{pid or 'self'}/stat", encoding="ascii") as handle:
             fields = handle.read().rpartition(")")[2].split()
@@ -134,26 +119,22 @@ _IMPORTED_SECS = time.time()
 
 
 class Journal:
-    """Writes one process start's events to a store's journal (module docstring).
+    """Writes one process start's events to a store's journal.
 
     Args:
-        store (BaseStore | None): the store (events go to its :meth:`durable_store`); ``None``
-            writes nothing (a rank other than 0: rank 0 journals for the job), sinks still see
-            every event.
+        store (BaseStore | None): events go to its durable store; ``None`` writes nothing (a rank
+            other than 0), sinks still see every event.
         world_size (int): ranks of the job.
-        sinks (Iterable): objects with ``observe(event)`` called for every event (the Prometheus
-            exporter, :mod:`opd_store.ledger._metrics`); a sink that raises is logged and kept.
+        sinks (Iterable): ``observe(event)`` targets (the Prometheus exporter); one that raises is
+            logged and kept.
 
     Attributes:
         start_id (str): 16 hex digits naming this start.
         written (int): events written to the store.
-        failed (int): events whose write failed (logged as warnings; the run went on).
+        failed (int): events whose write failed (logged as warnings).
 
-    An event is written at once (the caller waits for its one request), or with ``background``
-    on the journal's writer thread, so a save does not wait for its own ``save`` event: every
-    event written at once, and :meth:`flush`, first waits for those queued, so the journal's order
-    is the order of the calls. A process killed with an event queued loses that event (the report
-    then lacks its figures; no step depends on it).
+    With ``background`` an event is queued for the writer thread; every event written at once, and
+    :meth:`flush`, waits for those queued first, so the order is the calls' order.
     """
 
     def __init__(self, store: BaseStore | None, *, world_size: int = 1, sinks: Iterable[Any] = ()) -> None:
@@ -174,12 +155,8 @@ class Journal:
 
     def record(self, kind: str, *, clock: Callable[[], float] = time.time, background: bool = False,
                **fields: Any):
-        """Write one event of ``kind`` with ``fields`` (see :mod:`opd_store.ledger._events`);
-        returns it. ``background``: queue it for the writer thread and return at once (the class
-        docstring). A failed write is logged as a warning, never raised: nothing needs the journal.
-        Its requests and any ``random`` draw of the client's retries leave the caller's random
-        stream untouched (:func:`~opd_store.runtime.route_background_random`: the seed's exact-resume
-        contract).
+        """Write one event of ``kind`` with ``fields``, or queue it (``background``); return it. A failed
+        write is a warning, never raised; its requests leave the caller's random stream untouched.
 
         Raises:
             pydantic.ValidationError: ``fields`` are not an event of ``kind`` (a bug of the caller).
@@ -252,11 +229,9 @@ class JournalContents:
 
 
 def read_journal(store: BaseStore, *, max_workers: int = 8) -> JournalContents:
-    """Every readable event of ``store``'s journal: one listing, then one GET per event (in
-    ``max_workers`` threads). Objects over :data:`~opd_store.ledger._events.MAX_EVENT_BYTES` are
-    skipped unread, malformed or newer-schema ones after reading, each with a warning naming its
-    URL (:class:`~opd_store.errors.JournalEventError`), and so is an event whose body disagrees
-    with its name.
+    """Every readable event of ``store``'s journal: one listing, then one GET per event in
+    ``max_workers`` threads. Oversized, malformed, newer-schema or name-disagreeing objects are
+    skipped with a warning naming the URL.
 
     Raises:
         OSError: the listing failed.
@@ -325,16 +300,15 @@ def previous_start(names: list[EventName], own_start_id: str) -> StartSummary | 
 
 def prune_journal(store: CheckpointStore, *, keep_events: int = DEFAULT_KEEP_EVENTS,
                   dry_run: bool = True) -> list[str]:
-    """Bound ``store``'s journal: delete the oldest starts' events, a whole start at a time, until
-    at most ``keep_events`` are left (``gc``; module docstring). Objects under the prefix that are
-    no event's are left alone.
+    """Bound ``store``'s journal: delete the oldest starts' events, a whole start at a time, until at
+    most ``keep_events`` are left; objects that are no event's are left alone.
 
     Returns:
-        list[str]: the paths (relative to the store root) deleted, or that would be with ``dry_run``.
+        list[str]: the paths deleted (or that would be with ``dry_run``).
 
     Raises:
         ValueError: ``keep_events`` < 0.
-        OSError: a backend failure (what was deleted before it stays deleted).
+        OSError: a backend failure (what was deleted stays deleted).
     """
     if keep_events < 0:
         raise ValueError(f"keep_events must be >= 0, got {keep_events}")

@@ -1,24 +1,7 @@
-"""Live metrics for Prometheus (the ``prometheus`` extra: ``prometheus_client``).
-
-:class:`PrometheusExporter` is a journal sink (:class:`~opd_store.ledger._journal.Journal`'s
-``sinks``): every event the job journals updates the metrics below, in a registry of its own, served
-over HTTP (``start_http_server``) and/or written to a file for node_exporter's textfile collector
-(``write_to_textfile``: written to a temporary file and renamed, so the collector never reads half a
-file). The metric names (docs/ledger.md lists them for users):
-
-=========================================  ========  ===============================================
-``opd_store_save_duration_seconds``        summary   a committed save's seconds, label ``phase``:
-                                                     ``blocking`` (training waited) or ``commit``
-                                                     (begin to committed manifest)
-``opd_store_saved_bytes_total``            counter   bytes of committed saves
-``opd_store_saves_total``                  counter   committed saves
-``opd_store_save_failures_total``          counter   saves that failed (nothing committed)
-``opd_store_last_committed_step``          gauge     the newest step this process committed
-``opd_store_lost_updates_total``           counter   updates redone after resumes, and lost by
-                                                     a notice whose save did not fit
-``opd_store_resume_seconds``               gauge     seconds from process start to the first update
-``opd_store_requests_total``               counter   store requests of saves, label ``kind``
-=========================================  ========  ===============================================
+"""Live metrics for Prometheus (the ``prometheus`` extra): :class:`PrometheusExporter` is a journal
+sink whose metrics (listed in docs/ledger.md, "Live metrics (Prometheus)") live in a registry of their own,
+served over HTTP and/or written for node_exporter's textfile collector (temporary file and
+rename, so the collector never reads half a file).
 """
 
 from __future__ import annotations

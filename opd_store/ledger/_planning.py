@@ -1,25 +1,12 @@
-"""Planning saves from measurements: the final save against a notice's deadline, the Young/Daly
-interval, and ``--checkpoint-every auto``. Pure functions and small state, no I/O.
+"""Planning saves from measurements (pure, no I/O); docs/ledger.md, "Saves planned against the
+notice" and "--checkpoint-every auto".
 
-**The final save.** A notice with a deadline (AWS ``instance-action`` two minutes ahead, GCE 30 s,
-``--notice-deadline-secs`` for a signal) leaves a known time. A save that cannot commit before the
-machine goes is lost whole and leaves an orphan attempt for ``gc``; the notice is better spent
-exiting at once. :class:`SaveEstimator` predicts a save's seconds to commit from this run's
-measured saves to this store, as ``fixed + size_bytes / throughput``; :func:`plan_final_save`
-saves only when ``estimate x SAFETY_FACTOR + SAFETY_SECS`` fits in the time left.
-
-**Young/Daly.** For a save costing ``C`` seconds of progress and a mean time between failures
-``M``, the first-order optimal interval between saves is ``sqrt(2 C M)`` (Young 1974; Daly 2006
-adds a restart term and higher orders). It assumes failures arrive as a Poisson process
-(exponential times between them), ``C`` much smaller than ``M``, and a save cost that does not
-depend on when it is taken (field notes, section 6).
-
-**auto.** :class:`AutoInterval` starts from the user's interval and, after each committed save,
-moves it toward the Young/Daly interval in updates, at most halving or doubling it per save and
-never outside ``[1, MAX_AUTO_EVERY]``. Each new interval is journaled with the save
-(``next_checkpoint_every``), and a resume continues from the journaled value of the step it
-resumed from, so the schedule is a function of the journal (a lost journal restarts from the
-user's interval; the training itself is bit-exact either way: a save never moves the run's state).
+The final save: a save that cannot commit before the notice's deadline is lost whole, so
+:func:`plan_final_save` saves only when ``estimate x SAFETY_FACTOR + SAFETY_SECS`` fits.
+Young/Daly: ``sqrt(2 C M)`` (Young 1974; Daly 2006), assuming Poisson failures, ``C`` much smaller
+than ``M`` and a save cost independent of when it is taken (field notes, section 6). ``auto``:
+:class:`AutoInterval` moves toward it, at most halving or doubling per save, within
+``[1, MAX_AUTO_EVERY]``, journaled so a resume continues it.
 """
 
 from __future__ import annotations
@@ -46,11 +33,9 @@ class Measured:
 
 
 class SaveEstimator:
-    """Seconds to commit a save of a given size, from measured saves (module docstring).
-
-    With saves of different sizes (spread over 10%), a least-squares line ``fixed + bytes / throughput``
-    (both clamped at >= 0); with saves of one size (the usual case: the same model every time), the
-    slowest of the newest :data:`ESTIMATE_WINDOW` saves, scaled by size.
+    """Seconds to commit a save of a given size: a least-squares ``fixed + bytes / throughput`` over
+    saves of sizes spread over 10%, else the slowest of the newest :data:`ESTIMATE_WINDOW` scaled by
+    size.
     """
 
     def __init__(self) -> None:
@@ -94,11 +79,8 @@ class FinalSavePlan:
 
 
 def plan_final_save(estimate_secs: float | None, secs_left: float | None) -> FinalSavePlan:
-    """Save or not, on a notice (module docstring).
-
-    * deadline already passed (``secs_left <= 0``): skip, whatever the estimate;
-    * unknown deadline, or no measured save yet: save (the best that can be done);
-    * otherwise save when ``estimate x SAFETY_FACTOR + SAFETY_SECS <= secs_left``.
+    """Save or not on a notice: skip past the deadline; save with an unknown deadline or no
+    measurement; else save when ``estimate x SAFETY_FACTOR + SAFETY_SECS <= secs_left``.
     """
     if secs_left is not None and secs_left <= 0:
         return FinalSavePlan("skip", estimate_secs, secs_left, f"the deadline passed {-secs_left:.1f} s ago")
@@ -128,13 +110,12 @@ def young_daly_secs(save_cost_secs: float, mtbf_secs: float) -> float:
 
 
 class AutoInterval:
-    """``--checkpoint-every auto`` (module docstring).
+    """``--checkpoint-every auto``.
 
     Args:
         every (int): the interval in force (the user's, or the journaled one a resume continues).
-        mtbf_secs (float | None): mean seconds between preemptions known from the journal at start,
-            or the seconds the run has survived so far when none was seen (a lower bound: the
-            interval then grows as the run survives).
+        mtbf_secs (float | None): mean seconds between preemptions from the journal, else the
+            seconds survived so far (a lower bound).
     """
 
     def __init__(self, every: int, mtbf_secs: float | None) -> None:
@@ -142,15 +123,13 @@ class AutoInterval:
         self.mtbf_secs = mtbf_secs
 
     def after_save(self, *, save_cost_secs: float, update_secs: float, survived_secs: float) -> int:
-        """The interval after a committed save: toward ``young_daly_secs / update_secs`` updates,
-        within a factor of 2 of the current one and ``[1, MAX_AUTO_EVERY]``; unchanged without a
-        positive update time.
+        """The interval after a committed save: toward ``young_daly_secs / update_secs``, within a factor
+        of 2 and ``[1, MAX_AUTO_EVERY]``; unchanged without a positive update time.
 
         Args:
-            save_cost_secs (float): the seconds a save blocks training (mean of this run's).
+            save_cost_secs (float): mean seconds a save blocks training.
             update_secs (float): mean seconds of one update.
-            survived_secs (float): seconds since the run's first start, the MTBF's lower bound when
-                no preemption was measured.
+            survived_secs (float): seconds since the run's first start (the MTBF's lower bound).
         """
         mtbf = self.mtbf_secs if self.mtbf_secs is not None else survived_secs
         if update_secs <= 0 or mtbf <= 0:

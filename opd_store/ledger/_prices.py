@@ -1,11 +1,6 @@
-"""Price tables for the cost estimate of ``opd-store report``: built in for S3 and GCS, or a file.
-
-The built-in tables are list prices of the default storage class in the cheapest US region, as the
-providers publish them (AWS "Amazon S3 pricing", S3 Standard, us-east-1, first 50 TB; Google "Cloud
-Storage pricing", Standard storage in us-central1, class A and class B operations): docs/ledger.md
-shows them and how to override them. Prices change and differ by region, class and contract: the
-report says which table it used, and a file (``--prices FILE``, JSON or YAML, the fields of
-:class:`PriceTable`) replaces it. Request kinds are :mod:`opd_store.storage._request_tally`'s.
+"""Price tables for ``opd-store report``'s cost estimate: built in for S3 (S3 Standard, us-east-1,
+AWS "Amazon S3 pricing") and GCS (Standard, us-central1, "Cloud Storage pricing"), or a file
+(``--prices FILE``: :class:`PriceTable`'s fields). docs/ledger.md shows them.
 """
 
 from __future__ import annotations
@@ -28,8 +23,10 @@ class PriceTable(BaseModel):
         name (str): what the table is (shown in the report).
         currency (str): the prices' currency.
         storage_per_gib_month (float): storing one GiB (2**30 bytes) for a month.
-        requests_per_1000 (dict[str, float]): 1,000 requests of each kind (``list``, ``head``,
-            ``get``, ``put``, ``post``, ``delete``); a kind left out costs nothing.
+        requests_per_1000 (dict[str, float]): 1,000 requests of each kind; a kind left out is free.
+
+    Raises:
+        ValueError: an unknown request kind or a negative price.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -1,28 +1,9 @@
 """``opd-store report``: the journal and the manifests turned into what a spot user asks.
 
-:func:`build_report` is pure (events, stored bytes and a price table in, :class:`LedgerReport`
-out); :func:`report_store` reads them from a store. The rules (docs/ledger.md says them for users):
-
-* A **start** is one process lifetime (its events share a ``start_id``). It ended ``finished``,
-  ``preempted`` (a notice) or ``failed`` when it wrote an ``exit`` event, ``killed`` when it wrote
-  none and a later start exists (SIGKILL, a lost machine), ``running`` when it is the last one.
-* A **preemption** is a start that ended ``killed``, ``preempted`` or ``failed`` (a rank lost on
-  another machine fails the job's other ranks) and was followed by another.
-  Its **updates lost** are the steps it reached beyond the step the next start resumed from (the
-  work the next start redoes); its **seconds lost** the update seconds it spent on them. Progress
-  between a start's last event and its death is unknown: with ``progress_every_secs`` > 0 the
-  count is a lower bound (``exact`` says which).
-* **Goodput** is the update seconds of updates that were kept (not redone) over the wall time from
-  the first process start to the last event (downtime between starts counts as lost).
-* **Restart time** is a resumed start's seconds from its process start to its first update.
-* **Checkpoint overhead** is the seconds saves blocked training, per save and as a share of the
-  wall time.
-* **Requests** are a start's ``exit`` totals, or for a start without one the sum of its saves'
-  plus one ``put`` per event it journaled; the **cost** prices them and a month of the bytes
-  stored now.
-* The **recommended interval** is Young/Daly's ``sqrt(2 C M)`` (:mod:`opd_store.ledger._planning`)
-  with ``C`` the mean blocking seconds per save and ``M`` the wall time per preemption; none when
-  no preemption was measured.
+:func:`build_report` is pure (events, stored bytes, prices in; :class:`LedgerReport` out);
+:func:`report_store` reads them from a store. The rules (starts and outcomes, preemptions and
+updates lost, goodput, restart time, overhead, requests and cost, the recommended interval):
+docs/ledger.md, "opd-store report URL".
 """
 
 from __future__ import annotations
@@ -157,10 +138,10 @@ def _update_secs_at(events: list, step: int, floor_step: int | None) -> float:
 
 def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes: int = 0,
                  prices: PriceTable | None = None, skipped: list[str] | None = None) -> LedgerReport:
-    """The report of one store's journal (module docstring for every rule).
+    """The report of one store's journal (docs/ledger.md for every rule).
 
     Args:
-        events (list): the journal's events, in order (:func:`~opd_store.ledger._journal.read_journal`).
+        events (list): the journal's events, in order.
         url (str): the store.
         bytes_stored (int): bytes of the complete checkpoints now.
         journal_bytes (int): bytes of the journal.
@@ -283,13 +264,11 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
 
 def report_store(store: BaseStore, *, prices: PriceTable | None = None, use_default_prices: bool = True
                  ) -> LedgerReport:
-    """The report of ``store``: its journal (one listing, one GET per event), and the manifests of
-    its complete checkpoints (one listing, one manifest read per step) for the bytes stored.
+    """The report of ``store``: its journal and the manifests of its complete checkpoints.
 
     Args:
         store (BaseStore): the store (its durable tier on a tiered store).
-        prices (PriceTable | None): the cost table; by default the built-in one of the URL's scheme
-            (:func:`~opd_store.ledger._prices.table_for_url`), none for other schemes.
+        prices (PriceTable | None): the cost table; default the URL scheme's built-in one.
         use_default_prices (bool): ``False``: no cost without ``prices``.
 
     Raises:
@@ -305,10 +284,9 @@ def report_store(store: BaseStore, *, prices: PriceTable | None = None, use_defa
 
 
 def _bytes_stored(store: CheckpointStore, *, nested: bool = True) -> int:
-    """Bytes of ``store``'s complete checkpoints (their manifests' totals). With ``nested``, a store
-    with no step of its own counts those of the stores one level below it: the Lightning plugin's
-    root, a store per checkpoint name (docs/integrations.md), whose journal is at the root (one
-    listing, and one ``checkpoints()`` per name, more)."""
+    """Bytes of ``store``'s complete checkpoints; with ``nested``, a store with no step of its own
+    counts the stores one level below (the Lightning plugin's root: a store per name).
+    """
     infos = store.checkpoints()
     if not infos and nested:
         prefixes, _objects = store.storage.list_children("")

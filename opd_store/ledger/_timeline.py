@@ -1,11 +1,6 @@
-"""``opd-store report --html FILE``: one self-contained page with the run's timeline (plotly).
-
-The page holds its own copy of plotly.js (``include_plotlyjs=True``), so it opens without network
-(a laptop on a plane, a cluster without egress). One row per start; one marker per timeline item of
-the report (:class:`~opd_store.ledger._report.TimelineItem`: starts, saves, notices, kills, exits),
-each kind a trace of its own; lost work (from the step the next start resumed from to the kill) as
-a thick red segment per preemption. Above the plot, the report's summary as an HTML table. plotly is
-the ``html`` extra (``pip install 'opd_store[html]'``).
+"""``opd-store report --html FILE``: one self-contained page (plotly.js inlined, so it opens without
+network) with the report's summary table and timeline: a row per start, a trace per kind of mark,
+lost work as a red segment per preemption. The ``html`` extra.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The save pipeline above the commit: one save split into how it writes and what it needs once
-committed (:mod:`._save`), its multi-rank form (:mod:`._collective`), and the one owner of
-background saves (:mod:`._background`) over the one background worker (:mod:`._worker`, its tasks
-:mod:`._task`). ARCHITECTURE.md, "The save path", tells the stages and where each mode runs them."""
+"""The save pipeline above the commit: one save (:mod:`._save`), its multi-rank form
+(:mod:`._collective`) and the one owner of background saves (:mod:`._background`) over the one
+worker (:mod:`._worker`, tasks :mod:`._task`). The stages and where each mode runs them:
+ARCHITECTURE.md, "The save path".
+"""
 
 from ._background import WHEN_BUSY, BackgroundSaves
 from ._collective import (

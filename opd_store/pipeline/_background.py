@@ -1,18 +1,10 @@
 """The one owner of background saves: asynchronous OPD saves, the Hugging Face callback's uploads
 and a tiered store's uploads all run through a :class:`BackgroundSaves`.
 
-It owns one :class:`~opd_store.pipeline._worker.BackgroundWorker` (order, RNG routing, the exit
-deadline and exit stages: that module's docstring) and gives every caller the same contract:
-
-* **at most one save in flight where the caller asks for it**: :meth:`BackgroundSaves.sync` with
-  ``when_busy="wait"`` waits for it, ``"raise"`` raises :class:`~opd_store.errors.SaveInFlightError`;
-* **failures at the next sync point**: a failure nobody saw through its task is raised by the
-  next :meth:`~BackgroundSaves.sync` or :meth:`~BackgroundSaves.close` as the owner's
-  :class:`~opd_store.errors.BackgroundSaveError` (a tiered store's: its subclass ``UploadError``),
-  once, the first failure as ``__cause__``; never only logged;
-* **one exit report**: at interpreter exit, one line on stderr per save it waits for, per save it
-  abandons past the deadline, per failure nobody saw, and for each save that committed while the
-  interpreter exited (and the newest one) with its URL. An owner its caller closed reports nothing.
+Its contract for every caller: at most one save in flight where asked (``when_busy``: wait, or
+``SaveInFlightError``); a failure nobody saw is raised once, at the next :meth:`~BackgroundSaves.sync`
+or :meth:`~BackgroundSaves.close`, as ``BackgroundSaveError`` (a tiered store's: ``UploadError``),
+never only logged; one exit report on stderr (docs/spot.md, "Exit deadline").
 """
 
 from __future__ import annotations
@@ -30,17 +22,15 @@ WHEN_BUSY = ("wait", "raise")
 
 
 class BackgroundSaves:
-    """The background saves of one caller (see the module docstring).
+    """The background saves of one caller.
 
     Args:
         name (str): the worker thread's name (``opd-...``).
-        exit_timeout_secs (float): at interpreter exit, seconds queued and running saves are given
-            to commit before they are abandoned uncommitted.
-        exit_stage (int): the worker's exit stage (:data:`~opd_store.pipeline._worker.EXIT_STAGE_SAVES`,
-            or ``EXIT_STAGE_UPLOADS`` for work that saves queue).
-        owner (str | None): names the caller in errors (a store URL); ``None`` names nobody.
+        exit_timeout_secs (float): at interpreter exit, seconds saves get to commit before abandonment.
+        exit_stage (int): the worker's exit stage (``EXIT_STAGE_SAVES`` or ``EXIT_STAGE_UPLOADS``).
+        owner (str | None): names the caller in errors (a store URL).
         error (type[BackgroundSaveError]): the class of the errors raised at sync points.
-        abandoned_note (str): what the exit report adds about a save it abandoned.
+        abandoned_note (str): what the exit report adds about an abandoned save.
 
     Raises:
         ValueError: a negative ``exit_timeout_secs``.
@@ -78,12 +68,11 @@ class BackgroundSaves:
         """Queue ``run()`` on the worker (in order, ``random`` routed away from the caller).
 
         Args:
-            label (str): the save in words (``"asynchronous save of step 3"``), for messages.
+            label (str): the save in words (``"asynchronous save of step 3"``).
             key (Any): the caller's key (a step).
-            run (Callable[[], Any]): the save; returns its committed URL. It should watch
-                :attr:`cancelled` (``run_save(..., cancelled=saves.cancelled)``).
-            follow_up (bool): work that follows a save (a hook run once a step is durable): its
-                failure is reported like a save's, but no exit line waits for it or calls it committed.
+            run (Callable[[], Any]): the save, returning its URL; it should watch :attr:`cancelled`.
+            follow_up (bool): work after a save (a durable-step hook): failures reported alike, but no
+                exit line waits for it.
 
         Raises:
             ValueError: the owner is closed.
@@ -164,13 +153,12 @@ class BackgroundSaves:
         self.raise_unreported(at)
 
     def close(self, timeout_secs: float | None = None, *, at: str = "close()") -> None:
-        """Refuse new saves, wait for the queued ones, stop the worker (its thread has ended when
-        this returns, but after a timeout), then raise the failures nobody saw. Safe to call twice.
+        """Refuse new saves, wait for queued ones, stop and join the worker, then raise unseen failures.
+        Safe to call twice.
 
         Raises:
-            TimeoutError: still in flight after ``timeout_secs``: they are abandoned (:attr:`cancelled`
-                set; a save inside its manifest create may still commit) and the thread ends
-                once they stop, or at exit.
+            TimeoutError: still in flight after ``timeout_secs``: abandoned (:attr:`cancelled` set; one
+                inside its manifest create may still commit).
             BackgroundSaveError: (:attr:`error`) a failure nobody saw.
         """
         self._closed = True

@@ -1,17 +1,11 @@
-"""A save on every rank of a process group: each rank writes its part, rank 0 commits, and one
-function (:func:`agree`) gathers every rank's outcome and fails every rank the same way.
+"""A save on every rank of a process group: each rank writes its part, rank 0 commits, and
+:func:`agree` fails every rank the same way (docs/protocol.md, "Several ranks, one commit").
 
-The three collectives are tabled in docs/protocol.md ("Several ranks, one commit"); where they sit
-among the save's stages, in ARCHITECTURE.md ("The save path"). The group is any object with
-``rank``, ``world_size``, ``all_gather(obj)`` and ``broadcast(obj)`` (rank 0's ``obj`` on every
-rank), e.g. :class:`opd_store.opd.RankGroup` over ``torch.distributed``.
-
-**Deferred commit** (``defer``: an asynchronous multi-rank save): rank 0 writes nothing in the
-write collective; it records the other ranks' entries and hands ``finish`` (write rank 0's
-payloads into the attempt, commit, run the after-commit stage) to ``defer``, and every rank
-returns at once. The other ranks' parts are sealed by then, so they never wait for rank 0's
-upload; a failure of ``finish`` deletes the attempt with every rank's part and reaches rank 0's
-caller at its background owner's next sync point (:class:`~opd_store.pipeline._background.BackgroundSaves`).
+The group is any object with ``rank``, ``world_size``, ``all_gather(obj)`` and
+``broadcast(obj)`` (:class:`opd_store.opd.RankGroup`). With ``defer`` (an asynchronous multi-rank
+save) rank 0 hands ``finish`` (its payloads, the commit, the after-commit stage) to its background
+owner and every rank returns once the other parts are sealed; a failure of ``finish`` deletes the
+attempt and reaches rank 0's caller at the next sync point.
 """
 
 from __future__ import annotations
@@ -62,12 +56,9 @@ def failure_text(failures: dict[int, Failure]) -> str:
 
 
 def save_failure(url: str | None, step: Any, failures: dict[int, Failure]) -> DistributedSaveError:
-    """The error every rank raises for a multi-rank save that was not committed (or, ambiguous,
-    may have been), naming the URL, the step and each failing rank (``failures``): a
-    :class:`DistributedSaveError`, of the class of :data:`MEANINGS` that keeps the failures' meaning
-    when they all share one (:class:`DistributedCommitConflictError`,
-    :class:`DistributedAmbiguousCommitError`, :class:`DistributedPermissionError`,
-    :class:`DistributedUnreachableError`)."""
+    """The ``DistributedSaveError`` every rank raises for a save not committed (or ambiguously),
+    naming URL, step and each failing rank; of the :data:`MEANINGS` subclass the failures all share.
+    """
     meanings = {meaning for _n, _m, meaning in failures.values()}
     only = next(iter(meanings)) if len(meanings) == 1 else None
     cls = MEANINGS[only][1] if only is not None else DistributedSaveError
@@ -82,10 +73,9 @@ def agree(group: Any, value: Any, error: BaseException | None, *, url: str | Non
           same: Any = None, same_name: str = "") -> list[Any]:
     """One collective of a multi-rank save: every rank's ``value``, or the same error everywhere.
 
-    Every rank gathers ``(value, url, step, same, its failure)``. When a rank failed, or the ranks
-    disagree on the step (or on ``same``: a value every rank must share, ``same_name`` in words),
-    every rank raises the same :func:`save_failure`, naming the first URL and step a rank knew,
-    chained to its own error. Without a group (``None``: one process), ``error`` is raised as it is.
+    A failed rank, or ranks disagreeing on the step (or on ``same``, named ``same_name``), make every
+    rank raise the same :func:`save_failure`, chained to its own error; without a group ``error`` is
+    raised as it is.
 
     Rank obligations: every rank of ``group`` calls it at the same point, failed or not.
 
@@ -93,8 +83,8 @@ def agree(group: Any, value: Any, error: BaseException | None, *, url: str | Non
         list: every rank's ``value``, index = rank.
 
     Raises:
-        DistributedSaveError: (a ``CommitError``) as above;
-            :class:`DistributedCommitConflictError` when every failure is a commit conflict.
+        DistributedSaveError: (a ``CommitError``) as above (``DistributedCommitConflictError`` when
+            every failure is a commit conflict).
         RuntimeError: the collective itself failed (a rank died, the group timed out).
     """
     if group is None:
@@ -123,35 +113,28 @@ FinishCommit = Callable[..., str]
 def run_save_collective(group: Any, prepare: Callable[[], SaveRequest], *,
                         defer: Callable[[FinishCommit], None] | None = None) -> str | None:
     """Save one checkpoint with every rank writing its part; commit once all parts are durable;
-    rank 0 then runs the after-commit stage (:meth:`AfterCommit.run`).
-
-    Rank obligations: every rank of ``group`` calls this for the same step, in the same order as
-    its other collectives, after the update has ended on every rank. Payload names must not
-    collide across ranks. ``defer`` is given on every rank or on none.
+    rank 0 then runs the after-commit stage.
 
     Args:
         group: the process group (``rank``, ``world_size``, ``all_gather``, ``broadcast``).
-        prepare (Callable[[], SaveRequest]): this rank's snapshot stage. Runs on every rank.
-        defer (Callable[[FinishCommit], None] | None): (rank 0) takes ``finish`` and runs it later
-            (the deferred commit of the module docstring); ``finish`` releases the request's
-            snapshot and aborts the attempt when it fails. Ignored on other ranks.
+        prepare (Callable[[], SaveRequest]): this rank's snapshot stage.
+        defer (Callable[[FinishCommit], None] | None): (rank 0) runs ``finish`` later; ``finish``
+            releases the snapshot and aborts the attempt on failure.
 
     Returns:
-        str | None: the committed checkpoint's URL, the same on every rank; ``None`` with
-        ``defer`` (the commit is still to come).
+        str | None: the committed URL, the same on every rank; ``None`` with ``defer``.
 
-    Raises:
-        opd_store.errors.DistributedCommitConflictError: (a ``FileExistsError``) the step is
-            already committed, or another writer committed it first; on every rank.
-        opd_store.errors.DistributedSaveError: (a ``CommitError``, an ``OSError``) any rank failed
-            to prepare or write its part, ranks disagreed on the step, or the manifest create
-            failed; on every rank, naming each failing rank and its error. Nothing is committed,
-            except after an ambiguous create (:class:`~opd_store.errors.DistributedAmbiguousCommitError`,
-            an ``AmbiguousCommitError``). Failures that all mean one thing keep that meaning
-            (:func:`save_failure`).
-        RetentionError: (rank 0, plain store) the step committed and its retention pass failed.
-        RuntimeError: a collective failed (a rank died or the process group timed out); the
-            attempt is discarded by rank 0 when it can still run.
+    Rank obligations: every rank calls it for the same step, in the same order as its other
+    collectives, after the update ended everywhere; payload names must not collide across ranks;
+    ``defer`` on every rank or on none.
+
+    Raises (on every rank, naming each failing rank):
+        DistributedCommitConflictError: (a ``FileExistsError``) the step is already committed.
+        DistributedSaveError: (a ``CommitError``) a rank failed to prepare or write, ranks disagreed
+            on the step, or the create failed; nothing committed, except after an ambiguous create
+            (``DistributedAmbiguousCommitError``).
+        RetentionError: (rank 0, plain store) committed, and its retention pass failed.
+        RuntimeError: a collective failed (a rank died or timed out); rank 0 discards the attempt.
     """
     url, request = _write_and_commit(group, prepare, defer)
     if url is not None and group.rank == 0:

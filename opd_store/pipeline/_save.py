@@ -58,16 +58,14 @@ class AfterCommit:
 
 @dataclasses.dataclass
 class SaveRequest:
-    """One save captured at one instant (the snapshot stage's output): how it writes, and what it
-    needs after its commit.
+    """One save captured at one instant (the snapshot stage's output).
 
     Attributes:
         after (AfterCommit): the store, step and after-commit work.
         world_size (int): ranks writing it (recorded in the manifest).
         metadata (dict): the manifest metadata (JSON).
         write (WritePayloads): streams the payloads.
-        release (Callable[[], None] | None): frees what the snapshot holds (a staged adapter
-            directory); called once the write stage ended, whatever happened.
+        release (Callable[[], None] | None): frees the snapshot's resources once the write stage ended.
     """
 
     after: AfterCommit
@@ -99,17 +97,15 @@ def write_and_commit(request: SaveRequest, *, cancelled: threading.Event | None 
 
     Args:
         request (SaveRequest): from the snapshot stage.
-        cancelled (threading.Event | None): the background worker's exit-deadline event; once
-            set, the attempt is abandoned uncommitted.
-        before_commit (Callable[[], None] | None): called after the last payload, before the
-            manifest create; an exception it raises aborts the save uncommitted.
+        cancelled (threading.Event | None): the exit-deadline event; once set, the attempt is abandoned.
+        before_commit (Callable[[], None] | None): runs before the manifest create; raising aborts.
 
     Returns:
         str: the committed checkpoint's URL.
 
     Raises:
-        CommitConflictError: the step is already committed (``FileExistsError``).
-        CommitError: the commit failed (an ``OSError``); nothing is committed.
+        CommitConflictError: (a ``FileExistsError``) the step is already committed.
+        CommitError: (an ``OSError``) the commit failed; nothing is committed.
         SaveAbandonedError: ``cancelled`` was set before the commit.
         OSError: a payload could not be written; nothing is committed.
     """
@@ -128,14 +124,13 @@ def write_and_commit(request: SaveRequest, *, cancelled: threading.Event | None 
 
 def run_save(request: SaveRequest, *, cancelled: threading.Event | None = None,
              before_commit: Callable[[], None] | None = None) -> str:
-    """Write, commit and the after-commit stage in the calling thread (a synchronous save, or the
-    body of a background one).
+    """Write, commit and the after-commit stage in the calling thread.
 
     Returns:
         str: the committed checkpoint's URL.
 
     Raises:
-        The errors of :func:`write_and_commit` and :meth:`AfterCommit.run`.
+        Exception: those of :func:`write_and_commit` and :meth:`AfterCommit.run`.
     """
     url = write_and_commit(request, cancelled=cancelled, before_commit=before_commit)
     request.after.run(url)

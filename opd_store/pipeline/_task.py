@@ -1,9 +1,6 @@
-"""One unit of background work and its outcome (run by :class:`~opd_store.pipeline._worker.BackgroundWorker`).
-
-A :class:`BackgroundTask` keeps its callable until it runs, then only its outcome: a value, or a
-failure that its owner raises at its next sync point (once: :attr:`BackgroundTask.reported`).
-What the callable holds (a save's snapshot: staged tensors, parameters) is dropped on the thread
-that ran it, before the outcome is published (the worker's module docstring says why).
+"""One unit of background work and its outcome, run by :class:`~opd_store.pipeline._worker.BackgroundWorker`;
+a failure is raised once by its owner. What the callable holds is dropped on the thread that ran
+it, before the outcome is published (docs/spot.md, "Why the worker thread is joined at exit").
 """
 
 from __future__ import annotations
@@ -17,10 +14,9 @@ from ..errors import SaveAbandonedError
 
 
 def _detach_traceback(exc: BaseException) -> None:
-    """Replace the frames of ``exc``'s traceback (and of every exception chained to it) by their
-    text, added as a note on ``exc``: a frame keeps its function, hence the closure holding the
-    task's snapshot, alive, and that must be freed on the worker thread. (``concurrent.futures``'
-    process pool hands tracebacks across the same way, as text.)"""
+    """Replace the frames of ``exc``'s traceback (and its chain's) by their text, as a note: a frame
+    keeps the closure holding the task's snapshot alive, which must be freed on the worker thread.
+    """
     text = "".join(traceback.format_exception(exc)).rstrip()
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]

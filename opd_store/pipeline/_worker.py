@@ -1,65 +1,13 @@
-"""The one background worker: one thread under every owner of background saves
-(:class:`~opd_store.pipeline._background.BackgroundSaves`: asynchronous saves, the Hugging Face
-callback's uploads, tier uploads).
+"""The one background worker: one thread under every owner of background saves.
 
-A :class:`BackgroundWorker` owns one thread that runs submitted tasks in order. It gives every
-background stage of a save the same guarantees:
-
-* **Deferred failure.** A task's exception is kept in its :class:`BackgroundTask`; the owner raises
-  it at its next sync point (the next save, ``flush``, ``close``, ``result``) through
-  :meth:`BackgroundWorker.take_unreported`, once. It is never only logged.
-* **RNG isolation.** Each task runs inside :func:`~opd_store.runtime._thread_random.route_background_random`:
-  the worker's and fsspec's I/O thread's draws from Python's ``random`` (botocore and gcsfs retry
-  back-offs) go to a private generator, so the training thread's stream is the one it would have
-  had without the save (exact resume).
-* **What a task holds is freed on the worker thread.** Once a task has run, its callable (and so
-  the snapshot it closes over: staged tensors, parameters) is dropped on the worker thread, while
-  the interpreter is whole (see *Why threads are joined* below); a failure keeps its traceback as
-  text (a note on the exception), not as frames that would keep the snapshot alive.
-* **Exit deadline.** When the interpreter starts to exit, every worker runs its exit sequence
-  (:meth:`BackgroundWorker.finish_at_exit`), and no worker thread is alive afterwards.
-
-Exit sequence of one worker, in order:
-
-1. New tasks are refused.
-2. If tasks are queued or running, the owner's ``on_exit("waiting", tasks)`` is called and the
-   worker waits up to ``exit_timeout_secs`` for all of them.
-3. If they are not done by then, :attr:`BackgroundWorker.cancelled` is set: tasks not started are
-   dropped (abandoned) and the running one stops at its next payload write or before its commit
-   (transactions and copies watch that event), leaving its step uncommitted; the owner's
-   ``on_exit("abandoned", tasks)`` is called.
-4. The thread is told to stop and is joined. A task that does not stop within half of
-   ``exit_join_secs`` of its cancellation (a thread waiting inside one backend request) gets
-   :class:`~opd_store.errors.SaveAbandonedError` raised in it at its next Python instruction
-   (``PyThreadState_SetAsyncExc``; a thread waiting on fsspec's I/O loop runs one every second),
-   so it leaves through the ordinary failure path (an attempt's payloads are discarded, nothing is
-   committed), and is joined for the other half. A thread blocked where no Python code runs (a
-   lock never released) cannot be stopped: it is named on stderr.
-5. The owner's ``on_exit("finished", tasks)`` reports what committed or failed (``tasks`` may be
-   empty: the owner may report a task that finished before exit).
-
-All workers finish in one exit routine, in ascending ``exit_stage`` and then in creation order:
-asynchronous saves (:data:`EXIT_STAGE_SAVES`) before tier uploads (:data:`EXIT_STAGE_UPLOADS`),
-because a save that commits into a tiered store at exit queues its upload then, which the upload
-worker must still accept and run. The routine is registered with
-:func:`opd_store.runtime.register_exit_hook` when the first worker thread starts: it runs when the
-interpreter starts to exit, before ``atexit`` hooks, while ``concurrent.futures`` and asyncio's
-executors still work (an S3 request at exit still opens a client; from an ``atexit`` hook it
-failed and nothing committed on S3).
-
-Why threads are joined (not only their tasks waited for): once ``Py_FinalizeEx`` has run the exit
-hooks, a daemon thread that takes the GIL is ended with ``pthread_exit`` (CPython <= 3.13,
-``take_gil``; the C-API docs of ``PyEval_RestoreThread``: "calling this function from a thread when
-the runtime is finalizing will terminate the thread"). When the GIL is re-taken inside torch's C++
-(the ``pybind11::gil_scoped_release`` with which ``THPVariable_clear`` frees every tensor, or those
-around ``torch.save``'s storage writes), the unwinding meets a ``noexcept`` frame and C++ calls
-``std::terminate``: "terminate called without an active exception", SIGABRT, after the save had
-committed. A thread that reported its task done and then freed the task's snapshot raced the
-interpreter's finalization exactly so (``tests/spot/test_exit_paths.py``).
-
-The thread is a daemon: under the ``atexit`` fallback of :mod:`opd_store.runtime._exit_hooks` (Pythons
-without ``threading._register_atexit``) the interpreter joins non-daemon threads before the
-routine runs, so an idle non-daemon worker would keep the process alive forever.
+A :class:`BackgroundWorker` runs tasks in order with: failures kept for the owner's next sync
+point (:meth:`BackgroundWorker.take_unreported`), never only logged; Python ``random`` draws of the
+worker and fsspec's I/O thread routed to a private generator
+(:func:`~opd_store.runtime.route_background_random`: botocore and gcsfs retry back-offs must not
+move the training's stream); a task's snapshot freed on this thread; and an exit sequence (wait,
+cancel, stop and join, report) run by :func:`finish_all_at_exit` in ascending exit stage. Why
+threads are joined and the sequence's steps: docs/spot.md, "Exit deadline" and "Why the worker
+thread is joined at exit".
 """
 
 from __future__ import annotations
@@ -113,18 +61,15 @@ def _register_exit_routine() -> None:
 
 
 class BackgroundWorker:
-    """One thread running submitted tasks in order (see the module docstring).
+    """One thread running submitted tasks in order.
 
     Args:
         name (str): the thread's name.
-        exit_timeout_secs (float): at interpreter exit, seconds queued and running tasks are
-            given to finish before they are abandoned.
-        exit_join_secs (float | None): seconds the thread is then given to stop (default: the
-            exit deadline again, at most 10 s).
-        on_exit (ExitReport | None): reports the exit sequence's steps (the owner's messages).
-        exit_stage (int): workers finish at exit in ascending stage, then in creation order; a
-            worker whose tasks submit tasks to another worker needs a lower stage than it
-            (:data:`EXIT_STAGE_SAVES`, the default, or :data:`EXIT_STAGE_UPLOADS`).
+        exit_timeout_secs (float): at interpreter exit, seconds tasks get before they are abandoned.
+        exit_join_secs (float | None): seconds the thread then gets to stop (default: the deadline
+            again, at most 10 s).
+        on_exit (ExitReport | None): reports the exit sequence's steps.
+        exit_stage (int): exit order; a worker whose tasks submit to another needs a lower stage.
 
     Raises:
         ValueError: a negative ``exit_timeout_secs``.
@@ -241,13 +186,11 @@ class BackgroundWorker:
 
     # -- stopping --------------------------------------------------------------------------------
     def close(self, timeout_secs: float | None = None) -> None:
-        """Wait for queued tasks (see :meth:`wait_idle`), then stop the thread and join it: when
-        this returns without an error, the thread has ended. New tasks are refused afterwards.
-        Safe to call twice.
+        """Wait for queued tasks, then stop and join the thread; new tasks are refused. Safe twice.
 
         Raises:
-            TimeoutError: tasks still pending after ``timeout_secs``; the thread stops once they
-                finish, and the exit sequence joins it if the interpreter exits first.
+            TimeoutError: tasks still pending after ``timeout_secs``; the thread stops once they finish,
+                or the exit sequence joins it.
         """
         try:
             self.wait_idle(timeout_secs)
@@ -313,9 +256,9 @@ class BackgroundWorker:
 
 
 def finish_all_at_exit() -> None:
-    """The one exit routine: every live worker's exit sequence, in ``exit_order`` (module
-    docstring). A worker made while it runs is finished too. Errors go to stderr: nobody is left to
-    raise to."""
+    """The one exit routine: every live worker's exit sequence in exit order (one made meanwhile
+    too); errors go to stderr, nobody is left to raise to.
+    """
     finished: set[BackgroundWorker] = set()
     while True:
         workers = sorted((w for w in list(_live) if w not in finished), key=lambda w: w.exit_order)
