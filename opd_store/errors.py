@@ -1,10 +1,9 @@
 """Error types of opd_store.
 
-Every error raised on purpose by opd_store derives from :class:`OpdStoreError` and also from the
-builtin that matches its meaning, so code written against the seed implementation (which raised
-plain ``FileNotFoundError``, ``FileExistsError`` and ``ValueError``) and code written against fsspec
-(which maps backend errors to the same builtins) keeps catching them. The backend's own exception,
-when there is one, is kept as ``__cause__``.
+Every error raised on purpose derives from :class:`OpdStoreError` and from the builtin matching
+its meaning, so code written against the seed (plain ``FileNotFoundError``, ``FileExistsError``,
+``ValueError``) or fsspec (the same builtins) keeps catching them; a backend's own exception is
+the ``__cause__``.
 """
 
 from __future__ import annotations
@@ -49,18 +48,15 @@ class AmbiguousCommitError(CommitError):
 
 
 class StoragePermissionError(OpdStoreError, PermissionError):
-    """The backend refused a request for lack of permission (credentials, bucket policy). The
-    message names the backend operation that was refused (``CreateMultipartUpload``, ``UploadPart``,
-    ``PutObject`` on S3), the object URL and the step: a policy that allows ``PutObject`` but not
-    the multipart operations fails only for payloads above the upload block size, which is hard to
-    diagnose without the operation's name."""
+    """The backend refused a request for lack of permission. Names the refused operation
+    (``CreateMultipartUpload``, ``UploadPart``, ``PutObject`` on S3), the object URL and the step: a
+    policy allowing ``PutObject`` but not multipart fails only for payloads above the block size.
+    """
 
 
 class RankFailedError(OpdStoreError, OSError):
-    """A collective operation of a multi-rank job failed on one or more ranks.
-
-    Raised with the same message on every rank, so no rank carries on alone. On a failing rank the
-    local exception is the ``__cause__``.
+    """A collective operation of a multi-rank job failed on one or more ranks; raised with the same
+    message on every rank (a failing rank's own exception is the ``__cause__``).
 
     Attributes:
         failures (dict[int, str]): rank to ``"<ErrorType>: <message>"`` of each rank that failed.
@@ -85,15 +81,13 @@ class DistributedCommitConflictError(DistributedSaveError, CommitConflictError):
 
 
 class DistributedAmbiguousCommitError(DistributedSaveError, AmbiguousCommitError):
-    """A multi-rank save whose manifest create may or may not have landed (the committing rank's
-    :class:`AmbiguousCommitError`), raised on every rank: the step may be committed; ask
-    ``is_complete`` later, as after a single save's ambiguous commit."""
+    """A multi-rank save whose manifest create may or may not have landed, raised on every rank: ask
+    ``is_complete`` later.
+    """
 
 
 class DistributedPermissionError(DistributedSaveError, StoragePermissionError):
-    """A multi-rank save that failed because the backend refused every failing rank for lack of
-    permission (each rank's :class:`StoragePermissionError` names the operation); also a
-    ``PermissionError``."""
+    """A multi-rank save every failing rank of which the backend refused for lack of permission."""
 
 
 class DistributedLoadError(RankFailedError):
@@ -108,26 +102,25 @@ class PayloadUploadError(OpdStoreError, OSError):
 
 
 class StoreRequestError(OpdStoreError, OSError):
-    """A read of the store failed after the client's retries with an answer that is neither a
-    missing object nor a refusal for lack of permission: throttling (S3 ``SlowDown``, GCS 429) or a
-    server error. The message names the URL, the operation and the backend's answer; the backend's
-    error is the ``__cause__``. Nothing was changed by it."""
+    """A read failed after the client's retries with neither a missing object nor a permission refusal
+    (throttling: S3 ``SlowDown``, GCS 429; a server error); names the URL, operation and answer.
+    """
 
 
 class StoreUnreachableError(OpdStoreError, OSError):
-    """The store cannot be used at all: no such bucket, no credentials, no connection, an endpoint
-    that does not answer within its timeout, a local root that cannot be created or written. The
-    message names the URL, the operation and the cause; the backend's error is the ``__cause__``."""
+    """The store cannot be used at all (no bucket, no credentials, no connection, an endpoint timing
+    out, a local root that cannot be created or written); names the URL, the operation and the cause.
+    """
 
 
 class DistributedUnreachableError(DistributedSaveError, StoreUnreachableError):
-    """A multi-rank save that failed because the store could not be reached by every failing rank
-    (each rank's :class:`StoreUnreachableError` names the endpoint)."""
+    """A multi-rank save every failing rank of which could not reach the store."""
 
 
 class StoreNotFoundError(CheckpointNotFoundError):
-    """A read found no store at all: the local root directory does not exist (a typo looks like
-    an empty store otherwise). A save creates the root; only reads raise this."""
+    """A read found no store at all: the local root does not exist (a typo would otherwise look like
+    an empty store). Only reads raise it; a save creates the root.
+    """
 
 
 class ResumeMismatchError(OpdStoreError, ValueError):
@@ -139,32 +132,28 @@ class UnsafeCheckpointError(OpdStoreError, ValueError):
 
 
 class StreamTransformError(OpdStoreError, ValueError):
-    """A checkpoint's items were written through a stream transform (a DCP extension, such as
-    ``ZStandard`` compression) that this reader cannot apply: unknown to its extension registry,
-    or its package is not installed. Names the checkpoint URL, the step, the file and the
-    transform; raised before any tensor changes."""
+    """Items written through a stream transform (a DCP extension such as ``ZStandard``) this reader
+    cannot apply; names URL, step, file and transform; raised before any tensor changes.
+    """
 
 
 class BackgroundSaveError(OpdStoreError, OSError):
-    """An asynchronous save failed in the background; reported at the next save, ``wait`` or
-    ``close`` (the original exception is ``__cause__``). Nothing of that step was committed,
-    unless the cause is a :class:`RetentionError` (the step committed; the retention pass after it
-    failed) or an :class:`AmbiguousCommitError` (the step may have committed)."""
+    """An asynchronous save failed in the background; raised at the next save, ``wait`` or ``close``
+    (the original is the ``__cause__``). Nothing committed, unless the cause is a
+    :class:`RetentionError` (committed) or an :class:`AmbiguousCommitError` (maybe committed).
+    """
 
 
 class UploadError(BackgroundSaveError):
-    """A tiered store's background work failed: the upload of a locally committed step to the
-    bucket, or a retention pass run after one. An upload failure leaves the step committed in the
-    local tier and not durable (an :class:`AmbiguousCommitError` cause: the bucket's copy may have
-    committed); the backend's, the copy's or the retention pass's error is the ``__cause__``."""
+    """A tiered store's background work failed: an upload to the bucket (the step stays committed
+    locally, not durable) or a retention pass after one; the failure is the ``__cause__``.
+    """
 
 
 class RetentionError(OpdStoreError, OSError):
-    """A retention pass could not run or failed part-way, after the checkpoint it followed was
-    committed. The committed checkpoint is intact (``url``); steps deleted before the failure stay
-    deleted, and a step whose deletion was interrupted is left ``uncommitted`` at worst (its
-    manifest goes first). The next pass, or ``opd-store gc``, finishes the job. The backend's
-    error is the ``__cause__``.
+    """A retention pass failed after the checkpoint it followed was committed (``url``, intact). Steps
+    deleted stay deleted; an interrupted deletion leaves ``uncommitted`` at worst (the manifest goes
+    first); the next pass or ``opd-store gc`` finishes it.
 
     Attributes:
         url (str | None): the committed checkpoint the pass followed, when there is one.
@@ -189,9 +178,9 @@ class SaveAbandonedError(OpdStoreError, OSError):
 
 
 class JournalEventError(OpdStoreError, ValueError):
-    """A run-journal event object that cannot be read: over the size limit, not JSON, of a newer
-    schema, or not an event (the message names its URL and the field). ``opd-store report`` skips
-    it with a warning; a resume never reads the journal's contents."""
+    """A run-journal event object that cannot be read (oversized, not JSON, newer schema, not an
+    event); names its URL and field. ``opd-store report`` skips it with a warning.
+    """
 
 
 class PriceTableError(OpdStoreError, ValueError):

@@ -174,55 +174,48 @@ def train(
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
-    The job's behaviour is told in docs/resume.md, docs/spot.md ("How the main job reacts"),
-    docs/sharded.md ("The main job"), docs/tiered.md and docs/ledger.md (the journal).
+    The job's behaviour: docs/resume.md, docs/spot.md ("How the main job reacts"), docs/sharded.md
+    ("The main job"), docs/tiered.md, docs/ledger.md.
 
     Args:
-        store (BaseStore): where checkpoints go; checked for reachability first. A ``TieredStore``
-            first queues local steps never uploaded (``upload_pending``) and is flushed before return.
-        updates (int): successful updates to reach.
-        checkpoint_every (int): save every this many successful updates (with
-            ``checkpoint_every_auto``: the starting interval, moved toward Young/Daly's).
+        store (BaseStore): checked for reachability first; a ``TieredStore`` first queues local
+            steps never uploaded and is flushed before return.
+        updates (int), checkpoint_every (int): successful updates to reach, and to save after
+            (with ``checkpoint_every_auto``: the starting interval, moved toward Young/Daly's).
         resume (str): ``auto`` (newest step that verifies deeply), ``never``, or a step number.
         seed (int): seeds models, data order and every RNG (rank ``r`` uses ``seed + r``).
-        log (TextIO | None): one JSON line per attempted update (``attempted_update``, ``step``,
-            ``ok``, ``loss``, ``lr``, ``accepted``, ``rejected``).
-        events (TextIO | None): one JSON line per event (``resumed``, ``started``, ``update``,
-            ``save_begin``, ``save_snapshot``, ``saved``, ``save_failed``, ``preempted``, ``flushed``).
+        log, events (TextIO | None): one JSON line per attempted update (``step``, ``ok``, ``loss``,
+            ``lr``...) / per event (``resumed``, ``saved``, ``preempted``, ``flushed``...).
         resume_mode (str): the config's ``checkpoint.resume_mode``.
-        final_state_path (str | None): where to ``torch.save`` the final adapter (name -> tensor),
-            optimizer ``state_dict`` and trainer counters; not written after a preemption.
-        preemption (PreemptionWatcher | None): checked at every update boundary (agreed across
-            ranks); on a notice: one synchronous save, a ``preempted`` event, return.
-        async_save (bool): periodic saves through ``AsyncCheckpointer`` (training blocks for the
-            snapshot only); the last is waited for and its failure raised.
+        final_state_path (str | None): where to ``torch.save`` the final adapter, optimizer state and
+            counters; not written after a preemption.
+        preemption (PreemptionWatcher | None): checked (agreed across ranks) at every update boundary;
+            a notice means one synchronous save, a ``preempted`` event, return.
+        async_save (bool): periodic saves through ``AsyncCheckpointer``; the last is waited for.
         retention (RetentionPolicy | None): applied once each step is durable; ``None`` keeps all.
-        shard (bool): FSDP2 student checkpointed through DCP; another world size needs
-            ``resume_mode="elastic"``.
+        shard (bool): FSDP2 student checkpointed through DCP.
         rank_timeout_secs (float): timeout of the group a notice is agreed in.
-        checkpoint_every_auto (bool): plan the interval from measured saves and preemptions.
         progress_every_secs (float): seconds between journal ``progress`` events (0: every update).
-        notice_deadline_secs (float | None): a notice's deadline; one a save cannot meet skips it.
+        notice_deadline_secs (float | None): a signal's deadline; one a save cannot meet skips it.
         journal_sinks (list | None): ``observe(event)`` targets on rank 0 (the Prometheus exporter).
         process_started_secs (float | None): process start, seconds since the epoch (default: now).
 
     Returns:
         TrainResult: counters, saves and the ``preempted`` event, if any.
 
-    Rank obligations: with a process group, every rank calls this with the same arguments; rank 0
-    decides the resume target and alone writes ``log``, ``events`` and ``final_state_path``.
+    Rank obligations: every rank calls this with the same arguments; rank 0 decides the resume
+    target and alone writes ``log``, ``events`` and ``final_state_path``.
 
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
-        CheckpointNotFoundError: ``resume`` names a step that is not complete (lists the complete ones).
+        CheckpointNotFoundError: ``resume`` names a step that is not complete.
         IntegrityError / CommitConflictError: a step between the resume point and ``updates`` is
-            already committed, damaged / intact (:func:`~opd_store.job._resume_check.check_steps_ahead`).
-        ResumeMismatchError: the checkpoint was saved under another config, provenance or world size,
-            or with the other ``shard`` setting.
-        UploadError: a tiered store's background upload (or the retention after one) failed.
+            committed and damaged / intact (:func:`~opd_store.job._resume_check.check_steps_ahead`).
+        ResumeMismatchError: another config, provenance or world size, or the other ``shard`` setting.
+        UploadError: a tiered store's background upload (or retention after one) failed.
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
-        ValueError: ``updates`` or ``checkpoint_every`` < 1, ``resume`` not auto/never/a number, or
-            ``retention`` given for a store that applies its own.
+        ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, or ``retention`` for a
+            store that applies its own.
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")

@@ -1,20 +1,12 @@
 """Run a function when the interpreter starts to exit, while background I/O still works.
 
-Background saves and tier uploads are finished or abandoned at interpreter exit by the background
-worker's exit routine (:func:`opd_store.pipeline._worker.finish_all_at_exit`). ``atexit`` hooks run
-too late for remote stores: by then ``threading._shutdown()`` has run the hooks registered with
-``threading._register_atexit``, among them ``concurrent.futures.thread._python_exit``, after which
-every ``ThreadPoolExecutor`` refuses work ("cannot schedule new futures after interpreter
-shutdown"). asyncio's default executor is one of them: aiobotocore builds an S3 client's HTTP
-connector with ``asyncio.to_thread`` and aiohttp resolves host names with ``loop.getaddrinfo``,
-both through it, so a save whose first S3 request came after ``main`` returned failed with
-``HTTPClientError`` at exit, and nothing was committed.
-
-:func:`register` uses ``threading._register_atexit`` (CPython >= 3.9; the hook concurrent.futures
-itself uses). Those hooks run last-registered first, before non-daemon threads are joined and
-before ``atexit`` hooks; ``concurrent.futures.thread`` is imported here first so that its hook is
-registered before any of ours and runs after them. Without that hook (other Pythons) it falls back
-to :func:`atexit.register`.
+``atexit`` hooks run too late for remote stores: ``threading._shutdown()`` has already run
+``concurrent.futures``' exit hook, after which every ``ThreadPoolExecutor`` (asyncio's default
+executor, which aiobotocore and aiohttp use to connect) refuses work, so a save whose first S3
+request came after ``main`` returned failed and nothing committed. :func:`register` uses
+``threading._register_atexit`` (CPython >= 3.9; hooks run last-registered first, and
+``concurrent.futures.thread`` is imported here first so its hook runs after ours), else
+:func:`atexit.register`. docs/spot.md, "Exit deadline".
 """
 
 from __future__ import annotations
@@ -26,10 +18,8 @@ from typing import Any, Callable
 
 
 def register(func: Callable[..., Any], *args: Any) -> None:
-    """Call ``func(*args)`` when the interpreter starts to exit (see the module docstring).
-
-    Hooks registered later run first. A hook registered while the interpreter is already exiting
-    goes to :func:`atexit.register`.
+    """Call ``func(*args)`` when the interpreter starts to exit; later hooks run first; one registered
+    while the interpreter is already exiting goes to :func:`atexit.register`.
     """
     hook = getattr(threading, "_register_atexit", None)
     if hook is not None:

@@ -1,40 +1,29 @@
 """Kill points: SIGKILL this process at one exact point of the job, for the soak (test-only).
 
-The soak (``bench/soak.py``) proves that a job killed anywhere resumes bit-exactly. A kill drawn by
-the clock lands where the process spends its time (start-up, idle), not where the guarantees are
-tested (a payload half streamed, a manifest not yet created, a step half deleted). So the job
-calls :func:`reach` (and :func:`payload_bytes`, :func:`update_started`) at the points that matter,
-and the soak arms exactly one of them per process start through the environment variable
-:data:`ENV_VAR`, a JSON object:
+A kill drawn by the clock lands where the process spends its time, not where the guarantees are
+tested, so the job calls :func:`reach`, :func:`payload_bytes` and :func:`update_started` at the
+points that matter and the soak (docs/operations.md, "What the soak proves") arms one per start
+through :data:`ENV_VAR`, a JSON object:
 
 ==================  ==========================================================================
-``phase``           where to die (below)
-``attempted``       ``forward``/``backward``/``optimizer_step``/``between_updates``: the job's
-                    attempted-update number (1-based, counted over the whole run) to die in or
-                    just before
-``call``            ``forward``/``backward``: die at this hook call (1-based) within that update
+``phase``           one of :data:`PHASES` (below)
+``attempted``       ``forward``/``backward``/``optimizer_step``/``between_updates``: the 1-based
+                    attempted-update number (over the whole run) to die in or just before
+``call``            ``forward``/``backward``: the 1-based hook call within that update
 ``step``            save phases: the checkpoint step whose save to die in
 ``name``/``byte``   payload phases: die once ``byte`` bytes of payload ``name`` were written
-``object``          ``retention_delete``: 0 once retention decided to delete, before the first
-                    step's delete; 1 after that step's manifest is deleted, before its payloads
-``rank``            die only on this rank (``torch.distributed``); default every rank (single rank)
-``report``          a file to which the kill appends one JSON line (phase, thread, details)
-                    before the signal, so the soak can tell a kill at the armed point from a miss
+``object``          ``retention_delete``: 0 before the first step's delete; 1 after that step's
+                    manifest is deleted, before its payloads
+``rank``            die only on this rank; default every rank
+``report``          a file the kill appends one JSON line to before the signal
 ==================  ==========================================================================
 
-Phases: ``forward``, ``backward`` and ``optimizer_step`` (inside an update: a module's forward
-call, a module's backward call, right after ``optimizer.step()`` before the scheduler and the
-counters moved), ``between_updates`` (after the previous update, its log record and its save,
-before the next update), ``payload_stream`` (a synchronous save's payload on the main thread),
-``async_write`` (an asynchronous save's payload on its background worker), ``tier_upload`` (a
-payload copied to the bucket by a tiered store's upload worker), ``before_manifest`` (every
-payload published, the manifest not yet created), ``after_commit`` (the manifest created, before
-the after-commit hooks, the retention pass and the job's ``saved`` event), ``retention_delete``.
-
-Zero cost when the variable is unset: each call checks one module global (the environment is read
-once, at the first call, so a process forked from a preloaded parent sees its own environment).
-Nothing here is meant for production: the variable exists for the soak, the demo (``opd-store demo``
-kills its first spot start between two updates, so it knows where the job died) and their tests.
+Phases: ``forward``, ``backward``, ``optimizer_step`` (after ``optimizer.step()``, before the
+scheduler and counters), ``between_updates``, ``payload_stream`` (a synchronous save's payload),
+``async_write`` (on the background worker), ``tier_upload`` (a tiered store's upload),
+``before_manifest``, ``after_commit`` (before the after-commit hooks and ``saved``),
+``retention_delete``. Unarmed, each call checks one module global (the environment is read at the
+first call, so a forked process sees its own).
 """
 
 from __future__ import annotations
@@ -93,10 +82,8 @@ def _die(plan: dict[str, Any], **details: Any) -> None:
 
 
 def update_started(attempted: int) -> None:
-    """The training loop is about to attempt update ``attempted`` (1-based over the run).
-
-    Dies here for ``between_updates``; for the phases inside an update, installs torch's global
-    hooks for the duration of this update (removed when the next one starts).
+    """The training loop is about to attempt update ``attempted`` (1-based over the run): dies here for
+    ``between_updates``; installs torch's global hooks for this update for the phases inside one.
     """
     plan = _armed()
     if plan is None:
@@ -130,10 +117,8 @@ def update_started(attempted: int) -> None:
 
 
 def payload_bytes(step: int, name: str, offset: int, view: memoryview, write: Callable[[memoryview], Any]) -> None:
-    """A payload writer is about to write ``view`` at byte ``offset`` of payload ``name``.
-
-    When the armed byte falls in this write (on the phase's thread), writes the bytes before it
-    with ``write`` and dies.
+    """A payload writer is about to write ``view`` at byte ``offset`` of payload ``name``: when the
+    armed byte falls in it (on the phase's thread), write the bytes before it and die.
     """
     plan = _armed()
     if plan is None:

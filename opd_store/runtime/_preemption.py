@@ -1,30 +1,11 @@
-"""Preemption notices as a flag the training loop checks.
+"""Preemption notices as a flag the training loop checks (docs/spot.md, "Preemption watcher").
 
-Spot capacity is taken back with little warning: GCE sends an ACPI shutdown (the guest sees
-SIGTERM) and sets the ``preempted`` metadata value, then stops the VM 30 s later; AWS posts a spot
-``instance-action`` notice two minutes before it stops or terminates the instance (the guest sees
-SIGTERM only at the very end); Kubernetes sends SIGTERM and waits ``terminationGracePeriodSeconds``.
-:class:`PreemptionWatcher` turns each of these into one flag, :meth:`PreemptionWatcher.should_checkpoint_now`,
-so the loop finishes the update in progress, saves, waits for the commit and exits.
-
-Sources (any combination):
-
-* signals: ``SIGTERM`` by default, optionally ``SIGINT`` and ``SIGUSR1``; the handler only sets
-  the flag (no I/O in a signal handler). Installed by :meth:`~PreemptionWatcher.start` (main
-  thread only, as Python requires), the previous handlers put back by :meth:`~PreemptionWatcher.stop`.
-* AWS spot (IMDSv2): ``PUT {endpoint}/latest/api/token`` with
-  ``X-aws-ec2-metadata-token-ttl-seconds``, then ``GET {endpoint}/latest/meta-data/spot/instance-action``
-  with ``X-aws-ec2-metadata-token``: 404 means no notice; 200 carries
-  ``{"action": "terminate"|"stop"|"hibernate", "time": "2026-11-29T20:00:00Z"}``; a 401 renews
-  the token (AWS EC2 User Guide, "Spot Instance interruption notices").
-* GCE: ``GET {endpoint}/computeMetadata/v1/instance/preempted`` with ``Metadata-Flavor: Google``
-  answers ``TRUE`` or ``FALSE``; with ``wait_for_change`` the request hangs until the value changes
-  (``?wait_for_change=true&timeout_sec=N``; GCE docs, "Detect if a VM was preempted").
-
-Endpoints default to the platforms' (``http://169.254.169.254``, ``http://metadata.google.internal``)
-and are configurable so tests point them at a fake metadata server on loopback. Pollers run on
-daemon threads using :mod:`urllib.request`; a failed poll (no metadata server, timeout) is logged at
-debug level and retried at the next interval. No torch here.
+GCE sends SIGTERM and sets the ``preempted`` metadata value, stopping the VM 30 s later (GCE
+docs, "Detect if a VM was preempted"); AWS posts a spot ``instance-action`` two minutes ahead
+(IMDSv2 token, then the notice: 404 none, 200 ``{"action", "time"}``, 401 renews the token; AWS EC2
+User Guide, "Spot Instance interruption notices"); Kubernetes sends SIGTERM. Signal handlers only
+set the flag; pollers run on daemon threads with :mod:`urllib.request`, endpoints configurable (a
+fake metadata server on loopback in tests), failed polls logged at debug and retried.
 """
 
 from __future__ import annotations
@@ -63,9 +44,8 @@ class PreemptionNotice:
         source (str): ``"SIGTERM"``/``"SIGINT"``/``"SIGUSR1"``, ``"aws-spot"`` or ``"gce"``.
         detail (str): the signal name, AWS's ``action`` and ``time``, or GCE's value.
         received_monotonic (float): ``time.monotonic()`` when it was seen.
-        deadline_monotonic (float | None): when the platform takes the machine
-            (``time.monotonic()`` clock): AWS's ``time`` field, 30 s after a GCE notice, ``None``
-            for a signal (the grace period is not known here).
+        deadline_monotonic (float | None): when the platform takes the machine (monotonic clock):
+            AWS's ``time``, 30 s after a GCE notice, ``None`` for a signal.
     """
 
     source: str

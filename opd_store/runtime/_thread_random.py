@@ -1,26 +1,13 @@
 """Keep background I/O threads from drawing on the training thread's Python ``random`` stream.
 
-A synchronous save protects the global generators with
-:func:`~opd_store.opd._rng.preserve_global_rng`: the caller is blocked, so whatever the save draws
-is undone before the caller draws again. An asynchronous save (or a tier upload) writes while training runs,
-so undoing is impossible; instead the draws must not reach the caller's generator at all.
-
-The known drawers during a write are retry back-offs that call ``random.random()`` through the
-module attribute at call time: botocore's legacy retry handler (``retryhandler.delay_exponential``,
-s3fs's default) and gcsfs's ``retry_request``. They run on fsspec's event-loop thread (``fsspecIO``, which the
-storage layer registers with :func:`register_io_thread`), and the store's own code runs on the
-writer thread. While at least one background write is in
-flight, :func:`route_background_random` replaces each module-level function of :mod:`random` that
-is bound to the shared instance (``random.random``, ``random.uniform``, ``random.getstate``, ...)
-with a dispatcher: on a routed thread it calls a private ``random.Random`` (seeded from
-``os.urandom``), on every other thread the original bound method of the shared instance, so the
-caller's values are exactly those it would have drawn without the save. The originals are put back
-when the last write ends.
-
-Not covered (documented in docs/spot.md): code that bound ``random.random`` before the write
-started (botocore's *standard* and *adaptive* retry modes bind it at import as a default argument)
-and draws from numpy's or torch's global generators, which are process-wide; no part of the write
-draws from those.
+A synchronous save undoes its draws (:func:`~opd_store.opd._rng.preserve_global_rng`); a
+background write runs beside training, so its draws must never reach the caller's generator.
+The drawers are retry back-offs calling ``random.random()`` at call time (botocore's legacy retry
+handler, gcsfs's ``retry_request``) on the writer thread and fsspec's I/O thread. While a routed
+write is in flight, the module-level functions of :mod:`random` bound to the shared instance are
+replaced by dispatchers: routed threads draw from a private ``random.Random``, every other thread
+from the shared instance unchanged. Not covered (docs/spot.md): functions bound before the write
+(botocore's standard/adaptive retry modes) and numpy's or torch's global generators.
 """
 
 from __future__ import annotations
@@ -62,9 +49,9 @@ _io_thread_finders: list[Callable[[], "threading.Thread | None"]] = []
 
 
 def register_io_thread(find: Callable[[], "threading.Thread | None"]) -> None:
-    """Route the thread ``find()`` returns too whenever a writer is routed: a shared I/O thread that
-    backend clients run their requests and retries on (the storage layer registers fsspec's event
-    loop). ``find`` may start the thread; it returns ``None`` when there is none."""
+    """Route the thread ``find()`` returns too whenever a writer is routed (the storage layer
+    registers fsspec's event loop); ``find`` may start it, and returns ``None`` when there is none.
+    """
     if find not in _io_thread_finders:
         _io_thread_finders.append(find)
 
@@ -81,15 +68,11 @@ def _route(ident: int | None, delta: int) -> None:
 
 @contextlib.contextmanager
 def route_background_random() -> Iterator[None]:
-    """Route the calling (writer) thread's and the registered I/O threads' ``random`` draws to a
-    private generator for the duration of the block (:func:`register_io_thread`).
+    """Route the calling thread's and the registered I/O threads' ``random`` draws to a private
+    generator for the block; re-entrant, reference counted across concurrent writers.
 
-    Re-entrant and safe with several concurrent writers (reference counted). Other threads, the
-    training thread included, keep drawing from the shared instance unchanged.
-
-    Rule source: the seed's exact-resume contract (a save never moves the training's random
-    streams, or a resumed run diverges from an uninterrupted one), which must hold for the
-    caller's thread while a save runs in the background too.
+    Rule source: the seed's exact-resume contract (a save never moves the training's random streams),
+    which must hold while a save runs in the background too.
     """
     global _depth
     io_threads = [find() for find in _io_thread_finders]

@@ -1,13 +1,8 @@
-"""Testing support for users of opd_store: the storage conformance suite and a fault-injecting
-wrapper of any :class:`~opd_store.storage.Storage` (docs/testing.md#testing-your-own-storage).
-
-- :class:`StorageConformance` checks every verb of a ``Storage`` through the backend's own client
-  (a :class:`RawBackend`). Subclass it in a test file, define the ``storage`` and ``raw`` fixtures,
-  and run ``pytest``: each check is one test of your class. It needs pytest, which opd_store does
-  not depend on: it is imported when one of these two names is first used, and
-  ``import opd_store.testing`` works without it.
-- :class:`FaultyStorage` wraps a storage, records every call (:class:`Op`) and fails the ones a
-  :class:`Fault` selects with :class:`InjectedFault` or an exception of your choice.
+"""Testing support for users of opd_store (docs/testing.md#testing-your-own-storage):
+:class:`StorageConformance` checks every verb of a ``Storage`` through the backend's own client
+(subclass it, define the ``storage`` and ``raw`` fixtures; it needs pytest, imported on first
+use); :class:`FaultyStorage` wraps a storage, records every call and fails those a :class:`Fault`
+selects.
 """
 
 from typing import TYPE_CHECKING, Any

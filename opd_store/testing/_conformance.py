@@ -1,12 +1,6 @@
 """The storage conformance suite: every verb of :class:`~opd_store.storage.Storage`, checked
-through the backend's own client, never through opd_store (the practice of zarr's ``StoreTests``,
-docs/testing.md#testing-your-own-storage).
-
-A subclass supplies two pytest fixtures, ``storage`` (the :class:`Storage` under test, rooted at a
-fresh, empty location) and ``raw`` (a :class:`RawBackend` over the same location); pytest then
-collects every ``test_*`` check for it. This module imports pytest (the suite runs under it);
-:mod:`opd_store.testing` imports it only when :class:`StorageConformance` or :class:`RawBackend`
-is first used.
+through the backend's own client, never through opd_store (as zarr's ``StoreTests``;
+docs/testing.md#testing-your-own-storage). Imports pytest.
 """
 
 from __future__ import annotations
@@ -70,30 +64,17 @@ class RawBackend(abc.ABC):
 
 
 class StorageConformance:
-    """The conformance suite; subclass it as ``Test...`` and define the ``storage`` and ``raw``
-    fixtures (each test gets a fresh, empty location)::
+    """The conformance suite; subclass it as ``Test...`` and define the ``storage`` fixture (the
+    ``Storage`` under test at a fresh, empty location) and ``raw`` (a :class:`RawBackend` there).
 
-        class TestMyStorage(StorageConformance):
-            multipart_uploads = False  # True: storage.multipart_uploads() is checked through raw's hooks
-
-            @pytest.fixture
-            def storage(self, tmp_path):
-                return MyStorage(...)
-
-            @pytest.fixture
-            def raw(self, storage):
-                return MyRaw(...)  # a RawBackend
-
-    A check that fails names the verb and the values it saw. The checks ask what a commit needs:
-    fresh listings and sizes (a stale one decides a checkpoint's state wrongly), a create-only
-    manifest write that is atomic (the commit point, docs/protocol.md), writers that publish only
-    when finished, and the store's clock on list times (garbage collection compares the two).
+    The checks ask what a commit needs: fresh listings and sizes, an atomic create-only manifest
+    write (docs/protocol.md), writers that publish only when finished, and the store's clock on list
+    times (garbage collection compares them). A failing check names the verb and the values it saw.
 
     Attributes:
-        multipart_uploads (bool): the backend offers multipart uploads (``Storage.multipart_uploads``)
-            to list and abort.
+        multipart_uploads (bool): the backend offers multipart uploads to list and abort.
         clock_skew_secs (float): how far the store's clock may be from this machine's (2 s: S3 and
-            GCS give whole seconds in their ``Date`` header; raise it for a server elsewhere).
+            GCS give whole seconds in their ``Date`` header).
     """
 
     multipart_uploads = False

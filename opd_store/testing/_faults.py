@@ -1,38 +1,19 @@
 """A recording, fault-injecting wrapper of any :class:`~opd_store.storage.Storage`.
 
-``FaultyStorage(inner)`` holds ``inner`` and answers every verb: the ones in the table below and
-the reads (``list``, ``size``, ``read``) are recorded in :attr:`FaultyStorage.ops`, in the order
-they happen, and may be failed; every other verb and attribute (``open_checked``, ``clock_secs``,
-``transfers``, ``write_slice_bytes``...) is ``inner``'s own, unrecorded. Mutating operations are
-numbered from 1:
-
-==============  =====================================================================
-``write``       one ``write()`` call on a payload writer (:class:`FaultyWriter`)
-``close``       publishing a payload writer (``finish_write``, ``start_finish``)
-``sync``        ``sync_prefix`` (local: fsync of the attempt's directories)
-``create``      the manifest create (``create_exclusive``), the commit point
-``delete``      deleting one object
-``delete_tree`` deleting every object under a prefix
-==============  =====================================================================
-
-A :class:`Fault` picks the op to fail (``at``, its number, or a ``when`` predicate on the
-:class:`Op`), the exception (:class:`InjectedFault` by default), and whether the operation lands
-before the exception (``landed=True``: an ambiguous outcome, such as a timeout after the request was
-sent). ``read_fault`` fails reads the same way (``at`` counts reads). Example, a save whose manifest
-create fails (docs/testing.md runs it)::
+``FaultyStorage(inner)`` records reads (``list``, ``size``, ``read``) and mutating ops, numbered
+from 1 (``write``: one writer call; ``close``: publishing a writer; ``sync``: ``sync_prefix``;
+``create``: the manifest create, the commit point; ``delete``; ``delete_tree``), and fails those a
+:class:`Fault` selects (``landed=True``: after the op ran, an ambiguous outcome). Every other verb
+is ``inner``'s, unrecorded (override it with :meth:`FaultyStorage.recorded_read` or
+:meth:`FaultyStorage.recorded_mutation` to record it). Example (docs/testing.md runs it)::
 
     spy = FaultyStorage(store.storage, Fault(when=lambda op: op.kind == "create"))
     with CheckpointStore.from_storage(spy).begin(1) as txn:  # raises CommitError (cause: InjectedFault)
         txn.write_bytes("model.bin", b"weights")
     [op.kind for op in spy.mutating_ops]  # ["write", "close", "sync", "create"]; store.steps() == []
 
-To record a verb it forwards unrecorded, override it in a subclass with :meth:`FaultyStorage.recorded_read`
-or :meth:`FaultyStorage.recorded_mutation`.
-
 It wraps rather than subclasses ``Storage``: inheriting would give it the base class's defaults
-(``write_slice_bytes``, ``transfers``, buffer pools) in place of the wrapped backend's, and a
-default verb would run on the wrapper instead of the backend's override. Nothing in opd_store
-checks ``isinstance(..., Storage)``; ``Storage.register`` makes the check true for code that does.
+in place of the wrapped backend's; ``Storage.register`` makes ``isinstance`` checks true.
 """
 
 from __future__ import annotations

@@ -31,14 +31,10 @@ def same_payloads(a: Manifest, b: Manifest) -> bool:
 
 
 def pick_tier(local: CheckpointStore, bucket: CheckpointStore, step: int) -> CheckpointStore:
-    """The tier reads of ``step`` go to, of a tiered store's ``local`` and ``bucket`` tiers.
-
-    The local tier when its copy is complete and the bucket has no manifest for
-    the step or one naming the same payload entries (:func:`same_payloads`); the bucket
-    otherwise (including when the local copy differs from a complete bucket copy: the
-    bucket is the durable one, and a warning names both URLs); the local tier again when the
-    bucket's differing copy is not complete, or the bucket cannot be asked (logged). Costs a
-    local check and one small bucket read (the manifest), never a payload read.
+    """The tier reads of ``step`` go to: the local tier when its copy is complete and the bucket has no
+    manifest for it or the same payload entries; else the bucket (the durable one; a warning names
+    both URLs when copies differ); the local tier again when the bucket's differing copy is incomplete
+    or the bucket cannot be asked (logged). Costs one bucket manifest read, never a payload read.
     """
     local_state = local.step_state(step)
     if local_state.status != COMPLETE:

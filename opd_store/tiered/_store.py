@@ -1,28 +1,11 @@
-"""A tiered store: commit to a local directory first, then upload to the bucket in the background.
+"""A tiered store: commit to a local directory first, then upload to the bucket in the background
+(docs/tiered.md).
 
-:class:`TieredStore` holds two plain :class:`~opd_store.store._checkpoint_store.CheckpointStore` objects, ``local``
-and ``bucket``, and offers the store API (:class:`~opd_store.store._api.BaseStore`) over them. A
-save runs the ordinary commit protocol against the local tier (payloads under a new attempt,
-fsync, create-only manifest) and returns as soon as that local commit landed; the commit queues
-the step's upload (:mod:`opd_store.tiered._uploads`), which runs the same protocol on the bucket, so
-the bucket's manifest records the same payload names, sizes and CRC32Cs as the local one.
-
-Two questions, two answers:
-
-* *available* (``latest_step()``, ``steps()``, reads): complete in either tier. A step complete in
-  both tiers with the same payload entries is read from local disk (no payload request to the
-  bucket); when the entries differ, the bucket's copy wins (it is the durable one) and a warning
-  is logged.
-* *durable* (``durable_steps()``, ``latest_durable_step()``, ``is_durable()``,
-  ``wait_uploaded()``): complete in the bucket. A step whose upload has not finished is never
-  durable, whatever the local tier holds; a new machine with an empty local tier sees exactly the
-  durable steps.
-
-An upload failure is never only logged: it is raised as :class:`~opd_store.errors.UploadError` at
-the next ``begin`` (the next save), at ``flush``, at ``close`` and at ``wait_uploaded`` of that
-step. Retention runs per tier after each successful upload. Multi-rank saves work when every rank
-sees the same local directory (one machine): each rank writes its part there, rank 0 commits and
-its store uploads the step.
+A save runs the commit protocol on the local tier and returns once that commit landed; the commit
+queues the step's upload (:mod:`opd_store.tiered._uploads`), the same protocol on the bucket.
+*Available* means complete in either tier (read locally when both copies match); *durable* means
+complete in the bucket. An upload failure is raised as ``UploadError`` at the next save,
+``flush``, ``close`` or ``wait_uploaded``, never only logged.
 """
 
 from __future__ import annotations
@@ -277,10 +260,8 @@ class TieredStore(BaseStore):
         return queued
 
     def wait_uploaded(self, step: int, timeout_secs: float | None = None) -> str:
-        """Block until ``step`` is durable in the bucket; return its bucket URL.
-
-        A complete local step that this store never queued (committed by an earlier process) is
-        queued first.
+        """Block until ``step`` is durable in the bucket (queuing a complete local step this store never
+        queued); return its bucket URL.
 
         Raises:
             UploadError: the upload of ``step`` failed (the cause is chained).
@@ -347,19 +328,14 @@ class TieredStore(BaseStore):
     # -- writes --------------------------------------------------------------------------------
     def begin(self, step: int, *, world_size: int = 1, metadata: dict[str, Any] | None = None,
               attempt_id: str | None = None, rank: int = 0):
-        """Start a save of ``step`` in the local tier; its commit queues the upload.
-
-        Same arguments as :meth:`CheckpointStore.begin`. The returned local transaction commits
-        with the ordinary protocol on local disk; ``commit()`` (or a clean ``with`` exit) returns
-        the local checkpoint URL as soon as the local manifest landed.
+        """Start a save of ``step`` in the local tier (:meth:`CheckpointStore.begin`'s arguments); its
+        commit returns the local URL once the local manifest landed and queues the upload.
 
         Raises:
-            UploadError: an earlier background upload (or retention run) failed; raised once,
-                before anything of this save is written.
-            CommitConflictError: ``step`` is committed (or legacy) in the local tier (here) or in
-                the bucket (at the commit: the bucket is asked while the payloads stream; a
-                bucket that cannot be asked is logged and the save goes ahead, and the upload
-                then raises any conflict).
+            UploadError: an earlier upload (or retention run) failed; raised once, before anything is
+                written.
+            CommitConflictError: ``step`` is committed (or legacy) locally (here) or in the bucket (at
+                the commit; a bucket that cannot be asked is logged and the upload raises any conflict).
             ValueError: the store was closed.
             UnsupportedBackendError: see :meth:`CheckpointStore.begin`.
         """
