@@ -134,8 +134,6 @@ def save_opd_checkpoint(
                 **snapshot_kwargs, world_size=1 if world_size is None else world_size, rank_rng_states=rank_rng_states
             )
             return write_opd_checkpoint(snapshot)
-        # Multi-rank mode: every rank snapshots and writes its part; rank 0 commits and runs the
-        # after-commit hooks.
         own_rng = capture_rng_state()
 
         def snapshot_this_rank() -> SaveRequest:

@@ -4,8 +4,8 @@ committed: an asynchronous save at interpreter exit, a tier upload at interprete
 
 Two faults of this kind were found: a process that ended while the writer thread still freed the
 snapshot's tensors died with SIGABRT after the save had committed ("terminate called without an
-active exception", exit -6, in about 1 of 6 runs; the docstring of :mod:`opd_store.pipeline._worker`
-says why), and an S3 save whose first request came after ``main`` returned failed with "cannot
+active exception", exit -6, in about 1 of 6 runs; docs/spot.md, "Why the worker thread
+is joined at exit", says why), and an S3 save whose first request came after ``main`` returned failed with "cannot
 schedule new futures after interpreter shutdown" (``opd_store.runtime._exit_hooks``). Each path runs :data:`RUNS`
 times (32 runs in all; a 1-in-6 failure passes all of them with probability (5/6)**32 < 0.3 %),
 and each run also checks the cause whatever the timing: no thread of opd_store is alive when the
