@@ -214,6 +214,7 @@ __all__ = [
     "RetentionError",
     "StoragePermissionError",
     "StoreNotFoundError",
+    "StoreRequestError",
     "StoreUnreachableError",
     "StreamTransformError",
     "UnsafeCheckpointError",

@@ -174,8 +174,7 @@ def train(
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
-    The job's behaviour: docs/resume.md, docs/spot.md ("How the main job reacts"), docs/sharded.md
-    ("The main job"), docs/tiered.md, docs/ledger.md.
+    Behaviour: docs/resume.md, docs/spot.md, docs/sharded.md, docs/tiered.md, docs/ledger.md.
 
     Args:
         store (BaseStore): checked for reachability first; a ``TieredStore`` first queues local
@@ -187,8 +186,7 @@ def train(
         log, events (TextIO | None): one JSON line per attempted update (``step``, ``ok``, ``loss``,
             ``lr``...) / per event (``resumed``, ``saved``, ``preempted``, ``flushed``...).
         resume_mode (str): the config's ``checkpoint.resume_mode``.
-        final_state_path (str | None): where to ``torch.save`` the final adapter, optimizer state and
-            counters; not written after a preemption.
+        final_state_path (str | None): ``torch.save`` target of the final state (not after a preemption).
         preemption (PreemptionWatcher | None): checked (agreed across ranks) at every update boundary;
             a notice means one synchronous save, a ``preempted`` event, return.
         async_save (bool): periodic saves through ``AsyncCheckpointer``; the last is waited for.
@@ -203,19 +201,18 @@ def train(
     Returns:
         TrainResult: counters, saves and the ``preempted`` event, if any.
 
-    Rank obligations: every rank calls this with the same arguments; rank 0 decides the resume
-    target and alone writes ``log``, ``events`` and ``final_state_path``.
+    Every rank calls this with the same arguments; rank 0 decides the resume target and alone writes
+    ``log``, ``events`` and ``final_state_path``.
 
     Raises:
         StoreUnreachableError: the store cannot be used (before any training).
         CheckpointNotFoundError: ``resume`` names a step that is not complete.
-        IntegrityError / CommitConflictError: a step between the resume point and ``updates`` is
-            committed and damaged / intact (:func:`~opd_store.job._resume_check.check_steps_ahead`).
+        IntegrityError / CommitConflictError: a step past the resume point is damaged / intact.
         ResumeMismatchError: another config, provenance or world size, or the other ``shard`` setting.
         UploadError: a tiered store's background upload (or retention after one) failed.
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
-        ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, or ``retention`` for a
-            store that applies its own.
+        ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, or ``retention``
+            for a store that applies its own.
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
