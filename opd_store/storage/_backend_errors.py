@@ -216,6 +216,15 @@ def classify(exc: BaseException) -> Meaning:
     return Meaning.OTHER
 
 
+def s3_answer_meaning(code: str | None, status: int | None) -> Meaning:
+    """The :class:`Meaning` of one S3 answer seen before botocore decides to retry it (its error
+    ``code`` and HTTP ``status``): a throttling code, or ``503`` without a body (a ``HEAD``), is
+    :attr:`Meaning.THROTTLED` (S3: "503 Slow Down")."""
+    if code in _S3_CODES:
+        return _S3_CODES[code]
+    return Meaning.THROTTLED if status == 503 and not code else Meaning.OTHER
+
+
 def is_missing(exc: BaseException) -> bool:
     """True when ``exc`` says the object, prefix or bucket does not exist."""
     return classify(exc) is Meaning.NOT_FOUND
@@ -355,5 +364,6 @@ __all__ = [
     "is_backend_failure",
     "is_missing",
     "is_unreachable",
+    "s3_answer_meaning",
     "s3_error_code",
 ]
