@@ -1,0 +1,163 @@
+"""Back-off that does not storm (opd_store/storage/transfers/_pacing.py): a store's uploads fly at
+most at its adaptive limit, which halves on a throttled answer and grows back on successes;
+throttled requests the client gave up on are sent again after a jittered back-off drawn from a
+private generator; a save that exhausts them fails like any failed part; a save that spent more
+than ``throttle_warn_share`` of its time throttled says so."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+
+import pytest
+from opd_testkit.proxies import Rule
+from opd_testkit.simulation import lower_moto_min_part
+from opd_testkit.stores import open_store
+
+from opd_store import PayloadUploadError
+from opd_store.storage.transfers import Pacer, Transfers, TransferSettings, paced
+
+SMALL_PART = 64 << 10
+
+
+class SlowDown(Exception):
+    """What s3fs raises for a throttled answer: botocore's error response as its ``response``."""
+
+    response = {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}
+
+
+def test_the_limit_halves_once_per_burst_and_grows_back_with_successes():
+    pacer = Pacer(8)
+    epoch = asyncio.run(pacer.acquire())
+    pacer.release(epoch, succeeded=False)
+    pacer.throttled(epoch)
+    assert pacer.limit == 4
+    pacer.throttled(epoch)  # another answer to a request sent before the cut: no second cut
+    assert pacer.limit == 4
+    pacer.throttled(epoch + 1)
+    assert pacer.limit == 2
+    successes = 0
+    while pacer.limit < 8:
+        pacer.release(asyncio.run(pacer.acquire()), succeeded=True)
+        successes += 1
+    # +1/limit each: from 2 to 8 takes about (8^2 - 2^2) / 2 successes.
+    assert successes == 30
+    stats = pacer.stats()
+    assert (stats.throttled_answers, stats.retries, stats.limit) == (3, 0, 8) and stats.throttled_secs > 0
+
+
+def test_requests_wait_for_a_slot_while_the_limit_is_reached():
+    async def scenario() -> list[str]:
+        pacer = Pacer(2)
+        events = []
+        first, second = await pacer.acquire(), await pacer.acquire()
+        third = asyncio.ensure_future(pacer.acquire())
+        await asyncio.sleep(0)
+        events.append(f"third waiting: {not third.done()}")
+        pacer.throttled(first)  # limit 1: two in flight, the third waits for both
+        pacer.release(first, succeeded=False)
+        await asyncio.sleep(0)
+        events.append(f"after one release: {third.done()}")
+        pacer.release(second, succeeded=True)  # limit 2 again
+        third = await third
+        events.append("third got its slot")
+        fourth = await pacer.acquire()  # the second slot
+        cancelled = asyncio.ensure_future(pacer.acquire())
+        await asyncio.sleep(0)
+        cancelled.cancel()  # cancelled while waiting: it holds no slot
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        pacer.release(third, succeeded=True)
+        pacer.release(fourth, succeeded=True)
+        both = [await pacer.acquire(), await pacer.acquire()]  # two free slots, none leaked
+        events.append(f"free slots: {len(both)}")
+        return events
+
+    assert asyncio.run(scenario()) == ["third waiting: True", "after one release: False", "third got its slot",
+                                       "free slots: 2"]
+
+
+def test_the_back_off_is_full_jitter_from_a_private_generator():
+    pacer = Pacer(4, seed=7)
+    random.seed(1234)
+    expected = [random.random() for _ in range(3)]
+    random.seed(1234)
+    waits = [[pacer.backoff_secs(retry) for _ in range(200)] for retry in range(8)]
+    assert [random.random() for _ in range(3)] == expected  # the training thread's stream is untouched
+    for retry, drawn in enumerate(waits):
+        bound = min(10.0, 0.2 * 2 ** retry)
+        assert all(0 <= w <= bound for w in drawn) and max(drawn) > 0.8 * bound and min(drawn) < 0.2 * bound
+    assert Pacer(4, seed=7).backoff_secs(0) == waits[0][0]  # seeded: the same draws
+
+
+def test_paced_sends_a_throttled_request_again_and_gives_up_after_its_retries():
+    async def scenario(pacer: Pacer, failures: int, error: type[Exception]) -> tuple[int, object]:
+        sent = 0
+
+        async def send():
+            nonlocal sent
+            sent += 1
+            if sent <= failures:
+                raise error()
+            return "stored"
+
+        try:
+            result = await paced(pacer, send)
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            result = exc
+        return sent, result
+
+    pacer = Pacer(8, throttle_retries=2, seed=1)
+    assert asyncio.run(scenario(pacer, 2, SlowDown)) == (3, "stored")
+    stats = pacer.stats()
+    assert (stats.throttled_answers, stats.retries, stats.limit) == (2, 2, 2.5)  # cut twice, one success
+    sent, outcome = asyncio.run(scenario(Pacer(8, throttle_retries=2, seed=1), 9, SlowDown))
+    assert sent == 3 and isinstance(outcome, SlowDown)
+    sent, outcome = asyncio.run(scenario(Pacer(8, throttle_retries=2, seed=1), 9, PermissionError))
+    assert sent == 1 and isinstance(outcome, PermissionError)  # not throttled: no retry
+
+
+@pytest.fixture
+def throttled_s3(s3_fault_proxy):
+    """A store through the fault proxy whose client does not retry (1 attempt, 1 pass of s3fs's
+    loop), so the part writer's own retries are what a throttled answer meets."""
+    backend, proxy = s3_fault_proxy
+
+    def store(**options):
+        config = {"config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "legacy"}}, "retries": 1}
+        return open_store(dataclasses.replace(backend, storage_options={**backend.storage_options, **config,
+                                                                         **options}))
+
+    return store, proxy
+
+
+def test_a_throttled_payload_is_sent_again_and_the_save_commits_and_warns(throttled_s3, caplog):
+    store_of, proxy = throttled_s3
+    store = store_of(throttle_warn_share=0.0)
+    rule = proxy.add(Rule(ops=("PutObject",), match=lambda r: "/attempt-" in r.path, times=3))
+    with caplog.at_level(logging.WARNING, logger="opd_store.commit"), store.begin(1) as txn:
+        txn.write_bytes("model.bin", b"weights" * 1000)
+    assert rule.hits == 3 and proxy.count("PutObject", faulted=True) == 3
+    assert store.read(1, "model.bin") == b"weights" * 1000
+    stats = store.storage.transfers.pacer.stats()
+    assert (stats.throttled_answers, stats.retries) == (3, 3) and stats.limit < 8
+    warning = [r.getMessage() for r in caplog.records if "throttled by the store" in r.getMessage()]
+    assert len(warning) == 1 and "the save of step 1 at" in warning[0] and "(3 throttled answers, 3 retries" in warning[0]
+
+
+def test_a_throttled_save_that_exhausts_its_retries_fails_like_any_failed_part(throttled_s3):
+    store_of, proxy = throttled_s3
+    store = store_of(throttle_retries=1)
+    store.storage.transfers = Transfers(TransferSettings(part_size_bytes=SMALL_PART, min_part_size_bytes=SMALL_PART,
+                                                         throttle_retries=1))
+    proxy.add(Rule(ops=("UploadPart",), match=lambda r: "partNumber=2" in r.query, times=None))
+    with lower_moto_min_part(SMALL_PART), pytest.raises(PayloadUploadError, match="UploadPart 2") as caught:
+        with store.begin(1) as txn:
+            txn.write_bytes("model.bin", bytes(range(256)) * (3 * SMALL_PART // 256))
+    assert "SlowDown" in str(caught.value) and "step-000001" in str(caught.value)
+    assert proxy.count("UploadPart", faulted=True) == 2  # the first send and one retry
+    assert proxy.count("AbortMultipartUpload") == 1
+    assert store.steps() == [] and store.storage.list_tree("") == {}
+    assert store.storage.multipart_uploads().list() == []
