@@ -216,6 +216,17 @@ def classify(exc: BaseException) -> Meaning:
     return Meaning.OTHER
 
 
+def is_rate_limited(exc: BaseException) -> bool:
+    """True when ``exc`` says the store refused the request for its rate: an S3 throttling code
+    (``SlowDown``, ``Throttling``...) or GCS's ``429``. A GCS ``503`` is :attr:`Meaning.THROTTLED` too
+    (retry it later) but a backend error, not a request rate (GCS docs, "HTTP status and error
+    codes"): the pacing of uploads (:mod:`opd_store.storage.transfers._pacing`) answers only rates."""
+    code = s3_error_code(exc)
+    if code is not None:
+        return _S3_CODES.get(code) is Meaning.THROTTLED
+    return _gcs_status(exc) == 429
+
+
 def s3_answer_meaning(code: str | None, status: int | None) -> Meaning:
     """The :class:`Meaning` of one S3 answer seen before botocore decides to retry it (its error
     ``code`` and HTTP ``status``): a throttling code, or ``503`` without a body (a ``HEAD``), is
@@ -363,6 +374,7 @@ __all__ = [
     "explain",
     "is_backend_failure",
     "is_missing",
+    "is_rate_limited",
     "is_unreachable",
     "s3_answer_meaning",
     "s3_error_code",

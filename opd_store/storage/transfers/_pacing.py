@@ -1,7 +1,7 @@
 """How fast a store sends its upload requests: a concurrency limit that adapts to throttling, and
 a jittered back-off between the part writer's own retries of a throttled request.
 
-Above its request rate a store answers ``503 SlowDown`` (S3) or ``429``/``503`` (GCS). If every
+Above its request rate a store answers ``503 SlowDown`` (S3) or ``429`` (GCS). If every
 part in flight is retried on the same schedule, the retries of hundreds of ranks arrive together
 and the store spends its rate refusing them (the retry storm AWS's "Exponential Backoff And Jitter"
 describes). :class:`Pacer` is one per store (``storage.transfers.pacer``), shared by every payload
@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Awaitable, Callable, TypeVar
 
-from .._backend_errors import Meaning, classify
+from .._backend_errors import is_rate_limited
 
 T = TypeVar("T")
 
@@ -199,8 +199,9 @@ class Pacer:
 
 async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
     """``await send()`` (one upload request, the client's retries included) in a slot of
-    ``pacer``; a throttled failure cuts the limit and, ``pacer.throttle_retries`` times at most, is
-    sent again after a jittered back-off (module docstring). Without a pacer, ``send()`` as it is.
+    ``pacer``; a failure for the store's rate (:func:`~opd_store.storage._backend_errors.is_rate_limited`)
+    cuts the limit and, ``pacer.throttle_retries`` times at most, is sent again after a jittered
+    back-off (module docstring). Without a pacer, ``send()`` as it is.
 
     Raises:
         Exception: whatever the last ``send()`` raised (a throttled one once the retries are spent).
@@ -214,7 +215,7 @@ async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
             result = await send()
         except Exception as exc:  # noqa: BLE001 - throttled ones are retried, anything else raised
             pacer.release(epoch, succeeded=False)
-            if classify(exc) is not Meaning.THROTTLED:
+            if not is_rate_limited(exc):
                 raise
             pacer.throttled(epoch, count=not pacer.watches_answers)
             if retry >= pacer.throttle_retries:
