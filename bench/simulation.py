@@ -1,6 +1,6 @@
 """Hundreds of ranks against S3's request-rate limits, simulated on one machine.
 
-    python -m bench.simulation                          # N = 8, 64, 256, 512; 3 scenarios each
+    python -m bench.simulation --bookkeeping            # N = 8, 64, 256, 512; 4 scenarios each
     python -m bench.simulation --ranks 8,64 --scenarios spread
     python -m bench.simulation --bookkeeping-only       # requests per save at 10, 100, 1,000 kept steps
 
@@ -14,6 +14,9 @@ parts of ``--part-kib`` KiB: the requests of a real rank writing that many 16 Mi
 * ``free``: spread layout, no limit: what this machine serves (its request capacity);
 * ``one-prefix``: the step layout (every object under ``step-NNNNNN/``: one partition, as a new
   prefix on S3), ``--prefix-writes`` writes per second per partition;
+* ``one-prefix-unpaced``: the same, every rank's pacer counting throttled answers but never
+  slowing down (the client's retries and the part writer's, without the adaptive limit and rate:
+  what the save sends without opd_store's pacing);
 * ``spread``: the spread layout over ``--prefixes`` partitioned prefixes, the same rate each.
 
 Per save: the requests (admitted and refused at the proxy, by operation), the time to commit (rank
@@ -52,6 +55,7 @@ from opd_testkit.stores import aio_session
 from bench._common import REPO_ROOT, log, machine_description
 
 SCENARIOS = ("free", "one-prefix", "spread")
+ALL_SCENARIOS = (*SCENARIOS, "one-prefix-unpaced")
 REAL_PART_MIB = 16
 BUDGETS_SECS = (30.0, 120.0)
 AWS_PREFIX_WRITES = 3500.0
@@ -97,8 +101,8 @@ def run_save(args, moto: MotoProcess, proxy: RateLimitProxyProcess, ranks: int, 
     proxy.reset()
     spec = SimSpec(world_size=ranks, step=step, state_bytes=parts * args.part_kib * 1024,
                    part_size_bytes=args.part_kib * 1024, parts_in_flight=args.parts_in_flight,
-                   key_layout="step" if scenario == "one-prefix" else "spread", key_prefixes=args.prefixes,
-                   processes=1 if ranks <= 16 else args.processes)
+                   key_layout="step" if scenario.startswith("one-prefix") else "spread", key_prefixes=args.prefixes,
+                   processes=1 if ranks <= 16 else args.processes, pacing=not scenario.endswith("-unpaced"))
     options = dict(moto.storage_options(), endpoint_url=proxy.endpoint_url)
     load = os.getloadavg()[0]
     started = time.perf_counter()
@@ -157,7 +161,7 @@ def write_rate(scenario: str, args, constants: dict[str, float], *, prefix_write
     prefix = args.prefix_writes if prefix_writes is None else prefix_writes
     rates = [constants["capacity"]]
     if scenario != "free":
-        rates.append(prefix * (1 if scenario == "one-prefix" else args.prefixes))
+        rates.append(prefix * (1 if scenario.startswith("one-prefix") else args.prefixes))
         if args.bucket_writes:
             rates.append(args.bucket_writes)
     return min(rates)
@@ -287,15 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.simulation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="8,64,256,512", help="comma-separated world sizes")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS))
     parser.add_argument("--parts-per-rank", type=int, default=4)
     parser.add_argument("--part-kib", type=int, default=64)
     parser.add_argument("--parts-in-flight", type=int, default=4)
     parser.add_argument("--prefixes", type=int, default=16)
-    parser.add_argument("--prefix-writes", type=float, default=40.0, help="writes/s per partition")
+    parser.add_argument("--prefix-writes", type=float, default=20.0, help="writes/s per partition")
     parser.add_argument("--prefix-reads", type=float, default=None, help="reads/s per partition (default: none)")
     parser.add_argument("--bucket-writes", type=float, default=None)
-    parser.add_argument("--burst-secs", type=float, default=0.1)
+    parser.add_argument("--burst-secs", type=float, default=0.5)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--bookkeeping", action="store_true", help="also measure requests per save at 10/100/1,000 kept steps")
     parser.add_argument("--bookkeeping-only", action="store_true")

@@ -57,6 +57,8 @@ class SimSpec:
         path (str): ``collective`` or ``dcp``.
         throttle_retries (int): each rank's ``throttle_retries``.
         processes (int): processes the ranks run in (1: threads of this process).
+        pacing (bool): each rank's store paces its uploads (``False``: a pacer that never slows
+            down, only the client's retries and the part writer's: what a store without pacing sends).
     """
 
     world_size: int
@@ -67,8 +69,9 @@ class SimSpec:
     key_layout: str = "step"
     key_prefixes: int = 16
     path: str = COLLECTIVE
-    throttle_retries: int = 6
+    throttle_retries: int = 10
     processes: int = 1
+    pacing: bool = True
 
     def storage_options(self, base: dict[str, Any]) -> dict[str, Any]:
         """``base`` (endpoint, credentials) with this spec's layout and transfer options."""
@@ -227,12 +230,15 @@ class _Hub(threading.Thread):
 def _open_rank_store(spec: SimSpec, url: str, options: dict[str, Any]):
     """A store of one virtual rank: its own client (built now), the spec's scaled parts."""
     from opd_store import CheckpointStore
-    from opd_store.storage.transfers import Transfers, TransferSettings
+    from opd_store.storage.transfers import Pacer, Transfers, TransferSettings
 
     store = CheckpointStore(url, storage_options=spec.storage_options(options))
     settings = store.storage.transfers.settings
     store.storage.transfers = Transfers(dataclasses.replace(
         settings, part_size_bytes=spec.part_size_bytes, min_part_size_bytes=spec.part_size_bytes))
+    if not spec.pacing:
+        store.storage.transfers.pacer = Pacer(spec.parts_in_flight, throttle_retries=spec.throttle_retries,
+                                              adaptive=False)
     connect = getattr(store.storage.fs, "connect", None)
     if connect is not None:
         connect()  # the client, before the timed save

@@ -28,35 +28,71 @@ class SlowDown(Exception):
     response = {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}}
 
 
-def test_the_limit_halves_once_per_burst_and_grows_back_with_successes():
-    pacer = Pacer(8)
-    epoch = asyncio.run(pacer.acquire())
-    pacer.release(epoch, succeeded=False)
-    pacer.throttled(epoch)
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_throttled_answer_halves_the_concurrency_and_sets_a_send_rate_once_per_burst():
+    clock = Clock()
+    pacer = Pacer(8, clock=clock, seed=3)
+    epochs = []
+    for _ in range(20):  # 20 requests sent at t=0, 8 at most in flight
+        epochs.append(asyncio.run(pacer.acquire()))
+        pacer.release(epochs[-1], succeeded=False)
+    assert pacer.rate() is None and pacer.next_send_in() == 0.0
+    pacer.throttled(epochs[0])
+    # 0.7 x the rate the store sent at over the last 2 s (20 requests: 10/s), and half the slots.
+    assert (pacer.limit, pacer.rate()) == (4, 7.0)
+    for epoch in epochs[1:]:  # the other answers of the same burst: no second cut
+        pacer.throttled(epoch)
+    assert (pacer.limit, pacer.rate()) == (4, 7.0) and 0 <= pacer.next_send_in() <= 1 / 7
+    # Requests start 1/rate apart (+-50%): the store waits its turn.
+    clock.now += pacer.next_send_in()
+    later = asyncio.run(pacer.acquire())
+    assert 0.5 / pacer.rate() <= pacer.next_send_in() <= 1.5 / pacer.rate()
+    pacer.release(later, succeeded=True)
+    # The rate grows linearly, doubling in 4 s; 5 s without a throttled answer end it.
+    clock.now += 1.0
+    assert pacer.rate() == pytest.approx(7.0 * (1 + clock.now / 4.0), rel=1e-9)
+    clock.now = 5.0
+    assert pacer.rate() is None and pacer.next_send_in() == 0.0
+    stats = pacer.stats()
+    assert (stats.throttled_answers, stats.retries, stats.rate) == (20, 0, None)
+    assert stats.throttled_secs == 1.0  # from the first answer to a second without another
+
+
+def test_the_concurrency_grows_back_with_successes():
+    clock = Clock()
+    pacer = Pacer(8, clock=clock)
+    first = asyncio.run(pacer.acquire())
+    pacer.throttled(first)
+    pacer.release(first, succeeded=False)
     assert pacer.limit == 4
-    pacer.throttled(epoch)  # another answer to a request sent before the cut: no second cut
-    assert pacer.limit == 4
-    pacer.throttled(epoch + 1)
-    assert pacer.limit == 2
     successes = 0
     while pacer.limit < 8:
+        clock.now += 10.0  # past every turn: only the concurrency limit is measured here
         pacer.release(asyncio.run(pacer.acquire()), succeeded=True)
         successes += 1
-    # +1/limit each: from 2 to 8 takes about (8^2 - 2^2) / 2 successes.
-    assert successes == 30
-    stats = pacer.stats()
-    assert (stats.throttled_answers, stats.retries, stats.limit) == (3, 0, 8) and stats.throttled_secs > 0
+    assert successes == 24  # +1/limit each: about (8^2 - 4^2) / 2
 
 
 def test_requests_wait_for_a_slot_while_the_limit_is_reached():
     async def scenario() -> list[str]:
-        pacer = Pacer(2)
+        clock = Clock()
+        pacer = Pacer(2, clock=clock)
         events = []
         first, second = await pacer.acquire(), await pacer.acquire()
         third = asyncio.ensure_future(pacer.acquire())
         await asyncio.sleep(0)
         events.append(f"third waiting: {not third.done()}")
         pacer.throttled(first)  # limit 1: two in flight, the third waits for both
+        clock.now += 100.0  # past the send rate's turn (and its end)
         pacer.release(first, succeeded=False)
         await asyncio.sleep(0)
         events.append(f"after one release: {third.done()}")
@@ -113,6 +149,7 @@ def test_paced_sends_a_throttled_request_again_and_gives_up_after_its_retries():
     assert asyncio.run(scenario(pacer, 2, SlowDown)) == (3, "stored")
     stats = pacer.stats()
     assert (stats.throttled_answers, stats.retries, stats.limit) == (2, 2, 2.5)  # cut twice, one success
+    assert stats.rate is not None  # the retries waited their turn
     sent, outcome = asyncio.run(scenario(Pacer(8, throttle_retries=2, seed=1), 9, SlowDown))
     assert sent == 3 and isinstance(outcome, SlowDown)
     sent, outcome = asyncio.run(scenario(Pacer(8, throttle_retries=2, seed=1), 9, PermissionError))

@@ -23,9 +23,10 @@ stops reading a body fails the attempt instead of holding the save).
 Every request that writes (create, parts, complete, a one-request ``PutObject``) goes through the
 store's :class:`~opd_store.storage.transfers._pacing.Pacer`: it waits for a slot, and one the
 client's retries gave up on as throttled is sent again after a jittered back-off. The pacer also
-hears of each throttled answer as it arrives, before botocore retries it (botocore's
-``response-received`` event on the client, :func:`watch_throttling`), so the store's concurrency
-halves at the first ``503 SlowDown`` rather than after the client's retries.
+hears of each throttled answer as it arrives (botocore's ``response-received`` event on the
+client), and botocore leaves the retry of a throttled payload write to it
+(:func:`watch_throttling`), so the store's concurrency halves at the first ``503 SlowDown`` and
+every new attempt waits for the pacer.
 """
 
 from __future__ import annotations
@@ -42,20 +43,43 @@ from ..transfers import Pacer, PartBody, named_error, paced
 _WATCHED_OPERATIONS = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload")
 
 
+def _throttled(parsed_response: Any, status: Any) -> bool:
+    error = parsed_response.get("Error") if isinstance(parsed_response, dict) else None
+    code = error.get("Code") if isinstance(error, dict) else None
+    return s3_answer_meaning(code, status) is Meaning.THROTTLED
+
+
 def watch_throttling(client: Any, pacer: Pacer) -> None:
-    """Report every throttled answer to a write of ``client`` to ``pacer`` as it arrives (once
-    per client and pacer; botocore's ``response-received`` event fires for each HTTP attempt)."""
+    """Report every throttled answer to a write of ``client`` to ``pacer`` as it arrives, and
+    leave the retry of a throttled payload write to the pacer (once per client and pacer).
+
+    botocore's ``response-received`` event fires for each HTTP attempt. Its retry handler would
+    send a throttled write again after its own short back-off, outside the pacer's slots and
+    spacing, twice per pass of s3fs's loop: the retries of hundreds of ranks would then arrive
+    together whatever the pacer does. A ``needs-retry`` handler ahead of botocore's declines the
+    retry of a throttled answer to a payload write (a key under an attempt prefix; the manifest's
+    create keeps botocore's retries), so the write comes back to :func:`paced` at once.
+    """
 
     def heard(parsed_response: Any = None, response_dict: Any = None, **_kwargs: Any) -> None:
-        if not isinstance(response_dict, dict):
-            return
-        code = ((parsed_response or {}).get("Error") or {}).get("Code") if isinstance(parsed_response, dict) else None
-        if s3_answer_meaning(code, response_dict.get("status_code")) is Meaning.THROTTLED:
+        if isinstance(response_dict, dict) and _throttled(parsed_response, response_dict.get("status_code")):
             pacer.throttled()
+
+    def no_retry(response: Any = None, request_dict: Any = None, **_kwargs: Any) -> bool | None:
+        if not (isinstance(response, tuple) and len(response) == 2 and isinstance(request_dict, dict)):
+            return None
+        http_response, parsed = response
+        if "/attempt-" in str(request_dict.get("url_path", "")) and _throttled(
+                parsed, getattr(http_response, "status_code", None)):
+            return False  # the first answer that is not None decides: no retry by botocore
+        return None
 
     for operation in _WATCHED_OPERATIONS:
         client.meta.events.register(f"response-received.s3.{operation}", heard,
                                     unique_id=f"opd-store-pacer-{id(pacer)}-{operation}")
+        if pacer.adaptive:
+            client.meta.events.register_first(f"needs-retry.s3.{operation}", no_retry,
+                                              unique_id=f"opd-store-pacer-retry-{id(pacer)}-{operation}")
     pacer.watches_answers = True
 
 logger = logging.getLogger("opd_store.storage")

@@ -1,28 +1,34 @@
-"""How fast a store sends its upload requests: a concurrency limit that adapts to throttling, and
-a jittered back-off between the part writer's own retries of a throttled request.
+"""How fast a store sends its upload requests: a concurrency limit and a send rate that adapt to
+throttling, and a jittered back-off between the part writer's own retries of a throttled request.
 
-Above its request rate a store answers ``503 SlowDown`` (S3) or ``429`` (GCS). If every
-part in flight is retried on the same schedule, the retries of hundreds of ranks arrive together
-and the store spends its rate refusing them (the retry storm AWS's "Exponential Backoff And Jitter"
+Above its request rate a store answers ``503 SlowDown`` (S3) or ``429`` (GCS). If every part in
+flight is retried on the same schedule, the retries of hundreds of ranks arrive together and the
+store spends its rate refusing them (the retry storm AWS's "Exponential Backoff And Jitter"
 describes). :class:`Pacer` is one per store (``storage.transfers.pacer``), shared by every payload
 the store uploads, and does what TCP does with congestion (additive increase, multiplicative
 decrease):
 
-* at most :attr:`Pacer.limit` parts are in flight (between 1 and ``parts_in_flight``); a request
-  waits for a slot (:meth:`Pacer.acquire`);
-* each throttled answer halves the limit (:meth:`Pacer.throttled`; answers to requests sent
-  before the last cut do not cut again, so one burst of refusals halves it once); each request
-  that succeeds raises it by ``1/limit`` (one more slot per ``limit`` successes) back to
-  ``parts_in_flight``;
-* a request the client's own retries gave up on while throttled waits a delay drawn uniformly
-  from ``[0, min(cap, base x 2^n)]`` ("full jitter", from a private ``random.Random``: never
-  the training thread's stream, :mod:`opd_store.runtime._thread_random`) and is sent again, at
-  most ``throttle_retries`` times (:meth:`Pacer.backoff`).
+* at most ``int(limit)`` requests are in flight (:attr:`Pacer.limit`: 1 to ``parts_in_flight``);
+  a request waits for a slot (:meth:`Pacer.acquire`). Each success raises the limit by
+  ``1/limit`` (one more slot per ``limit`` successes);
+* a throttled answer halves the limit and sets a *send rate*: :data:`RATE_CUT` times the rate the
+  store sent at over the last :data:`RATE_WINDOW_SECS` (taken as at least one request per
+  :data:`BACKOFF_BASE_SECS`, so a store that sent little is not held back long), or times the send
+  rate in force. While it holds, the store's requests start ``1/rate`` apart
+  (jittered by +-50%), so hundreds of ranks, each with a request in flight, slow down together:
+  concurrency alone cannot go below one request per rank. The rate grows linearly, doubling in
+  :data:`RATE_DOUBLING_SECS`, until the next cut; :data:`RATE_FREE_SECS` without a throttled
+  answer end it. Answers to requests sent before the last cut do not cut again, so one burst of
+  refusals cuts once;
+* a throttled request is sent again after a wait drawn uniformly from ``[0, min(cap, base x
+  2^n)]`` ("full jitter", from a private ``random.Random``: never the training thread's stream,
+  :mod:`opd_store.runtime._thread_random`), then waits for its slot and turn like any request, at
+  most ``throttle_retries`` times (:meth:`Pacer.backoff`). On S3 botocore leaves these retries to
+  the pacer (:func:`opd_store.storage.s3._multipart.watch_throttling`).
 
 The store counts its throttled answers and its *throttled time*: from a throttled answer until
-the limit is back at ``parts_in_flight`` or :data:`QUIET_SECS` have passed without another one
-(:meth:`Pacer.stats`); a save compares that time with its own duration
-(:mod:`opd_store.commit._attempt`).
+:data:`QUIET_SECS` have passed without another one (:meth:`Pacer.stats`); a save compares that
+time with its own duration (:mod:`opd_store.commit._attempt`).
 """
 
 from __future__ import annotations
@@ -43,9 +49,19 @@ BACKOFF_BASE_SECS = 0.2
 """First back-off's upper bound (seconds); doubled on each retry of the same request."""
 BACKOFF_CAP_SECS = 10.0
 """Largest back-off's upper bound (seconds)."""
+RATE_WINDOW_SECS = 2.0
+"""The window over which a store's send rate is measured when a throttled answer cuts it."""
+RATE_DOUBLING_SECS = 4.0
+"""After a cut, the send rate grows linearly, doubling in this many seconds without another cut."""
+RATE_FREE_SECS = 5.0
+"""A rate limit ends this long after the last throttled answer."""
+RATE_CUT = 0.7
+"""A throttled answer multiplies the send rate by this (CUBIC's 0.7: a strict limit's bursts cut
+every rank often; halving each time left the ranks together well below the limit)."""
+MIN_RATE = 0.05
+"""The lowest send rate, requests per second (one request per 20 s)."""
 QUIET_SECS = 1.0
-"""A throttled period ends this long after its last throttled answer (or when the limit is back
-at its maximum, if sooner)."""
+"""A throttled period ends this long after its last throttled answer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,30 +72,40 @@ class PacerStats:
         throttled_answers (int): throttled answers seen (each HTTP attempt, client retries included).
         retries (int): requests the part writer sent again after a back-off.
         throttled_secs (float): throttled time in seconds (module docstring).
-        limit (float): the limit at the reading.
+        limit (float): the concurrency limit at the reading.
+        rate (float | None): the send rate at the reading (``None``: no rate limit).
     """
 
     throttled_answers: int = 0
     retries: int = 0
     throttled_secs: float = 0.0
     limit: float = 0.0
+    rate: float | None = None
 
 
 class Pacer:
-    """The adaptive concurrency limit and back-off of one store's uploads (module docstring).
+    """The adaptive concurrency limit, send rate and back-off of one store's uploads (module
+    docstring).
 
     Args:
         max_in_flight (int): the most requests in flight (``parts_in_flight``).
         throttle_retries (int): how many times the part writer sends a throttled request again
-            after the client's own retries gave up (``throttle_retries``).
-        seed (int | None): seed of the back-off's private generator (tests); ``os.urandom`` by default.
+            (``throttle_retries``).
+        seed (int | None): seed of the private generator of back-offs and spacing (tests);
+            ``os.urandom`` by default.
+        adaptive (bool): slow down on throttled answers (``False``: count them only: what a store
+            without pacing does, ``bench.simulation``'s comparison).
+        clock (Callable[[], float]): monotonic seconds (tests pass their own).
 
     Slots are taken and handed over from any thread and any event loop (a waiting coroutine is
     woken on its own loop).
     """
 
-    def __init__(self, max_in_flight: int, *, throttle_retries: int = 0, seed: int | None = None) -> None:
+    def __init__(self, max_in_flight: int, *, throttle_retries: int = 0, seed: int | None = None,
+                 adaptive: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_in_flight = max_in_flight
+        self._clock = clock
+        self.adaptive = adaptive
         self.watches_answers = False  # set when every throttled answer is reported as it arrives (S3)
         self.throttle_retries = throttle_retries
         self._random = random.Random(seed)
@@ -88,55 +114,96 @@ class Pacer:
         self._in_flight = 0
         self._waiters: collections.deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = collections.deque()
         self._epoch = 0  # one more at each cut: answers to requests sent before it do not cut again
+        self._rate_at_cut: float | None = None  # None: no rate limit
         self._last_cut = 0.0
+        self._next_send = 0.0
+        self._sent: collections.deque[float] = collections.deque()  # send times within RATE_WINDOW_SECS
         self._throttled_answers = 0
         self._retries = 0
         self._throttled_secs = 0.0  # closed throttled periods
         self._period_since: float | None = None  # the open period's start
-        self._last_answer = 0.0
+        self._last_answer = -QUIET_SECS
 
     # -- slots -----------------------------------------------------------------------------------
     @property
     def limit(self) -> float:
-        """The current limit (``1 <= limit <= max_in_flight``); ``int(limit)`` requests fly at once."""
+        """The concurrency limit (``1 <= limit <= max_in_flight``); ``int(limit)`` requests fly at once."""
         return self._limit
+
+    def rate(self) -> float | None:
+        """The requests per second the store may start now, or ``None`` (no rate limit)."""
+        with self._lock:
+            return self._rate_locked(self._clock())
+
+    def _rate_locked(self, now: float) -> float | None:
+        if self._rate_at_cut is None:
+            return None
+        if now - self._last_answer >= RATE_FREE_SECS:  # quiet long enough: no rate limit any more
+            self._rate_at_cut = None
+            return None
+        return self._rate_at_cut * (1.0 + (now - self._last_cut) / RATE_DOUBLING_SECS)
 
     def _allowed(self) -> int:
         return max(1, int(self._limit))
 
     async def acquire(self) -> int:
-        """Wait for a slot; return the epoch the request is sent in (give it to :meth:`release`).
+        """Wait for a slot and, while a rate limit holds, for this request's turn; return the epoch
+        the request is sent in (give it to :meth:`release` and :meth:`throttled`).
 
         Raises:
             asyncio.CancelledError: cancelled while waiting (no slot is held then).
         """
         loop = asyncio.get_running_loop()
+        future: asyncio.Future | None = None
         with self._lock:
             if not self._waiters and self._in_flight < self._allowed():
                 self._in_flight += 1
-                return self._epoch
-            future = loop.create_future()
-            self._waiters.append((loop, future))
+            else:
+                future = loop.create_future()
+                self._waiters.append((loop, future))
         try:
-            await future
+            if future is not None:
+                await future
+            while (wait := self._turn()) > 0:
+                await asyncio.sleep(wait)
         except asyncio.CancelledError:
             with self._lock:
-                try:
+                if future is not None and (loop, future) in self._waiters:
                     self._waiters.remove((loop, future))
-                except ValueError:  # the slot was handed over just before the cancellation
+                else:  # the slot was held (granted at once, or handed over)
                     self._in_flight -= 1
                     self._wake_locked()
             raise
         return self._epoch
 
+    def _turn(self) -> float:
+        """0 when the request may start now (its start is recorded), else the seconds to wait. A
+        rate limit spaces the store's requests by ``1/rate`` each, jittered by +-50% (ranks cut at
+        the same instant do not send in step)."""
+        now = self._clock()
+        with self._lock:
+            rate = self._rate_locked(now)
+            if rate is not None:
+                if now < self._next_send:
+                    return self._next_send - now
+                self._next_send = now + self._random.uniform(0.5, 1.5) / rate
+            self._sent.append(now)
+            while self._sent and self._sent[0] < now - RATE_WINDOW_SECS:
+                self._sent.popleft()
+            return 0.0
+
+    def next_send_in(self) -> float:
+        """Seconds until the store's next request may start (0 without a rate limit)."""
+        now = self._clock()
+        with self._lock:
+            return max(0.0, self._next_send - now) if self._rate_locked(now) is not None else 0.0
+
     def release(self, epoch: int, *, succeeded: bool) -> None:
-        """Give a slot back; a success raises the limit by ``1/limit`` (to ``max_in_flight``)."""
+        """Give a slot back; a success raises the concurrency limit by ``1/limit``."""
         with self._lock:
             self._in_flight -= 1
             if succeeded and self._limit < self.max_in_flight:
                 self._limit = min(float(self.max_in_flight), self._limit + 1.0 / self._limit)
-                if self._limit >= self.max_in_flight:
-                    self._close_period_locked(time.monotonic())
             self._wake_locked()
 
     def _wake_locked(self) -> None:
@@ -147,34 +214,40 @@ class Pacer:
 
     # -- throttling ------------------------------------------------------------------------------
     def throttled(self, epoch: int | None = None, *, count: bool = True) -> None:
-        """A throttled answer: halve the limit, unless the request was sent before the last cut
-        (``epoch`` older than the current one) or no epoch is known and the limit was cut in the
-        last :data:`BACKOFF_BASE_SECS` (an answer seen by the client, not by a slot). ``count``:
+        """A throttled answer: halve the concurrency limit and cut the send rate to :data:`RATE_CUT`
+        times the rate the store sent at over the last :data:`RATE_WINDOW_SECS` (at least
+        ``1/BACKOFF_BASE_SECS``), or times the rate in force if lower, unless the request was sent
+        before the last cut (``epoch`` older than the current one) or, without an epoch (an answer
+        the client heard), the last cut was less than :data:`BACKOFF_BASE_SECS` ago. ``count``:
         count it among the answers (not when a watcher already reported it)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._throttled_answers += int(count)
             self._close_period_locked(now)  # only if it went quiet before this answer
             if self._period_since is None:
                 self._period_since = now
+            if not self.adaptive or (epoch is not None and epoch != self._epoch) or (
+                    epoch is None and now - self._last_cut < BACKOFF_BASE_SECS):
+                self._last_answer = now
+                return
+            current = self._rate_locked(now)
+            sent = max(len(self._sent) / RATE_WINDOW_SECS, 1.0 / BACKOFF_BASE_SECS)
+            self._rate_at_cut = max(MIN_RATE, RATE_CUT * (sent if current is None else min(current, sent)))
             self._last_answer = now
-            if epoch is not None and epoch != self._epoch:
-                return
-            if epoch is None and now - self._last_cut < BACKOFF_BASE_SECS:
-                return
             self._epoch += 1
             self._last_cut = now
             self._limit = max(1.0, self._limit / 2)
+            self._next_send = max(self._next_send, now + self._random.uniform(0.0, 1.0) / self._rate_at_cut)
 
     def _close_period_locked(self, now: float) -> None:
-        """End the open throttled period at ``now`` or at its quiet end, whichever is first; a
-        period not quiet yet at ``now`` stays open unless the limit is back at its maximum."""
+        """End the open throttled period at ``now`` or :data:`QUIET_SECS` after its last answer,
+        whichever is first; one not quiet yet stays open."""
         if self._period_since is None:
             return
         quiet_end = self._last_answer + QUIET_SECS
-        if now < quiet_end and self._limit < self.max_in_flight:
+        if now < quiet_end:
             return
-        self._throttled_secs += max(0.0, min(now, quiet_end) - self._period_since)
+        self._throttled_secs += max(0.0, quiet_end - self._period_since)
         self._period_since = None
 
     def backoff_secs(self, retry: int) -> float:
@@ -190,11 +263,12 @@ class Pacer:
 
     def stats(self) -> PacerStats:
         """The counters so far (a throttled period still open counts up to now)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._close_period_locked(now)
             open_secs = 0.0 if self._period_since is None else now - self._period_since
-            return PacerStats(self._throttled_answers, self._retries, self._throttled_secs + open_secs, self._limit)
+            return PacerStats(self._throttled_answers, self._retries, self._throttled_secs + open_secs, self._limit,
+                              self._rate_locked(now))
 
 
 async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
@@ -235,4 +309,5 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-__all__ = ["BACKOFF_BASE_SECS", "BACKOFF_CAP_SECS", "Pacer", "PacerStats", "QUIET_SECS", "paced"]
+__all__ = ["BACKOFF_BASE_SECS", "BACKOFF_CAP_SECS", "MIN_RATE", "Pacer", "PacerStats", "QUIET_SECS", "RATE_DOUBLING_SECS",
+           "RATE_FREE_SECS", "RATE_WINDOW_SECS", "paced"]

@@ -32,9 +32,9 @@ DEFAULT_PART_SIZE_BYTES = 16 << 20
 """Default part size: within S3's guidance of 8-16 MB parts, well above its 5 MiB minimum."""
 DEFAULT_PARTS_IN_FLIGHT = 8
 """Default parts (upload) or ranges (download) in flight per store."""
-DEFAULT_THROTTLE_RETRIES = 6
-"""Default times the part writer sends a throttled request again after the client gave up on it
-(:mod:`opd_store.storage.transfers._pacing`): with the back-off's growth, about 25 s of waiting at most."""
+DEFAULT_THROTTLE_RETRIES = 10
+"""Default times the part writer sends a throttled request again (:mod:`opd_store.storage.transfers._pacing`):
+its back-offs alone add up to about 30 s at most, its turns under the send rate come on top."""
 DEFAULT_THROTTLE_WARN_SHARE = 0.25
 """Default share of a save's time spent throttled above which the save logs a warning."""
 MIN_PART_SIZE_BYTES = 5 << 20
