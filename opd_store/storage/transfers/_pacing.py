@@ -14,7 +14,7 @@ decrease):
 * a throttled answer halves the limit and sets a *send rate*: :data:`RATE_CUT` times the rate the
   store sent at over the last :data:`RATE_WINDOW_SECS` (taken as at least one request per
   :data:`BACKOFF_BASE_SECS`, so a store that sent little is not held back long), or times the send
-  rate in force. While it holds, the store's requests start ``1/rate`` apart
+  rate in force (:data:`RATE_CUT_AGAIN` when nothing succeeded since the last cut). While it holds, the store's requests start ``1/rate`` apart
   (jittered by +-50%), so hundreds of ranks, each with a request in flight, slow down together:
   concurrency alone cannot go below one request per rank. The rate grows linearly, doubling in
   :data:`RATE_DOUBLING_SECS`, until the next cut; :data:`RATE_FREE_SECS` without a throttled
@@ -22,8 +22,10 @@ decrease):
   refusals cuts once;
 * a throttled request is sent again after a wait drawn uniformly from ``[0, min(cap, base x
   2^n)]`` ("full jitter", from a private ``random.Random``: never the training thread's stream,
-  :mod:`opd_store.runtime._thread_random`), then waits for its slot and turn like any request, at
-  most ``throttle_retries`` times (:meth:`Pacer.backoff`). On S3 botocore leaves these retries to
+  :mod:`opd_store.runtime._thread_random`), then waits for its slot and turn like any request
+  (:meth:`Pacer.backoff`). It fails once it was refused more than ``throttle_retries`` times in a
+  row while the store had no success at all: a store that makes progress is slowed, not failed
+  (hundreds of ranks behind one prefix may each wait minutes for their share). On S3 botocore leaves these retries to
   the pacer (:func:`opd_store.storage.s3._multipart.watch_throttling`).
 
 The store counts its throttled answers and its *throttled time*: from a throttled answer until
@@ -49,6 +51,8 @@ BACKOFF_BASE_SECS = 0.2
 """First back-off's upper bound (seconds); doubled on each retry of the same request."""
 BACKOFF_CAP_SECS = 10.0
 """Largest back-off's upper bound (seconds)."""
+BACKOFF_DOUBLINGS = 6
+"""Retries after which the back-off's bound stops doubling (0.2 s x 2^6 > 10 s)."""
 RATE_WINDOW_SECS = 2.0
 """The window over which a store's send rate is measured when a throttled answer cuts it."""
 RATE_DOUBLING_SECS = 4.0
@@ -57,9 +61,12 @@ RATE_FREE_SECS = 5.0
 """A rate limit ends this long after the last throttled answer."""
 RATE_CUT = 0.7
 """A throttled answer multiplies the send rate by this (CUBIC's 0.7: a strict limit's bursts cut
-every rank often; halving each time left the ranks together well below the limit)."""
-MIN_RATE = 0.05
-"""The lowest send rate, requests per second (one request per 20 s)."""
+every rank often; halving each time left the ranks together well below the limit)..."""
+RATE_CUT_AGAIN = 0.5
+"""...and by this when the store had no success since the last cut (far above the limit: hundreds
+of ranks must come down to a small share each)."""
+MIN_RATE = 0.02
+"""The lowest send rate, requests per second (one request per 50 s)."""
 QUIET_SECS = 1.0
 """A throttled period ends this long after its last throttled answer."""
 
@@ -120,6 +127,8 @@ class Pacer:
         self._sent: collections.deque[float] = collections.deque()  # send times within RATE_WINDOW_SECS
         self._throttled_answers = 0
         self._retries = 0
+        self._successes = 0
+        self._successes_at_cut = 0
         self._throttled_secs = 0.0  # closed throttled periods
         self._period_since: float | None = None  # the open period's start
         self._last_answer = -QUIET_SECS
@@ -202,9 +211,16 @@ class Pacer:
         """Give a slot back; a success raises the concurrency limit by ``1/limit``."""
         with self._lock:
             self._in_flight -= 1
-            if succeeded and self._limit < self.max_in_flight:
-                self._limit = min(float(self.max_in_flight), self._limit + 1.0 / self._limit)
+            if succeeded:
+                self._successes += 1
+                if self._limit < self.max_in_flight:
+                    self._limit = min(float(self.max_in_flight), self._limit + 1.0 / self._limit)
             self._wake_locked()
+
+    @property
+    def successes(self) -> int:
+        """Requests that succeeded so far (a store making progress)."""
+        return self._successes
 
     def _wake_locked(self) -> None:
         while self._waiters and self._in_flight < self._allowed():
@@ -232,7 +248,9 @@ class Pacer:
                 return
             current = self._rate_locked(now)
             sent = max(len(self._sent) / RATE_WINDOW_SECS, 1.0 / BACKOFF_BASE_SECS)
-            self._rate_at_cut = max(MIN_RATE, RATE_CUT * (sent if current is None else min(current, sent)))
+            cut = RATE_CUT if current is None or self._successes > self._successes_at_cut else RATE_CUT_AGAIN
+            self._rate_at_cut = max(MIN_RATE, cut * (sent if current is None else min(current, sent)))
+            self._successes_at_cut = self._successes
             self._last_answer = now
             self._epoch += 1
             self._last_cut = now
@@ -274,15 +292,17 @@ class Pacer:
 async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
     """``await send()`` (one upload request, the client's retries included) in a slot of
     ``pacer``; a failure for the store's rate (:func:`~opd_store.storage._backend_errors.is_rate_limited`)
-    cuts the limit and, ``pacer.throttle_retries`` times at most, is sent again after a jittered
-    back-off (module docstring). Without a pacer, ``send()`` as it is.
+    cuts the limit and rate and is sent again after a jittered back-off, until it was refused more
+    than ``pacer.throttle_retries`` times in a row with no success of the store in between (module
+    docstring). Without a pacer, ``send()`` as it is.
 
     Raises:
         Exception: whatever the last ``send()`` raised (a throttled one once the retries are spent).
     """
     if pacer is None:
         return await send()
-    retry = 0
+    retry = strikes = 0
+    progress = pacer.successes
     while True:
         epoch = await pacer.acquire()
         try:
@@ -292,9 +312,12 @@ async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
             if not is_rate_limited(exc):
                 raise
             pacer.throttled(epoch, count=not pacer.watches_answers)
-            if retry >= pacer.throttle_retries:
+            if pacer.successes != progress:  # the store moved on since the last refusal
+                strikes, progress = 0, pacer.successes
+            strikes += 1
+            if strikes > pacer.throttle_retries:
                 raise
-            await pacer.backoff(retry)
+            await pacer.backoff(min(retry, BACKOFF_DOUBLINGS))
             retry += 1
             continue
         except BaseException:
@@ -309,5 +332,6 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-__all__ = ["BACKOFF_BASE_SECS", "BACKOFF_CAP_SECS", "MIN_RATE", "Pacer", "PacerStats", "QUIET_SECS", "RATE_DOUBLING_SECS",
-           "RATE_FREE_SECS", "RATE_WINDOW_SECS", "paced"]
+__all__ = ["BACKOFF_BASE_SECS", "BACKOFF_CAP_SECS", "BACKOFF_DOUBLINGS", "MIN_RATE", "Pacer", "PacerStats",
+           "QUIET_SECS", "RATE_CUT", "RATE_CUT_AGAIN", "RATE_DOUBLING_SECS", "RATE_FREE_SECS", "RATE_WINDOW_SECS",
+           "paced"]
