@@ -13,7 +13,10 @@ needs a CPU backend, and runs its collectives on a gloo group of its own):
 
 1. ``sync save``: ``opd_store.dcp.save`` of an FSDP2 model sharded over the N GPUs (AdamW after a
    few steps); the training loop's blocked time is the whole save.
-2. ``async save``: ``opd_store.dcp.async_save`` with ``DefaultStager(StagingOptions(
+2. ``async save``, once per DCP executor (``--executors thread,process``; the process executor
+   writes from DCP's background process, whose first save, which starts it, is not counted, and
+   gets its staged copy through shared memory, ``use_shared_memory=True``):
+   ``opd_store.dcp.async_save`` with ``DefaultStager(StagingOptions(
    use_pinned_memory=True, use_shared_memory=False, use_async_staging=True,
    use_non_blocking_copy=True))``; reported: the time until the call returns, the time until
    ``staged`` (the loop may change parameters only then: the real blocked time), and the time until
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -108,6 +112,7 @@ def _rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from opd_store import CheckpointStore
@@ -136,25 +141,40 @@ def _rank(rank: int, args: argparse.Namespace, rendezvous: str) -> None:
         save(state, store, step)
         report["sync_secs"].append(time.perf_counter() - started)
         step += 1
-    stager = DefaultStager(StagingOptions(use_pinned_memory=device == "cuda", use_shared_memory=False,
-                                          use_async_staging=device == "cuda", use_non_blocking_copy=device == "cuda"))
-    try:
-        for _ in range(args.repeats):
-            before = _full(model, optimizer)
-            _sync(device)
-            dist.barrier()
-            started = time.perf_counter()
-            pending = async_save(state, store, step, process_group=side, async_stager=stager)
-            report["async_return_secs"].append(time.perf_counter() - started)
-            pending.staged.result()
-            report["async_staged_secs"].append(time.perf_counter() - started)
-            _train_step(model, optimizer, device)  # the loop goes on: must not reach the saved step
-            pending.result(timeout=1800)
-            report["async_commit_secs"].append(time.perf_counter() - started)
-            async_step = step
-            step += 1
-    finally:
-        stager.close()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # the process executor's background group
+    for executor in args.executors:
+        # The process executor receives the staged state through shared memory (DCP's e2e test does
+        # the same); the first of its saves starts DCP's background process (spawn), so it is warmed
+        # up once and not counted.
+        stager = DefaultStager(StagingOptions(use_pinned_memory=device == "cuda",
+                                              use_shared_memory=executor == "process",
+                                              use_async_staging=device == "cuda",
+                                              use_non_blocking_copy=device == "cuda"))
+        kind = AsyncCheckpointerType(executor)
+        suffix = "" if executor == "thread" else f"_{executor}"
+        for key in ("async_return_secs", "async_staged_secs", "async_commit_secs"):
+            report.setdefault(key.replace("async_", f"async{suffix}_"), [])
+        try:
+            for repeat in range(args.repeats + (executor == "process")):
+                before = _full(model, optimizer)
+                _sync(device)
+                dist.barrier()
+                started = time.perf_counter()
+                pending = async_save(state, store, step, process_group=side, async_stager=stager,
+                                     async_checkpointer_type=kind)
+                returned = time.perf_counter() - started
+                pending.staged.result()
+                staged = time.perf_counter() - started
+                _train_step(model, optimizer, device)  # the loop goes on: must not reach the saved step
+                pending.result(timeout=1800)
+                if executor == "thread" or repeat > 0:
+                    report[f"async{suffix}_return_secs"].append(returned)
+                    report[f"async{suffix}_staged_secs"].append(staged)
+                    report[f"async{suffix}_commit_secs"].append(time.perf_counter() - started)
+                async_step = step
+                step += 1
+        finally:
+            stager.close()
     half = max(1, args.nproc // 2)
     sub = dist.new_group(list(range(half)))
     saved = before  # the state the last asynchronous save staged
@@ -208,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-step", type=int, default=1)
     parser.add_argument("--s3-endpoint-url", default=None)
     parser.add_argument("--out", default=None, help="directory for each rank's JSON report")
+    parser.add_argument("--executors", default="thread,process",
+                        help="DCP's async_save executors to measure, in order (thread, process)")
     args = parser.parse_args(argv)
+    args.executors = [name for name in args.executors.split(",") if name]
     import torch
     import torch.multiprocessing as mp
 
@@ -225,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         worst = lambda key: max(statistics.median(r[key]) for r in reports)  # noqa: E731
         print(f"ranks {args.nproc} on {args.device}, {args.size_mib} MiB: sync save {worst('sync_secs'):.3f} s blocked; "
               f"async save returns in {worst('async_return_secs'):.3f} s, staged in {worst('async_staged_secs'):.3f} s "
-              f"(blocked), committed in {worst('async_commit_secs'):.3f} s; resharded load on {max(1, args.nproc // 2)} "
+              f"(blocked), committed in {worst('async_commit_secs'):.3f} s"
+              + ("".join(f"; {e} executor: returns in {worst(f'async_{e}_return_secs'):.3f} s, staged in "
+                         f"{worst(f'async_{e}_staged_secs'):.3f} s, committed in {worst(f'async_{e}_commit_secs'):.3f} s"
+                         for e in args.executors if e != "thread"))
+              + f"; resharded load on {max(1, args.nproc // 2)} "
               f"ranks differing: {reports[0].get('resharded_differing')}; RNG restored on every rank: "
               f"{all(r['rng_restored'] for r in reports)}")
     return 0

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         f"counted; misses (a kill point the start never reached, redrawn): {soak.misses}; {minutes:.1f} min",
     ]
     text, problems = render(kills=soak.kills, n=args.n, header=header, starts=soak.starts,
-                            extra_problems=soak.start_problems, world_size=args.nproc, machine=machine_description())
+                            extra_problems=soak.start_problems + soak.report_problems, world_size=args.nproc,
+                            machine=machine_description())
     print("\n" + text)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

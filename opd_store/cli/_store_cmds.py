@@ -7,6 +7,7 @@ import sys
 
 from ._common import (
     EXIT_OK,
+    CliError,
     add_json_option,
     add_store_options,
     open_store,
@@ -76,6 +77,9 @@ def add_parsers(subparsers) -> None:
                     "has been written under it for this long by the store's clock (default 1h; 90s, 30m, 2d)")
     gc.add_argument("--deep", action="store_true",
                     help="recompute checksums of the newest complete steps so a corrupt one never counts as kept")
+    gc.add_argument("--journal-keep", type=int, default=None, metavar="N",
+                    help="keep the newest N run-journal events, deleting older starts whole (default 10000; "
+                    "docs/ledger.md)")
     gc.add_argument("--yes", action="store_true", help="really delete (default: dry run)")
     gc.add_argument("--local-tier", default=None, metavar="DIR",
                     help="URL is the bucket of a tiered store whose local tier is DIR (opd-store train --local-tier): "
@@ -174,9 +178,14 @@ def run_gc(args: argparse.Namespace) -> int:
         store.local.check_reachable(write=False)
         if args.yes:
             store.local.check_reachable(write=True)
+    from ..ledger import DEFAULT_KEEP_EVENTS
+
+    if args.journal_keep is not None and args.journal_keep < 0:
+        raise CliError(f"--journal-keep must be >= 0, got {args.journal_keep}")
     policy = RetentionPolicy(keep_last=args.keep_last, keep_every=args.keep_every)
     reports = collect_garbage_tiers(
-        store, policy, orphans_older_than_secs=args.orphans_older_than, deep=args.deep, dry_run=not args.yes
+        store, policy, orphans_older_than_secs=args.orphans_older_than, deep=args.deep, dry_run=not args.yes,
+        journal_keep_events=DEFAULT_KEEP_EVENTS if args.journal_keep is None else args.journal_keep,
     )
     if args.json:
         documents = [_gc_json(report) for report in reports]
@@ -208,6 +217,7 @@ def _gc_json(report) -> dict:
                     for o in report.orphans],
         "stale_uploads": [{"key": u.rel, "upload_id": u.upload_id, "age_secs": round(u.age_secs, 1)}
                           for u in report.uploads],
+        "journal_events": report.journal_events,
         "freed_bytes": report.freed_bytes,
     }
 
@@ -227,6 +237,9 @@ def _print_gc(report) -> None:
     for upload in report.uploads:
         print(f"{'would abort' if report.dry_run else 'aborted'} multipart upload {upload.rel} "
               f"(upload id {upload.upload_id}, age {upload.age_secs:.0f} s)")
+    if report.journal_events:
+        print(f"{verb} {len(report.journal_events)} run-journal events beyond the journal's bound "
+              f"(oldest starts first)")
     if report.dry_run:
         print(f"would free {report.freed_bytes} bytes (dry run: pass --yes to delete)")
     else:

@@ -19,8 +19,24 @@ from ._common import (
     CliError,
     add_store_options,
     positive_int,
+    positive_secs,
     store_options,
 )
+
+
+def checkpoint_interval(text: str) -> tuple[int, bool]:
+    """argparse type of ``--checkpoint-every``: ``K`` (an int >= 1), ``auto`` (from 2) or ``auto:K``;
+    returns ``(K, auto)``.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    head, sep, tail = text.partition(":")
+    auto = head == "auto"
+    number = tail if auto and sep else ("2" if auto else text)
+    if (sep and not auto) or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"expected K >= 1, auto or auto:K, got {text!r}")
+    return int(number), auto
 
 
 def add_parser(subparsers) -> None:
@@ -34,7 +50,9 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--store", required=True, help="store URL: local path, s3://, gs://, memory://, ...")
     parser.add_argument("--updates", type=int, required=True, help="successful updates to reach")
-    parser.add_argument("--checkpoint-every", type=int, default=2, help="save every K successful updates (default 2)")
+    parser.add_argument("--checkpoint-every", type=checkpoint_interval, default=(2, False), metavar="K|auto[:K]",
+                        help="save every K successful updates (default 2); auto (from 2) or auto:K moves the interval "
+                        "toward the Young/Daly optimum as saves and preemptions are measured (docs/ledger.md)")
     parser.add_argument(
         "--local-tier",
         default=None,
@@ -63,6 +81,19 @@ def add_parser(subparsers) -> None:
     spot.add_argument("--metadata-endpoint", default=None,
                       help="metadata server base URL (default: the platform's; tests use a fake one on loopback)")
     spot.add_argument("--notice-poll-secs", type=float, default=5.0, help="seconds between notice polls (default 5)")
+    spot.add_argument("--notice-deadline-secs", type=positive_secs, default=None, metavar="SECS",
+                      help="a preemption signal's deadline (the pod's grace period): on a signal, the final save is "
+                      "started only if it can commit within SECS, else the job exits at once saying what is lost "
+                      "(the AWS and GCE notices carry their own deadline; docs/ledger.md)")
+    ledger = parser.add_argument_group("run journal and metrics (docs/ledger.md)")
+    ledger.add_argument("--journal-progress-secs", type=float, default=60.0, metavar="SECS",
+                        help="seconds between the run journal's progress events (0: after every update; the report's "
+                        "lost updates are exact then; default 60)")
+    ledger.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on this port (the prometheus extra)")
+    ledger.add_argument("--metrics-textfile", default=None, metavar="FILE",
+                        help="write Prometheus metrics to FILE after every journal event (node_exporter's textfile "
+                        "collector; the prometheus extra)")
     parser.add_argument("--resume-mode", choices=RESUME_MODES, default="exact",
                         help="how a resume may differ from the saved run (docs/resume.md); 'elastic' accepts another "
                         "--nproc (default exact)")
@@ -90,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--nproc must be >= 1, got {args.nproc}")
     if args.rank_timeout_secs <= 0:
         raise CliError(f"--rank-timeout-secs must be > 0, got {args.rank_timeout_secs}")
+    if not args.journal_progress_secs >= 0:
+        raise CliError(f"--journal-progress-secs must be >= 0, got {args.journal_progress_secs}")
     if (args.nproc > 1 or args.shard) and (args.async_save or args.local_tier is not None):
         # Asynchronous saves and the local tier are single-writer features of the main job.
         raise CliError("--nproc > 1 and --shard cannot be combined with --async-save or --local-tier")
@@ -99,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     return _spawn(args, options)
 
 
-def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
+def _train(args: argparse.Namespace, options: dict, rank: int = 0, launcher_pid: int | None = None) -> int:
     from ..store import CheckpointStore
 
     store = CheckpointStore(args.store, storage_options=options, allow_check_then_put=args.allow_check_then_put)
@@ -124,6 +157,13 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
         poll_interval_secs=args.notice_poll_secs,
     )
     with contextlib.ExitStack() as stack:
+        sinks = []
+        if rank == 0 and (args.metrics_port is not None or args.metrics_textfile is not None):
+            from ..ledger import PrometheusExporter
+
+            exporter = PrometheusExporter(port=args.metrics_port, textfile=args.metrics_textfile)
+            stack.callback(exporter.close)
+            sinks.append(exporter)
         if args.local_tier is not None:
             stack.enter_context(store)
         if watcher is not None:
@@ -134,7 +174,12 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
         result = train(
             store=store,
             updates=args.updates,
-            checkpoint_every=args.checkpoint_every,
+            checkpoint_every=args.checkpoint_every[0],
+            checkpoint_every_auto=args.checkpoint_every[1],
+            progress_every_secs=args.journal_progress_secs,
+            notice_deadline_secs=args.notice_deadline_secs,
+            journal_sinks=sinks,
+            process_started_secs=_started_secs(launcher_pid),
             resume=args.resume,
             seed=args.seed,
             log=log,
@@ -156,13 +201,30 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0) -> int:
         "successful_updates": result.successful_updates,
         "checkpoints_saved": [save["step"] for save in result.saves],
     }
-    if result.preempted is not None:
-        notice = result.preempted
+    notice = result.preempted
+    if notice is not None and notice["action"] == "skipped":
+        last = (f"the last committed step is {notice['last_committed_step']} ({notice['url']})"
+                if notice["last_committed_step"] is not None else "no step is committed")
+        print(f"opd-store train: preempted ({notice['source']}): no save started at step {notice['step']}: "
+              f"{notice['reason']}; {last}, {notice['updates_lost']} updates lost; exiting 0",
+              file=sys.stderr, flush=True)
+    elif notice is not None:
         print(f"opd-store train: preempted ({notice['source']}): step {notice['step']} {notice['action']} at "
               f"{notice['url']} in {notice['seconds']:.2f} s; exiting 0", file=sys.stderr, flush=True)
+    if notice is not None:
         summary["preempted"] = {key: notice[key] for key in ("source", "step", "url", "action")}
     print(json.dumps(summary), file=sys.stderr if not args.log else sys.stdout)
     return 0
+
+
+def _started_secs(launcher_pid: int | None) -> float | None:
+    """When the launcher of spawned ranks started (a restart is timed from the command the user
+    ran, not from its ranks' start); ``None`` in a single process."""
+    if launcher_pid is None:
+        return None
+    from ..ledger import process_started_secs
+
+    return process_started_secs(launcher_pid)
 
 
 def _spawn(args: argparse.Namespace, options: dict) -> int:
@@ -273,7 +335,7 @@ def _rank_main(rank: int, args: argparse.Namespace, options: dict, init_method: 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.nproc,
                             timeout=datetime.timedelta(seconds=args.dist_timeout_secs))
     try:
-        code = _train(args, options, rank)
+        code = _train(args, options, rank, launcher_pid)
     except (CliError, OSError, ValueError) as exc:
         message = str(exc).strip() or type(exc).__name__
         print(f"opd-store train: error: rank {rank}: {message}", file=sys.stderr)

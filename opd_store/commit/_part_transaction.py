@@ -31,6 +31,11 @@ class PartTransaction(Attempt):
     def seal(self) -> tuple[PayloadEntry, ...]:
         """Make this part's payloads durable (local stores fsync) and return their entries.
 
+        A part with no payloads (a DCP rank whose items deduplication gave to other ranks) seals
+        without any storage call: its attempt directory may not exist yet, since the committing
+        rank and the other parts may not have written anything so far (a local fsync of the
+        missing ``step-NNNNNN/`` failed the whole save), and there is nothing to make durable.
+
         Raises:
             StoragePermissionError, PayloadUploadError: a payload still uploading failed (the
                 part's payloads are deleted).
@@ -41,11 +46,12 @@ class PartTransaction(Attempt):
         self._require_open()
         self._settle_or_abort()
         self._refuse_unclosed(f"rank {self.rank} payloads", "its part is discarded")
-        try:
-            self._sync_payloads()
-        except BaseException:
-            self.abort()
-            raise
+        if self._entries:
+            try:
+                self._sync_payloads()
+            except BaseException:
+                self.abort()
+                raise
         self._state = "sealed"
         self._warn_if_throttled(f"rank {self.rank}'s part")
         return self.entries

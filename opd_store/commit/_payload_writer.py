@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import OpdStoreError, SaveAbandonedError, StoragePermissionError, StoreUnreachableError
+from ..errors import OpdStoreError, PayloadUploadError, SaveAbandonedError, StoragePermissionError, StoreUnreachableError
 from ..format import Crc32c, PayloadEntry
 from ..runtime import kill_points
 from ..storage import Meaning, backend_operation, classify
@@ -121,7 +121,13 @@ class PayloadWriter:
         """``exc``, or the typed error naming the payload and the step: a
         :class:`StoragePermissionError` naming the refused backend operation when the table of
         backend failures says the backend denied it, a :class:`StoreUnreachableError` when the
-        store could not be reached (no credentials, no connection, no answer within the timeout)."""
+        store could not be reached (no credentials, no connection, no answer within the timeout); a
+        :class:`PayloadUploadError` of the storage layer (which knows the object's URL only) named
+        with the payload and the step, its cause kept."""
+        if isinstance(exc, PayloadUploadError) and f"of step {self.step}" not in str(exc):
+            named = PayloadUploadError(f"{exc}; payload {self.name!r} of step {self.step} is not committed")
+            named.__cause__ = exc.__cause__
+            return named
         if isinstance(exc, OpdStoreError):
             return exc
         meaning = classify(exc)
@@ -161,6 +167,13 @@ class PayloadWriter:
     @property
     def size_bytes(self) -> int:
         return self._crc.size_bytes
+
+    @property
+    def failed(self) -> bool:
+        """A :meth:`write` failed (or the save was cancelled): the bytes after it were dropped and
+        :meth:`close` raises the backend's error, typed. A caller comparing :attr:`size_bytes` with
+        what it wrote asks this first, so a refused upload is not reported as a short source."""
+        return self._write_error is not None
 
     def close(self) -> None:
         """Publish the object and record its entry (size_bytes, crc32c) in the transaction.

@@ -21,7 +21,8 @@ Layout of a committed DCP step (docs/sharded.md)::
 
 from ._adopt import adopt_dcp_checkpoint
 from ._api import async_save, load, save
+from ._metadata_io import writer_rank
 from ._reader import StoreReader
 from ._writer import StoreWriter
 
-__all__ = ["StoreReader", "StoreWriter", "adopt_dcp_checkpoint", "async_save", "load", "save"]
+__all__ = ["StoreReader", "StoreWriter", "adopt_dcp_checkpoint", "async_save", "load", "save", "writer_rank"]

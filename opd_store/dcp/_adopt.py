@@ -12,7 +12,9 @@ it one:
    is deserialised: objects with ``torch.load(weights_only=True)``, tensors likewise, each with the
    shape and dtype the metadata gives its chunk. DCP's files carry no checksums, so this structural
    check is what "verified" can mean for them.
-3. The files stream, one at a time, into a new attempt of the destination step through the one copy
+3. The world size recorded is the number of ranks whose writers left a data file
+   (``__<rank>_<n>.distcp``, with items or, for a rank DCP gave nothing to write, empty).
+4. The files stream, one at a time, into a new attempt of the destination step through the one copy
    routine (:func:`opd_store.store.copy_files`: CRC32C computed as they pass, bounded memory), each
    item checked as its bytes go by (step 2: only the item being read is held, never a whole file),
    and the manifest is created only if absent. The source files are not touched (opd_store never
@@ -147,13 +149,20 @@ def adopt_dcp_checkpoint(source: str | os.PathLike, store: BaseStore | str | os.
     if missing:
         raise IncompleteCheckpointError(f"{where}: cannot adopt it as step {step}: "
                                         + "; ".join(f"{describe_file(name)} is missing" for name in missing))
-    ranks = {rank for rank in map(writer_rank, per_file) if rank is not None}
+    # Every rank's writer leaves its files, items or none (a rank whose state DCP deduplicated onto
+    # another writes an empty __<rank>_0.distcp): the world size counts them all, not only the ranks
+    # the metadata places items with, and every rank's file is copied.
+    rank_files = {name for name in listed if writer_rank(name) is not None} | set(per_file)
+    ranks = {rank for rank in map(writer_rank, rank_files) if rank is not None}
+    world_size = max(ranks) + 1 if ranks else 1
     destination = as_store(store, storage_options)
-    txn = destination.begin(step, world_size=max(ranks) + 1 if ranks else 1, metadata={
-        "checkpoint_format": "dcp", "dcp_world_size": max(ranks) + 1 if ranks else 1, "adopted_from": where})
+    txn = destination.begin(step, world_size=world_size, metadata={
+        "checkpoint_format": "dcp", "dcp_world_size": world_size, "adopted_from": where})
     with txn:
-        copy_files(source_storage, [SourceFile(name, name, listed[name]) for name in sorted(per_file)], txn,
-                   what=f"{where}: DCP file", check=lambda file: _ItemCheck(file.name, per_file[file.name], metadata, where))
+        copy_files(source_storage, [SourceFile(name, name, listed[name]) for name in sorted(rank_files)], txn,
+                   what=f"{where}: DCP file",
+                   check=lambda file: (_ItemCheck(file.name, per_file[file.name], metadata, where)
+                                       if file.name in per_file else None))
         txn.write_bytes(METADATA_NAME, metadata_bytes)
     return txn.committed_url
 

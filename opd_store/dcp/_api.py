@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Sequence
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -52,6 +52,12 @@ def _failures(exc: CheckpointException) -> dict[int, BaseException]:
 
 def _text(failures: dict[int, BaseException]) -> dict[int, str]:
     return {rank: f"{type(error).__name__}: {error}" for rank, error in sorted(failures.items())}
+
+
+def _cause(error: BaseException, wrapper: CheckpointException) -> BaseException:
+    """The cause to chain to ``error``: its own when it is a rank's error raised as it is (the
+    backend's error stays its ``__cause__``, DCP's wrapper its context), else DCP's wrapper."""
+    return error.__cause__ if error.__cause__ is not None else wrapper
 
 
 def save_error(exc: CheckpointException, *, url: str, step: int, world_size: int) -> BaseException:
@@ -90,7 +96,8 @@ def load_error(exc: CheckpointException, *, url: str, step: int,
 def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
          storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
          metadata: dict[str, Any] | None = None, mesh_shape: list[int] | None = None,
-         extra_payloads: ExtraPayloads | None = None, after_commit: AfterCommit | None = None) -> str:
+         extra_payloads: ExtraPayloads | None = None, after_commit: AfterCommit | None = None,
+         extensions: Sequence[Any] | None = None) -> str:
     """``dcp.save`` of ``state_dict`` as step ``step`` of ``store``, then (the coordinator) the
     save's after-commit stage; returns the committed URL.
 
@@ -104,8 +111,10 @@ def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
         step (int): a step not committed yet.
         storage_options (dict | None): fsspec options for a URL.
         process_group: the group saving together (DCP's ``process_group``).
-        planner: DCP's ``SavePlanner`` (default ``DefaultSavePlanner``).
-        metadata, mesh_shape, extra_payloads, after_commit: see :class:`~opd_store.dcp._writer.StoreWriter`.
+        planner: DCP's ``SavePlanner`` (default ``DefaultSavePlanner``; plan caching works: the
+            attempt id reaches every rank by a broadcast on ``process_group``).
+        metadata, mesh_shape, extra_payloads, after_commit, extensions: see
+            :class:`~opd_store.dcp._writer.StoreWriter`.
 
     Raises:
         DistributedSaveError: (an ``OSError``) a rank failed; nothing committed; on every rank.
@@ -115,37 +124,42 @@ def save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step:
         The single process's own error without a process group (``CommitConflictError``, ...).
     """
     writer = StoreWriter(store, step, storage_options=storage_options, metadata=metadata, mesh_shape=mesh_shape,
-                         extra_payloads=extra_payloads, after_commit=after_commit)
+                         extra_payloads=extra_payloads, after_commit=after_commit, extensions=extensions,
+                         process_group=process_group)
     world_size = _group_size(process_group)
     try:
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
                  no_dist=not _distributed())
     except CheckpointException as exc:
         writer.abort()
-        raise save_error(exc, url=writer.checkpoint_id, step=step, world_size=world_size) from exc
+        error = save_error(exc, url=writer.checkpoint_id, step=step, world_size=world_size)
+        raise error from _cause(error, exc)
     writer.run_after_commit()
     return writer.checkpoint_id
 
 
 def load(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
          storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
-         single_process: bool = False) -> None:
+         single_process: bool = False, extension_registry: Any = None) -> None:
     """``dcp.load`` of step ``step`` of ``store`` into ``state_dict`` (in place, resharded).
 
     Rank obligations: every rank of ``process_group`` calls it with the same store and step; with
     ``single_process`` this process loads alone (no collectives, even under a process group).
+    ``extension_registry``: see :class:`~opd_store.dcp._reader.StoreReader`.
 
     Raises:
         IncompleteCheckpointError, IntegrityError, DistributedLoadError, ...: see the module
             docstring; raised on every rank before any tensor of ``state_dict`` changed.
+        StreamTransformError: items written through a stream transform this reader cannot apply.
         CheckpointNotFoundError: the step is not committed.
     """
-    reader = StoreReader(store, step, storage_options=storage_options)
+    reader = StoreReader(store, step, storage_options=storage_options, extension_registry=extension_registry)
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
                  no_dist=single_process or not _distributed())
     except CheckpointException as exc:
-        raise load_error(exc, url=reader.checkpoint_id, step=step, metadata_error=reader.metadata_error) from exc
+        error = load_error(exc, url=reader.checkpoint_id, step=step, metadata_error=reader.metadata_error)
+        raise error from _cause(error, exc)
 
 
 @dataclasses.dataclass
@@ -169,21 +183,33 @@ class AsyncSave:
 def async_save(state_dict: dict[str, Any], store: BaseStore | str | os.PathLike, step: int, *,
                storage_options: dict[str, Any] | None = None, process_group: Any = None, planner: Any = None,
                metadata: dict[str, Any] | None = None, async_stager: Any = None,
-               extra_payloads: ExtraPayloads | None = None) -> AsyncSave:
+               extra_payloads: ExtraPayloads | None = None, extensions: Sequence[Any] | None = None,
+               async_checkpointer_type: Any = None) -> AsyncSave:
     """``dcp.async_save``: returns once DCP staged ``state_dict`` (CPU copies), or, with an
     asynchronous stager (``DefaultStager(StagingOptions(use_pinned_memory=True,
     use_async_staging=True, ...))``: pinned host buffers, copies on a side stream), once staging
     began; ``staged`` says when the tensors may change, ``committed`` resolves to the URL or
     raises :func:`save`'s errors.
 
+    ``async_checkpointer_type``: DCP's ``AsyncCheckpointerType`` (default ``THREAD``). ``PROCESS``
+    writes from DCP's background process (started with ``spawn`` on the first such save, with a
+    gloo group of its own; it needs a process group here, and ``MASTER_ADDR`` where the host name
+    does not resolve): the writer reaches it pickled as its store's address (a ``memory://`` or
+    tiered store is refused, ``TypeError`` from ``committed``), the commit is the same, and a
+    failure comes back from ``committed`` as the same typed error; an attempt a failed process
+    save opened is left to ``opd-store gc``. Measured against ``THREAD``: docs/performance.md.
+
     Rank obligations: as :func:`save`; ``process_group`` should be a group used by nothing else
     while the save runs (its collectives run on DCP's background thread), e.g.
-    ``dist.new_group(backend="gloo")``.
+    ``dist.new_group(backend="gloo")``; wait for ``committed`` before the next save (DCP's
+    background process serves one save at a time).
     """
     writer = StoreWriter(store, step, storage_options=storage_options, metadata=metadata,
-                         extra_payloads=extra_payloads)
+                         extra_payloads=extra_payloads, extensions=extensions, process_group=process_group)
     world_size = _group_size(process_group)
-    kwargs = {} if async_stager is None else {"async_stager": async_stager}
+    kwargs: dict[str, Any] = {} if async_stager is None else {"async_stager": async_stager}
+    if async_checkpointer_type is not None:
+        kwargs["async_checkpointer_type"] = async_checkpointer_type
     response = dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
                               **kwargs)
     upload = getattr(response, "upload_completion", response)

@@ -14,6 +14,13 @@ Two rules of opd_store are added on top of DCP's:
   runs code on load);
 * tensors are written with :func:`opd_store.format._torch_io.torch_save` (no zip CRC-32: the payload's
   CRC32C in the manifest covers the bytes and is checked before any item is read).
+
+Stream transforms (DCP's extensions, ``torch.distributed.checkpoint._extension``: ``ZStandard``
+compression, or a caller's own ``StreamTransformExtension``) apply per item exactly as DCP's
+``FileSystemWriter(_extensions=...)`` applies them: each item's bytes pass through the transforms
+on their way into the file, its ``StorageInfo.transform_descriptors`` names them, and a reader
+rebuilds them from those names through an ``ExtensionRegistry`` (DCP's ``FileSystemReader`` reads
+such files too). The manifest's CRC32C covers the transformed bytes as stored.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ..errors import UnsafeCheckpointError
+from ..errors import StreamTransformError, UnsafeCheckpointError
 from ..format import torch_save
 
 try:  # the class DCP's readers expect; same fields since torch 2.0
@@ -86,6 +93,60 @@ class _CoalescedWriter:
             self._pending = bytearray()
 
 
+class _Unclosable(io.RawIOBase):
+    """The payload stream as a transform's output: a transform closes its output when its item
+    ends (a zstd frame is finished by ``close``), which must not end the payload (DCP's
+    ``NoCloseWriter`` does the same)."""
+
+    def __init__(self, stream: "_CoalescedWriter") -> None:
+        super().__init__()
+        self._stream = stream
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        return self._stream.write(data)
+
+
+def _transformed(stream: "_CoalescedWriter", extensions) -> tuple[BinaryIO, list[str]]:
+    """``stream`` behind ``extensions`` (DCP's order) and their descriptors as DCP records them."""
+    target: Any = _Unclosable(stream)
+    for extension in extensions:
+        target = extension.transform_to(target)
+    return target, [extension.get_descriptor() for extension in reversed(extensions)]
+
+
+def resolve_transforms(descriptors, registry: Any, *, where: str) -> list:
+    """The extensions named by an item's ``transform_descriptors``, from ``registry``.
+
+    Args:
+        descriptors (Sequence[str]): e.g. ``["stream.zstd/1"]``.
+        registry (ExtensionRegistry): DCP's registry (its default knows ``ZStandard``).
+        where (str): the checkpoint URL, step and file, for the error.
+
+    Raises:
+        StreamTransformError: (a ``ValueError``) a transform the registry does not know, or whose
+            package is missing (ZStandard without ``zstandard``/``pyzstd``), naming ``where``.
+    """
+    try:
+        return list(registry.from_descriptor_list(list(descriptors)))
+    except Exception as exc:  # noqa: BLE001 - every refusal means this reader cannot decode the file
+        raise StreamTransformError(
+            f"{where} was written through stream transform(s) {list(descriptors)}, which this reader cannot "
+            f"apply ({exc}); pass StoreReader(..., extension_registry=...) with them registered, or install "
+            "their package"
+        ) from exc
+
+
+def _untransformed(data: bytes, extensions: list) -> bytes:
+    """``data`` read back through ``extensions`` (resolved by :func:`resolve_transforms`)."""
+    stream: Any = io.BytesIO(data)
+    for extension in extensions:
+        stream = extension.transform_from(stream)
+    return stream.read(-1)
+
+
 def check_weights_only(data: bytes | memoryview, *, what: str) -> None:
     """Refuse object bytes that ``torch.load(weights_only=True)`` cannot restore.
 
@@ -102,7 +163,7 @@ def check_weights_only(data: bytes | memoryview, *, what: str) -> None:
         ) from exc
 
 
-def write_items(writer: BinaryIO, name: str, items: list, planner: Any) -> list:
+def write_items(writer: BinaryIO, name: str, items: list, planner: Any, extensions=()) -> list:
     """Write ``items`` back to back into ``writer`` (a payload writer of file ``name``).
 
     Args:
@@ -111,9 +172,12 @@ def write_items(writer: BinaryIO, name: str, items: list, planner: Any) -> list:
         items (list[WriteItem]): DCP write items; ``planner.resolve_data(item)`` gives a tensor
             (any device; copied to the CPU here) or a ``BytesIO`` (objects).
         planner (SavePlanner): DCP's planner of this save.
+        extensions (Sequence[StreamTransformExtension]): DCP's stream transforms, applied to each
+            item (none by default).
 
     Returns:
-        list[WriteResult]: one per item, in order, with ``StorageInfo(name, offset, length)``.
+        list[WriteResult]: one per item, in order, with ``StorageInfo(name, offset, length,
+        transform_descriptors)`` (the length as stored, after the transforms).
 
     Raises:
         UnsafeCheckpointError: an object item that weights-only loading cannot restore (its key named).
@@ -127,15 +191,19 @@ def write_items(writer: BinaryIO, name: str, items: list, planner: Any) -> list:
     for item in items:
         offset = stream.tell()
         data = planner.resolve_data(item)
+        target, descriptors = _transformed(stream, extensions) if extensions else (stream, [])
         if item.type == WriteItemType.BYTE_IO:
             buffer = data.getbuffer()
             check_weights_only(buffer, what=f"key {item.index.fqn!r}")
-            stream.write(buffer)
+            target.write(buffer)
         else:
-            torch_save(_cpu_tensor(data), stream)
+            torch_save(_cpu_tensor(data), target)
+        if extensions:
+            target.close()  # ends each transform's output (a zstd frame), not the payload
         length = stream.tell() - offset
-        results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                   storage_data=StorageInfo(relative_path=name, offset=offset, length=length)))
+        info = StorageInfo(relative_path=name, offset=offset, length=length,
+                           transform_descriptors=descriptors or None)
+        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
     stream.flush()
     return results
 
@@ -148,7 +216,8 @@ def _narrow(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return tensor
 
 
-def read_items(reader: BinaryIO, requests: list, storage_data: dict, planner: Any, *, where: str) -> None:
+def read_items(reader: BinaryIO, requests: list, storage_data: dict, planner: Any, *, where: str,
+               registry: Any = None) -> None:
     """Read DCP load requests from one verified file and hand each to the planner.
 
     Args:
@@ -157,24 +226,28 @@ def read_items(reader: BinaryIO, requests: list, storage_data: dict, planner: An
         storage_data (dict): the metadata's ``MetadataIndex -> StorageInfo``.
         planner (LoadPlanner): DCP's planner of this load.
         where (str): the file's URL and owner, for errors.
+        registry (ExtensionRegistry | None): rebuilds the stream transforms an item names (DCP's
+            default registry when ``None``).
 
     Raises:
         UnsafeCheckpointError: an object item that weights-only loading refuses (never handed on).
-        ValueError: an item outside the file, a transform (compression) this reader does not
-            apply, or a tensor of another shape than the request.
+        StreamTransformError: an item's transform the registry cannot rebuild.
+        ValueError: an item outside the file, or a tensor of another shape than the request.
     """
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
     from torch.distributed.checkpoint.planner import LoadItemType
 
+    registry = ExtensionRegistry() if registry is None else registry
     for request in sorted(requests, key=lambda r: storage_data[r.storage_index].offset):
         info = storage_data[request.storage_index]
-        if getattr(info, "transform_descriptors", None):
-            raise ValueError(f"{where}: item {request.storage_index.fqn!r} uses stream transforms "
-                             f"{list(info.transform_descriptors)}, which opd_store does not read")
         reader.seek(info.offset)
         data = reader.read(info.length)
         if len(data) != info.length:
             raise ValueError(f"{where}: item {request.storage_index.fqn!r} ends past the end of the file "
                              f"(offset {info.offset}, length {info.length})")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors:
+            data = _untransformed(data, resolve_transforms(descriptors, registry, where=where))
         if request.type == LoadItemType.BYTE_IO:
             check_weights_only(data, what=f"{where}: key {request.storage_index.fqn!r}")
             planner.load_bytes(request, io.BytesIO(data))
@@ -189,4 +262,4 @@ def read_items(reader: BinaryIO, requests: list, storage_data: dict, planner: An
         planner.commit_tensor(request, target)
 
 
-__all__ = ["StorageInfo", "check_weights_only", "read_items", "write_items"]
+__all__ = ["StorageInfo", "check_weights_only", "read_items", "resolve_transforms", "write_items"]

@@ -38,9 +38,10 @@ from torch.futures import Future
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
 from ..format import step_dirname
-from ..store import COMPLETE, UNCOMMITTED, BaseStore, as_store
-from ._items import read_items
+from ..store import COMPLETE, UNCOMMITTED, BaseStore, as_store, remedy, split_checkpoint_url
+from ._items import read_items, resolve_transforms
 from ._metadata_io import METADATA_NAME, describe_file, loads_metadata
+from ._store_address import StoreAddress
 
 logger = logging.getLogger("opd_store.dcp")
 
@@ -53,22 +54,38 @@ class StoreReader(StorageReader):
         step (int): a committed step written by :class:`~opd_store.dcp._writer.StoreWriter` (or
             adopted with ``opd-store import-dcp``).
         storage_options (dict | None): fsspec options when ``store`` is a URL.
+        extension_registry (ExtensionRegistry | None): rebuilds the stream transforms (DCP's
+            extensions) that items were written through, from their recorded names
+            (``FileSystemReader``'s ``_extension_registry``); DCP's default registry, which knows
+            ``ZStandard``, when ``None``.
 
     Rank obligations: every rank of the process group passed to ``dcp.load`` uses a reader of the
     same store and step.
+
+    The reader pickles as its store's address and step (files held from a load are not carried;
+    :class:`~opd_store.dcp._store_address.StoreAddress` refuses ``memory://`` and tiered stores).
     """
 
     def __init__(self, store: BaseStore | str | os.PathLike, step: int, *,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, extension_registry: Any = None) -> None:
         super().__init__()
         step_dirname(step)
         self.store = as_store(store, storage_options)
         self.step = step
+        self.extension_registry = extension_registry
         self.rank = 0
         self.manifest = None
         self.storage_data: dict = {}
         self.metadata_error: Exception | None = None
         self._files: dict[str, BinaryIO] = {}
+
+    def __reduce__(self):
+        """Rebuilt in another process from the store's address, the step and the registry.
+
+        Raises:
+            TypeError: a store another process cannot open as the same store (naming it).
+        """
+        return (_rebuild_reader, (StoreAddress.of(self.store), self.step, self.extension_registry))
 
     @property
     def checkpoint_id(self) -> str:
@@ -85,7 +102,8 @@ class StoreReader(StorageReader):
         self._close_files()
         self.manifest = None
         if checkpoint_id is not None and os.fspath(checkpoint_id).rstrip("/") != self.checkpoint_id:
-            raise ValueError(f"StoreReader for {self.checkpoint_id} was given checkpoint_id {checkpoint_id!r}")
+            raise ValueError(f"StoreReader for {self.checkpoint_id} was given checkpoint_id {checkpoint_id!r}; "
+                             "make one reader per step (StoreReader(store, step))")
 
     def read_metadata(self) -> Metadata:
         """The step's DCP metadata (manifest read, ``.metadata`` checked and decoded safely).
@@ -126,6 +144,8 @@ class StoreReader(StorageReader):
                 (every rank raises it), naming step, rank and file.
             IntegrityError: a file this rank reads differs from its manifest entry (CRC32C),
                 naming step, rank and file.
+            StreamTransformError: an item this rank reads was written through a stream transform
+                the registry cannot rebuild (URL, step, file and transform named).
             ValueError: an item of the plan has no place in the metadata.
         """
         self._close_files()
@@ -137,6 +157,9 @@ class StoreReader(StorageReader):
                 raise ValueError(f"{self.checkpoint_id}: DCP metadata has no storage for {item.storage_index.fqn!r}")
             if info.relative_path not in names:
                 names.append(info.relative_path)
+            if getattr(info, "transform_descriptors", None):  # refused here, before any rank reads
+                resolve_transforms(info.transform_descriptors, self._registry(),
+                                   where=f"{self.checkpoint_id} (step {self.step}): {describe_file(info.relative_path)}")
         for name in sorted(names):
             self._files[name] = self._open_checked(name)
         return plan
@@ -161,7 +184,7 @@ class StoreReader(StorageReader):
                 if reader is None:
                     raise ValueError(f"{self.checkpoint_id}: {describe_file(name)} was not checked before reading")
                 read_items(reader, requests, self.storage_data, planner,
-                           where=f"{self.checkpoint_id}: {describe_file(name)}")
+                           where=f"{self.checkpoint_id}: {describe_file(name)}", registry=self._registry())
         finally:
             self._close_files()
         future: Future = Future()
@@ -170,10 +193,26 @@ class StoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """False: DCP never picks this reader by itself; pass ``storage_reader=StoreReader(...)``."""
-        return False
+        """True for a store's step URL (``<store>/step-NNNNNN``), whose files this reader checks.
+
+        DCP (through 2.13) picks a reader from a bare ``checkpoint_id`` among its own
+        ``FileSystemReader`` and ``FsspecReader`` only and never asks this class: pass
+        ``storage_reader=StoreReader(store, step)`` (docs/sharded.md).
+        """
+        try:
+            split_checkpoint_url(checkpoint_id)
+        except (TypeError, ValueError):  # not a step URL, or a scheme no store opens
+            return False
+        return True
 
     # -- checks --------------------------------------------------------------------------------
+    def _registry(self) -> Any:
+        from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+        if self.extension_registry is None:
+            self.extension_registry = ExtensionRegistry()
+        return self.extension_registry
+
     def _check_complete(self) -> None:
         report = self.store.verify(self.step)  # one listing of the committed attempt: every size
         status, problems = report.status, report.problems
@@ -182,7 +221,8 @@ class StoreReader(StorageReader):
         if status == UNCOMMITTED:
             raise CheckpointNotFoundError(f"{self.checkpoint_id}: step {self.step} is not committed")
         details = "; ".join(f"{describe_file(p.name)}: {p.detail}" for p in problems) or status
-        raise IncompleteCheckpointError(f"{self.checkpoint_id}: step {self.step} cannot be loaded ({status}): {details}")
+        raise IncompleteCheckpointError(f"{self.checkpoint_id}: step {self.step} cannot be loaded ({status}): {details}; "
+                                        f"{remedy(self.store.url, self.step)}")
 
     def _open_checked(self, name: str) -> BinaryIO:
         try:
@@ -199,6 +239,11 @@ class StoreReader(StorageReader):
                 reader.close()
             except Exception:  # noqa: BLE001 - a reader that fails to close holds nothing we need
                 logger.debug("could not close a checkpoint reader", exc_info=True)
+
+
+def _rebuild_reader(address: StoreAddress, step: int, extension_registry: Any) -> StoreReader:
+    """A :class:`StoreReader` from :meth:`StoreReader.__reduce__`'s arguments."""
+    return StoreReader(address.open(), step, extension_registry=extension_registry)
 
 
 __all__ = ["StoreReader"]

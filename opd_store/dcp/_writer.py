@@ -6,9 +6,9 @@ checkpoint exists. DCP calls it in this order, with opd_store's commit protocol 
 
 1. ``set_up_storage_writer`` and ``prepare_local_plan`` (every rank): nothing is written.
 2. ``prepare_global_plan`` (the coordinator, rank 0 of the process group): ``store.begin(step)``
-   opens the one attempt of this save (refusing a committed step before anything is written) and
-   its attempt id goes to every rank inside DCP's planning (each plan's ``storage_data``).
-3. ``write_data`` (every rank): the rank's items go into at most two payloads of that attempt,
+   opens the one attempt of this save (refusing a committed step before anything is written).
+3. ``write_data`` (every rank): first the attempt id reaches every rank (below), then the rank's
+   items go into at most two payloads of that attempt,
    ``__<rank>_0.distcp`` (its chunks of sharded tensors) and ``__<rank>_1.distcp`` (whole tensors
    and objects, which DCP spreads over the ranks after deduplicating them and which every loading
    rank needs), so a rank loading at the same world size reads its own shard file and the small
@@ -19,6 +19,19 @@ checkpoint exists. DCP calls it in this order, with opd_store's commit protocol 
    entries are added to the transaction, extra payloads (an OPD config) and DCP's metadata
    (``.metadata``, as DCP's own writers spell it) are written, then the manifest is created only if
    absent, listing every rank's files with size and CRC32C. That create is the commit.
+
+**How the attempt id travels.** DCP's plan cache (``DefaultSavePlanner(enable_plan_caching=True)``)
+hands a rank whose plan did not change its *cached* final plan, ``storage_data`` included, so an
+attempt id carried there would be the first save's on every later save. A writer that knows the
+save's process group (``process_group=``; :func:`opd_store.dcp.save` and ``async_save`` pass theirs)
+therefore sends the id with one ``broadcast_object_list`` from the coordinator at the start of
+``write_data``; the plans carry only that choice (:class:`AttemptPlan`, the same on every save). A
+writer without it sends the id in the plans, as DCP's own writers send their file prefixes, and
+refuses a cached plan (the coordinator sees DCP's unusable delta plans) with an error saying to
+pass ``process_group``.
+
+A rank with nothing to write (DCP deduplicates replicated values onto one rank) seals an empty
+part: no payload, no storage call, no entry.
 
 Nothing is renamed, deleted or overwritten on the way (DCP's own fsspec writer writes
 ``.metadata.tmp``, deletes ``.metadata`` and renames, which on S3 is a copy and a delete with a
@@ -34,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -42,10 +55,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..format import PayloadEntry, step_dirname
+from ..store import split_checkpoint_url
 from ..pipeline import AfterCommit
 from ..store import BaseStore, as_store
 from ._items import write_items
 from ._metadata_io import METADATA_NAME, SHARD_FILE, SHARED_FILE, data_file_name, dumps_metadata
+from ._store_address import StoreAddress
 
 logger = logging.getLogger("opd_store.dcp")
 
@@ -56,17 +71,27 @@ ExtraPayloads = Callable[[Any], None]
 """``write(txn)``: write more payloads into the coordinator's transaction before DCP's metadata."""
 
 
+_GROUP_NOT_GIVEN = object()
+"""``StoreWriter(process_group=...)`` left out: the attempt id travels in DCP's plans."""
+
+
 @dataclasses.dataclass(frozen=True)
 class AttemptPlan:
-    """What the coordinator shares with every rank in DCP's global plan.
+    """What the coordinator shares with every rank in DCP's global plan (each plan's
+    ``storage_data``).
 
     Attributes:
-        attempt_id (str): the attempt every rank writes under.
+        attempt_id (str): the attempt every rank writes under; read from here only when
+            ``broadcast`` is false (DCP's plan cache may hand back an earlier save's plan).
         world_size (int): ranks in the save's process group.
+        broadcast (bool): the coordinator sends ``(attempt_id, world_size)`` with one broadcast
+            at the start of ``write_data`` (the writers know the process group); the same on
+            every save of a writer configured alike, so a cached plan still says it rightly.
     """
 
     attempt_id: str
     world_size: int
+    broadcast: bool = False
 
 
 def mesh_of(state_dict: Any) -> tuple[list[int], list[str] | None] | None:
@@ -96,6 +121,13 @@ class StoreWriter(StorageWriter):
             ``finish`` to write more payloads (``txn.open``/``txn.write_bytes``) before the commit.
         after_commit (AfterCommit | None): the after-commit stage of this store and step, run by
             :meth:`run_after_commit` on the coordinator once the step is committed.
+        extensions (Sequence[StreamTransformExtension] | None): DCP's stream transforms
+            (``FileSystemWriter``'s ``_extensions``: ``[ZStandard()]`` compresses every item),
+            recorded per item in DCP's metadata and as ``dcp_stream_transforms`` in the manifest.
+        process_group (ProcessGroup | None): the group given to ``dcp.save``/``dcp.async_save``
+            (``None``: the default group); the attempt id then reaches every rank by one
+            broadcast on it, which DCP's plan cache cannot make stale (module docstring). Left
+            out, the id travels in DCP's plans and plan caching is refused.
 
     Attributes:
         committed_url (str | None): the step's URL, set on the coordinator once committed.
@@ -104,13 +136,20 @@ class StoreWriter(StorageWriter):
         ValueError: a negative ``step``, or an ``after_commit`` of another store or step.
 
     Rank obligations: every rank of the process group passed to ``dcp.save`` uses a writer of the
-    same store and step; rank 0 of that group is the coordinator (DCP's default).
+    same store, step, extensions and ``process_group`` choice; rank 0 of that group is the
+    coordinator (DCP's default).
+
+    The writer pickles (DCP's process-based ``async_save`` sends it to a background process) as
+    its store's address, never its clients (:class:`~opd_store.dcp._store_address.StoreAddress`:
+    a ``memory://`` or tiered store is refused with a ``TypeError``); a writer with an
+    ``after_commit`` stage or an open attempt does not pickle (the stage runs in this process).
     """
 
     def __init__(self, store: BaseStore | str | os.PathLike, step: int, *,
                  storage_options: dict[str, Any] | None = None, metadata: dict[str, Any] | None = None,
                  mesh_shape: list[int] | None = None, extra_payloads: ExtraPayloads | None = None,
-                 after_commit: AfterCommit | None = None) -> None:
+                 after_commit: AfterCommit | None = None, extensions: Sequence[Any] | None = None,
+                 process_group: Any = _GROUP_NOT_GIVEN) -> None:
         super().__init__()
         step_dirname(step)  # a non-negative int, else ValueError
         self.store = as_store(store, storage_options)
@@ -122,10 +161,32 @@ class StoreWriter(StorageWriter):
         self.metadata = dict(metadata or {})
         self.mesh_shape = None if mesh_shape is None else [int(n) for n in mesh_shape]
         self.extra_payloads = extra_payloads
+        self.extensions = tuple(extensions or ())
+        self.process_group = process_group
         self.rank = 0
         self.is_coordinator = True
         self.committed_url: str | None = None
         self._txn = None
+        self._attempt: AttemptPlan | None = None
+
+    # -- pickling: DCP's process-based async_save ------------------------------------------------
+    def __reduce__(self):
+        """The writer as another process rebuilds it: its store's address instead of the store.
+
+        Raises:
+            TypeError: an ``after_commit`` stage, an open attempt, or a store another process
+                cannot open as the same store (naming it).
+        """
+        if self.after_commit is not None:
+            raise TypeError(f"StoreWriter for {self.checkpoint_id} has an after_commit stage, which runs in the "
+                            "process that saves; it cannot be sent to another process")
+        if self._txn is not None:
+            raise TypeError(f"StoreWriter for {self.checkpoint_id} has an open attempt; it cannot be sent to "
+                            "another process")
+        state = dict(self.__dict__, store=StoreAddress.of(self.store))
+        # DCP's background process saves with its own default group; "not given" is a flag there.
+        state["process_group"] = "not given" if self.process_group is _GROUP_NOT_GIVEN else None
+        return (_rebuild_writer, (state,))
 
     # -- DCP's StorageWriter -------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -145,28 +206,51 @@ class StoreWriter(StorageWriter):
         """Record this rank's role (DCP passes ``rank`` and ``use_collectives``).
 
         Raises:
-            ValueError: ``use_collectives=False``: one manifest must name every rank's files.
+            ValueError: ``use_collectives=False`` (one manifest must name every rank's files), or a
+                ``process_group`` in which this process has another rank than in DCP's group.
         """
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
+        self._attempt = None
         if not kwargs.get("use_collectives", True):
             raise ValueError("StoreWriter needs dcp.save(use_collectives=True): one manifest commits every rank's files")
+        group_rank = self._group_rank()
+        if group_rank is not None and group_rank != self.rank:
+            raise ValueError(f"StoreWriter for {self.checkpoint_id}: this process is rank {self.rank} of the group "
+                             f"dcp.save uses but rank {group_rank} of the writer's process_group; give the writer "
+                             "the group given to dcp.save")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Open the attempt (the coordinator) and give its id to every rank.
+        """Open the attempt (the coordinator) and say in every plan how its id travels.
 
         Raises:
             CommitConflictError: (a ``FileExistsError``) the step is already committed; nothing written.
             UnsupportedBackendError: the backend has no create-only write.
+            ValueError: the writer's ``process_group`` has another size than DCP's group, or DCP's
+                plan cache handed back plans while the writer has no ``process_group`` (the id
+                in a cached plan would be an earlier save's); nothing written.
         """
         self.abort()
         world_size = len(plans)
+        broadcast = world_size > 1 and self.process_group is not _GROUP_NOT_GIVEN
+        if broadcast:
+            import torch.distributed as dist
+
+            group_size = dist.get_world_size(self.process_group)
+            if group_size != world_size:
+                raise ValueError(f"StoreWriter for {self.checkpoint_id}: dcp.save plans for {world_size} ranks but "
+                                 f"the writer's process_group has {group_size}; give the writer the group given "
+                                 "to dcp.save")
+        elif world_size > 1 and any(not plan.usable for plan in plans):
+            raise ValueError(f"StoreWriter for {self.checkpoint_id}: DCP's plan cache reuses earlier plans, whose "
+                             "attempt id is an earlier save's; pass StoreWriter(..., process_group=<the group given "
+                             "to dcp.save, None for the default group>) to use plan caching")
         self._txn = self.store.begin(self.step, world_size=world_size, metadata=self.metadata, rank=self.rank)
-        shared = AttemptPlan(self._txn.attempt_id, world_size)
-        return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
+        self._attempt = AttemptPlan(self._txn.attempt_id, world_size, broadcast)
+        return [dataclasses.replace(plan, storage_data=self._attempt) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as payloads of the shared attempt (see the module docstring).
@@ -176,7 +260,7 @@ class StoreWriter(StorageWriter):
             CommitConflictError: (a rank part) the step was committed meanwhile.
             OSError: a payload could not be written (this rank's payloads are discarded).
         """
-        shared: AttemptPlan = plan.storage_data
+        shared = self._shared_attempt(plan.storage_data)
         if self.is_coordinator:
             target = self._txn
             mesh = mesh_of(getattr(planner, "state_dict", None))
@@ -192,7 +276,7 @@ class StoreWriter(StorageWriter):
                 if items:
                     name = data_file_name(self.rank, index)
                     with target.open(name) as writer:
-                        results += write_items(writer, name, items, planner)
+                        results += write_items(writer, name, items, planner, self.extensions)
             if not self.is_coordinator:
                 entries = tuple(entry.model_dump() for entry in target.seal())
                 results.append(WriteResult(index=MetadataIndex(f"{_PART_FQN}{self.rank}"), size_in_bytes=0,
@@ -239,7 +323,10 @@ class StoreWriter(StorageWriter):
         logger.info("committed DCP checkpoint %s (world size %d)", self.committed_url, txn.world_size)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.checkpoint_id)
+        """``checkpoint_id`` the step's URL; ``save_id`` this save's attempt id once it is known
+        (the coordinator's ``prepare_global_plan``; ``finish`` records it in DCP's metadata)."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id,
+                           save_id=None if self._attempt is None else self._attempt.attempt_id)
 
     @property
     def checkpoint_id(self) -> str:
@@ -248,8 +335,17 @@ class StoreWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """False: DCP never picks this writer by itself; pass ``storage_writer=StoreWriter(...)``."""
-        return False
+        """True for a store's step URL (``<store>/step-NNNNNN``), which only this writer commits.
+
+        DCP (through 2.13) picks a writer from a bare ``checkpoint_id`` among its own
+        ``FileSystemWriter`` and ``FsspecWriter`` only and never asks this class: pass
+        ``storage_writer=StoreWriter(store, step)`` (docs/sharded.md).
+        """
+        try:
+            split_checkpoint_url(checkpoint_id)
+        except (TypeError, ValueError):  # not a step URL, or a scheme no store opens
+            return False
+        return True
 
     # -- opd_store ------------------------------------------------------------------------------
     def run_after_commit(self) -> None:
@@ -272,8 +368,54 @@ class StoreWriter(StorageWriter):
     def _format_metadata(self, world_size: int, mesh: tuple[list[int], list[str] | None] | None) -> dict:
         shape = self.mesh_shape or (mesh[0] if mesh else [world_size])
         names = mesh[1] if mesh and not self.mesh_shape else None
-        return {"checkpoint_format": "dcp", "dcp_world_size": world_size, "mesh_shape": shape,
-                "mesh_dim_names": names}
+        metadata = {"checkpoint_format": "dcp", "dcp_world_size": world_size, "mesh_shape": shape,
+                    "mesh_dim_names": names}
+        if self.extensions:  # as DCP records them per item: readable without torch
+            metadata["dcp_stream_transforms"] = [ext.get_descriptor() for ext in reversed(self.extensions)]
+        return metadata
+
+    def _group_rank(self) -> int | None:
+        """This process's rank in the writer's ``process_group`` (``None``: none given, or no
+        process group initialised)."""
+        import torch.distributed as dist
+
+        if self.process_group is _GROUP_NOT_GIVEN or not (dist.is_available() and dist.is_initialized()):
+            return None
+        return dist.get_rank(self.process_group)
+
+    def _shared_attempt(self, shared: Any) -> AttemptPlan:
+        """This save's attempt on this rank: the coordinator's own; elsewhere from the coordinator's
+        broadcast when the plan says so, else from the plan (see the module docstring).
+
+        Raises:
+            ValueError: the plan carries no :class:`AttemptPlan` (another writer planned the save).
+        """
+        if not isinstance(shared, AttemptPlan):
+            raise ValueError(f"{self.checkpoint_id}: rank {self.rank}'s save plan carries {shared!r}, not the "
+                             "attempt of a StoreWriter; every rank must save with a StoreWriter")
+        if not shared.broadcast:
+            return self._txn_attempt() if self.is_coordinator else shared
+        import torch.distributed as dist
+
+        message = [dataclasses.asdict(self._txn_attempt()) if self.is_coordinator else None]
+        dist.broadcast_object_list(message, group=None if self.process_group is _GROUP_NOT_GIVEN else self.process_group,
+                                   group_src=0)
+        self._attempt = AttemptPlan(**message[0])
+        return self._attempt
+
+    def _txn_attempt(self) -> AttemptPlan:
+        if self._attempt is None or self._txn is None:
+            raise ValueError(f"{self.checkpoint_id}: write_data on the coordinator without an open attempt "
+                             "(was prepare_global_plan run?)")
+        return self._attempt
+
+
+def _rebuild_writer(state: dict[str, Any]) -> StoreWriter:
+    """A :class:`StoreWriter` from :meth:`StoreWriter.__reduce__`'s state, its store reopened."""
+    writer = StoreWriter.__new__(StoreWriter)
+    group = _GROUP_NOT_GIVEN if state["process_group"] == "not given" else None
+    writer.__dict__.update(state, store=state["store"].open(), process_group=group)
+    return writer
 
 
 __all__ = ["AttemptPlan", "DCP_VERSION", "ExtraPayloads", "StoreWriter", "mesh_of"]

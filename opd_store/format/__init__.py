@@ -18,6 +18,7 @@ from ._layout import (
 )
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, manifest_json_schema, parse_manifest
 from ._names import (
+    JOURNAL_PREFIX,
     MANIFEST_NAME,
     attempt_created_secs,
     check_attempt_id,
@@ -35,8 +36,9 @@ if TYPE_CHECKING:
 __getattr__ = lazy_exports(__name__, {name: "._torch_io" for name in ("torch_load", "torch_save", "weights_only_load")})
 
 __all__ = [
-    "DEFAULT_SPREAD_PREFIXES", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SPREAD_DIR", "Crc32c", "KeyLayout", "Manifest",
-    "PayloadEntry", "Writer", "key_in_step", "object_rel", "split_key_in_step", "split_step_rel", "step_rel",
+    "DEFAULT_SPREAD_PREFIXES", "JOURNAL_PREFIX", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SPREAD_DIR", "Crc32c",
+    "KeyLayout", "Manifest", "PayloadEntry", "Writer", "key_in_step", "object_rel", "split_key_in_step",
+    "split_step_rel", "step_rel",
     "attempt_created_secs", "check_attempt_id", "check_payload_name", "crc32c_base64", "crc32c_hex", "is_attempt_id",
     "manifest_json_schema", "new_attempt_id", "parse_manifest", "parse_step_dirname", "probe_name", "step_dirname",
     "torch_load", "torch_save", "weights_only_load",

@@ -8,6 +8,10 @@ Layout under a store root (a local directory or a bucket prefix)::
     step-000042/COMPLETE                  a legacy checkpoint's marker (opd_store.store._legacy)
     .opd-store-probe-<hex>                a reachability probe (created and deleted at once by
                                           ``check_reachable``); not a step, never listed as one
+    .opd-store-journal/<time>-...json     the run journal (:mod:`opd_store.ledger`): one create-only
+                                          object per event, outside every step prefix, so no
+                                          listing, ``ls``, ``verify``, retention or ``gc`` step
+                                          logic takes it for a step; bounded by ``gc``
 
 Step order is numeric, never lexicographic (``step-1000000`` follows ``step-999999``).
 """
@@ -21,6 +25,7 @@ import time
 MANIFEST_NAME = "manifest.json"
 STEP_PREFIX = "step-"
 PROBE_PREFIX = ".opd-store-probe-"
+JOURNAL_PREFIX = ".opd-store-journal"
 
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _ATTEMPT_RE = re.compile(r"^attempt-(\d{8}T\d{6}Z)-([0-9a-f]{12})$")
@@ -128,6 +133,7 @@ def check_payload_name(name: str) -> str:
 
 
 __all__ = [
+    "JOURNAL_PREFIX",
     "MANIFEST_NAME",
     "PROBE_PREFIX",
     "STEP_PREFIX",

@@ -150,7 +150,12 @@ def upload_files(txn, files: Iterable[FileSnapshot]) -> int:
             or was rewritten while it was read (names the file); the caller's transaction is left
             to abort (nothing is committed).
         ValueError: a name the store refuses (see :func:`opd_store.format._names.check_payload_name`).
-        OSError: a backend failure.
+        StoragePermissionError: the backend refused a request (names the operation, the payload's
+            URL and the step; the backend's error is the ``__cause__``).
+        StoreUnreachableError: the store could not be reached (names the payload, the step and the
+            endpoint; cause chained).
+        OSError: any other backend failure (:class:`~opd_store.errors.PayloadUploadError` naming the
+            object and the request).
     """
     total = 0
     for snap in files:
@@ -163,6 +168,8 @@ def upload_files(txn, files: Iterable[FileSnapshot]) -> int:
             with handle:
                 while chunk := handle.read(CHUNK_BYTES):
                     writer.write(chunk)
+            if writer.failed:  # the backend refused bytes (dropped since): its typed error, not the file's
+                writer.close()  # raises it (StoragePermissionError, StoreUnreachableError, ...), cause chained
             problem = snap.changed()
             if problem is None and writer.size_bytes != snap.size_bytes:
                 problem = f"{writer.size_bytes} bytes were read, the file had {snap.size_bytes}"
@@ -173,14 +180,17 @@ def upload_files(txn, files: Iterable[FileSnapshot]) -> int:
     return total
 
 
-def fetch_step(store: BaseStore, step: int, target_dir: str | os.PathLike) -> Path:
+def fetch_step(store: BaseStore, step: int, target_dir: str | os.PathLike, *, manifest=None) -> Path:
     """Copy the complete step ``step`` of ``store`` into ``target_dir``, verified, and return it.
 
-    Every payload of the manifest is read through the store's ``open`` (size and CRC32C
+    Every payload of the manifest is read once through the store's ``open`` (size and CRC32C
     checked against the manifest before a byte is used) into a hidden sibling directory, which is
     renamed to ``target_dir`` once every file is there. A ``target_dir`` that already exists (a
     directory an earlier process left, possibly half-written) is replaced: the store is the source
-    of truth.
+    of truth. The fetch is the verification: a resume that fetches needs no deep verify first.
+
+    Args:
+        manifest (Manifest | None): the step's manifest when the caller already read it.
 
     Returns:
         Path: ``target_dir``.
@@ -193,7 +203,7 @@ def fetch_step(store: BaseStore, step: int, target_dir: str | os.PathLike) -> Pa
     """
     target = Path(target_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    manifest = store.manifest(step)
+    manifest = store.manifest(step) if manifest is None else manifest
     temp = target.parent / f".{target.name}.opd-fetch-{uuid.uuid4().hex[:12]}"
     temp.mkdir()
     try:

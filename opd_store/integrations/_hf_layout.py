@@ -39,6 +39,25 @@ def checkpoint_dirname(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step}"
 
 
+def step_of_dirname(path: str | None) -> int | None:
+    """``N`` of a path whose last part is ``checkpoint-N``; ``None`` for anything else."""
+    name = Path(path).name if path else ""
+    digits = name[len(CHECKPOINT_PREFIX):]
+    return int(digits) if name.startswith(CHECKPOINT_PREFIX) and digits.isdigit() else None
+
+
+def best_step_of(state) -> int | None:
+    """The step of the Trainer's best checkpoint, or ``None`` (no ``metric_for_best_model``, or no
+    evaluation yet).
+
+    ``state.best_model_checkpoint`` (a ``TrainerState``; the directory ``load_best_model_at_end``
+    loads at the end of training and ``save_total_limit`` never deletes) is set by
+    ``Trainer._save_checkpoint`` only once that directory exists, so it is the one read;
+    ``best_global_step`` (transformers >= 4.51) names a step before its checkpoint is saved.
+    """
+    return step_of_dirname(getattr(state, "best_model_checkpoint", None))
+
+
 def owner_rank(name: str, world_size: int) -> int:
     """The rank whose part a file belongs to: its own RNG state or ``.distcp`` shard, else rank 0.
 
@@ -114,6 +133,8 @@ def _shards_of(index_path: Path) -> Iterable[str]:
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "best_step_of",
+    "step_of_dirname",
     "JIT_SENTINEL_NAME",
     "TRAINER_STATE_NAME",
     "TRAINING_ARGS_NAME",

@@ -53,6 +53,20 @@ its workers makes them change the math, and such a run should resume under ``exa
 MODEL_EXECUTION_ONLY: tuple[str, ...] = ("transformers_version", "_name_or_path", "_commit_hash")
 """Model config keys that name where a model came from, not what it computes."""
 
+FILLED_BY_SAVE_PRETRAINED: tuple[str, ...] = ("architectures", "dtype", "torch_dtype")
+"""Model config keys ``PreTrainedModel.save_pretrained`` overwrites on the live config at every save
+(the model's class name, its parameters' dtype; ``torch_dtype`` before transformers 5). They are
+recorded as that save writes them, so a run records the same config before and after its first
+save: a new ``Trainer`` in the same process (a retry after a crash, ``auto_find_batch_size``)
+otherwise differed from its own checkpoints in these two fields. A recorded ``None`` (a manifest
+written before this rule, taken before the first save) reads as "not filled yet"."""
+
+TRAINER_RESUME_MODES: tuple[str, ...] = tuple(mode for mode in RESUME_MODES if mode != "elastic")
+"""The resume modes a Hugging Face ``Trainer`` run accepts: not ``elastic``. The Trainer restores
+each rank's ``rng_state_{rank}.pth`` and its data position itself, so the OPD layer's elastic
+policy (derived RNG for new ranks, a global sample position; docs/resume.md, "Elastic resume")
+cannot hold there; a world-size change is refused instead of accepted half-done."""
+
 
 def plain_json(value: Any) -> Any:
     """``value`` as deterministic JSON types: mappings with str keys, lists (sets sorted), enums as
@@ -158,6 +172,36 @@ def library_versions(*names: str) -> dict[str, str]:
     return versions
 
 
+def check_trainer_resume_mode(resume_mode: str) -> str:
+    """``resume_mode`` when a Hugging Face ``Trainer`` run may use it (:data:`TRAINER_RESUME_MODES`).
+
+    Raises:
+        ValueError: ``elastic`` (one line saying why and what to use), or an unknown mode.
+    """
+    if resume_mode == "elastic":
+        raise ValueError(
+            "resume_mode 'elastic' is not supported with the Hugging Face Trainer: the Trainer restores each rank's "
+            "rng_state_{rank}.pth and data position itself, so no elastic RNG or data policy can apply; resume at "
+            "the saved world size under 'exact' or 'execution_change' (docs/integrations.md)")
+    if resume_mode not in TRAINER_RESUME_MODES:
+        raise ValueError(f"unknown resume_mode {resume_mode!r}; expected one of {list(TRAINER_RESUME_MODES)}")
+    return resume_mode
+
+
+def _as_saved(model: Any, section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` (a model config as a dict) with :data:`FILLED_BY_SAVE_PRETRAINED` as
+    ``save_pretrained`` writes them: the unwrapped model's class name (a PEFT model's base model)
+    and its parameters' dtype."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    section["architectures"] = [type(base).__name__.removeprefix("FSDP")]
+    dtype = getattr(base, "dtype", None)
+    if dtype is not None:
+        for key in ("dtype", "torch_dtype"):
+            if key in section or (key == "dtype" and "torch_dtype" not in section):
+                section[key] = str(dtype).split(".")[-1]
+    return section
+
+
 def trainer_run_config(args: Any, model: Any, *, resume_mode: str = "exact") -> RunConfig:
     """The :class:`RunConfig` of a Hugging Face ``Trainer`` run.
 
@@ -171,7 +215,7 @@ def trainer_run_config(args: Any, model: Any, *, resume_mode: str = "exact") -> 
     model_section: dict[str, Any] = {}
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
-        model_section = dict(config.to_dict())
+        model_section = _as_saved(model, dict(config.to_dict()))
     peft = getattr(model, "peft_config", None)
     if isinstance(peft, Mapping):
         model_section["peft"] = {name: (cfg.to_dict() if hasattr(cfg, "to_dict") else cfg) for name, cfg in peft.items()}
@@ -201,17 +245,27 @@ def check_resume(saved: Mapping[str, Any] | None, current: RunConfig, *, checkpo
     from ..opd import validate_resume
 
     saved = saved if isinstance(saved, Mapping) else {}
+    fingerprint = str(saved.get("fingerprint", "<not recorded>"))
+    config = saved.get("config") if isinstance(saved.get("config"), Mapping) else None
+    model = config.get("model") if config is not None else None
+    current_model = current.sections.get("model", {})
+    unfilled = [key for key in FILLED_BY_SAVE_PRETRAINED
+                if isinstance(model, Mapping) and key in model and model[key] is None and key in current_model]
+    if unfilled:  # recorded before the first save filled them: read as this run's (see FILLED_BY_SAVE_PRETRAINED)
+        config = {**config, "model": {**model, **{key: current_model[key] for key in unfilled}}}
+        fingerprint = RunConfig(dict(config), current.execution_only, resume_mode=current.resume_mode).fingerprint()
     return validate_resume(
         checkpoint_url=checkpoint_url,
-        saved_config_fingerprint=str(saved.get("fingerprint", "<not recorded>")),
+        saved_config_fingerprint=fingerprint,
         saved_provenance=dict(saved.get("provenance") or {}),
         saved_world_size=int(saved.get("world_size", world_size)),
-        saved_config_dict=saved.get("config") if isinstance(saved.get("config"), Mapping) else None,
+        saved_config_dict=config,
         config=current,
         provenance_fingerprints=dict(current.provenance),
         world_size=world_size,
     )
 
 
-__all__ = ["MODEL_EXECUTION_ONLY", "TRAINING_ARGS_EXECUTION_ONLY", "RunConfig", "check_resume", "library_versions",
-           "plain_json", "trainer_run_config"]
+__all__ = ["FILLED_BY_SAVE_PRETRAINED", "MODEL_EXECUTION_ONLY", "TRAINER_RESUME_MODES", "TRAINING_ARGS_EXECUTION_ONLY",
+           "RunConfig", "check_resume", "check_trainer_resume_mode", "library_versions", "plain_json",
+           "trainer_run_config"]

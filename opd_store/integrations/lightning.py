@@ -20,7 +20,7 @@ the retention policy :data:`NEWEST_VERSION_ONLY` (the one retention executor; a 
 stays), the uncommitted attempts of killed saves after them. So a name that was ever saved always
 has a complete version, also across a kill mid-save, and the newest save is the one a load reads
 (size and CRC32C checked), as with Lightning's overwritten file. ``remove`` deletes every version,
-manifest first.
+manifest first, then what is left under the name (a local directory), as Lightning deletes a file.
 
 Order with ``AsyncCheckpointIO``: its thread runs the saves in order, but ``ModelCheckpoint``
 removes an evicted top-k checkpoint on the training thread, possibly before that checkpoint's
@@ -30,38 +30,59 @@ removal through the same queue as the saves (:data:`REMOVAL_REQUEST`), so it run
 Paths: Lightning hands back remote paths without their protocol (``ModelCheckpoint`` lists its
 directory and ``os.path.normpath``s the entries, Lightning #18261), and resolves ``ckpt_path="last"``
 with its own default filesystem, which knows neither the store's ``storage_options`` nor its
-completeness rule. The plugin accepts a path under its root with or without the protocol;
-:class:`StoreModelCheckpoint` answers ``file_exists`` and ``"last"`` from the store: the newest
-complete ``last*.ckpt`` is fetched (verified) into a local directory whose path is what Lightning
-resolves and then loads through the plugin.
+completeness rule. The plugin accepts a path under its root with or without the protocol, and any
+other path too (another store of versions, or a plain checkpoint file read as Lightning reads it).
+:class:`StoreModelCheckpoint` answers ``file_exists`` and ``"last"`` from the store: when a
+``last*.ckpt`` name holds a committed version, Lightning gets the path of an empty local
+placeholder file (the only kind of path its ``"last"`` lookup can check), and the plugin decides
+at its load which version that is (:mod:`._lightning_resume`: the newest ``last*.ckpt`` commit,
+or the newest intact checkpoint when that one is damaged). Lightning asks for ``"last"`` on every
+rank before the process group exists; the load runs once it does, so rank 0 decides and every rank
+loads the same version.
+
+Loading the best model: ``Model.load_from_checkpoint(io.open(callback.best_model_path))`` (a name
+in the store is a prefix of versions, not a file Lightning's loader could open; it accepts the
+verified reader :meth:`StoreCheckpointIO.open` returns). ``trainer.test(ckpt_path="best")`` needs
+nothing more: it loads through the plugin.
+
+Strategies whose checkpoints do not go through the ``CheckpointIO`` (DeepSpeed, FSDP,
+ModelParallel: sharded saves, loads from local paths) are refused at setup
+(:data:`BYPASSING_STRATEGIES`).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch import strategies as _strategies
 
 from ..errors import CheckpointNotFoundError
+from ..format import JOURNAL_PREFIX
+from ..opd import current_group, decide_on_rank0, load_collective
 from ..pipeline import AfterCommit, SaveRequest, run_save
 from ..retention import RetentionPolicy
 from ..runtime import route_background_random
-from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointInfo, CheckpointStore, as_store
+from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointStore, as_store
 from ..tiered import TieredStore
+from ._lightning_resume import PAYLOAD_NAME, committed_versions, is_last_name, open_last, open_newest, open_plain
+from ._trainer_journal import DEFAULT_PROGRESS_EVERY_SECS, TrainerJournal
 
 logger = logging.getLogger("opd_store.integrations.lightning")
 
-PAYLOAD_NAME = "checkpoint.ckpt"
 FRAMEWORK = "lightning"
 REMOVAL_REQUEST_KEY = "opd_store_removal_request"
 REMOVAL_REQUEST: dict[str, bool] = {REMOVAL_REQUEST_KEY: True}
@@ -70,6 +91,40 @@ queue) to remove a checkpoint after the saves queued before it."""
 NEWEST_VERSION_ONLY = RetentionPolicy(keep_last=1)
 """The retention of every name's store: a save replaces the name's older versions (as Lightning
 overwrites its file), through the one retention executor after the commit (pinned versions stay)."""
+BYPASSING_STRATEGIES: dict[type, str] = {
+    strategy: why for strategy, why in (
+        (getattr(_strategies, "DeepSpeedStrategy", None), "DeepSpeed saves and loads through its engine"),
+        (getattr(_strategies, "FSDPStrategy", None),
+         "FSDP writes sharded state dicts to a local directory and loads full ones from a local path"),
+        (getattr(_strategies, "ModelParallelStrategy", None),
+         "ModelParallel writes distributed checkpoints to a local directory and loads from a local path"),
+    ) if strategy is not None
+}
+"""Lightning strategies whose ``save_checkpoint``/``load_checkpoint`` bypass the ``CheckpointIO``
+(their Lightning 2.6 sources): with them nothing, or not everything, would reach the store."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSaved:
+    """One save of :meth:`StoreCheckpointIO.save_checkpoint`, as its ``save_observer`` sees it.
+
+    Attributes:
+        name (str): the checkpoint name (relative to the root).
+        global_step (int): the checkpoint's ``global_step``.
+        ok (bool): it committed (``False``: it failed, nothing committed).
+        size_bytes (int | None): the payload's bytes (``None`` when it failed before they were written).
+        commit_secs (float): seconds from the call to its commit and after-commit stage (or failure).
+        requests (dict[str, int]): requests of the name's store (its durable tier) meanwhile, by kind.
+        thread_id (int): ``threading.get_ident()`` of the thread that saved.
+    """
+
+    name: str
+    global_step: int
+    ok: bool
+    size_bytes: int | None
+    commit_secs: float
+    requests: dict[str, int]
+    thread_id: int
 
 
 class StoreCheckpointIO(CheckpointIO):
@@ -82,13 +137,18 @@ class StoreCheckpointIO(CheckpointIO):
             a tiered store of its own (:meth:`~opd_store.TieredStore.under`), whose uploads
             ``remove_checkpoint`` and ``teardown`` wait for (raising their failures).
             Give ``ModelCheckpoint`` the same ``dirpath`` (the root's URL).
-        storage_options (dict | None): fsspec options for every request of a URL.
-        local_cache_dir (str | os.PathLike | None): where ``"last"`` is fetched for Lightning to
-            resolve (default: the temp dir); each fetch is a private directory in it, removed once
-            Lightning has loaded it.
+        storage_options (dict | None): fsspec options for every request of a URL (also for paths
+            outside the root).
+        local_cache_dir (str | os.PathLike | None): where the empty placeholder files Lightning
+            resolves ``"last"`` to are made (default: the temp dir); each is removed at the load.
 
     Raises:
         StoreUnreachableError: the store cannot be used (raised here, before training).
+
+    Attributes:
+        save_observer (Callable[[CheckpointSaved], None] | None): called after every save,
+            committed or failed, on the thread that saved (:class:`StoreModelCheckpoint` journals
+            them).
 
     Thread safety: Lightning's ``AsyncCheckpointIO`` calls :meth:`save_checkpoint` on its own
     thread and :meth:`remove_checkpoint` on the training thread; a removal waits for a save of the
@@ -96,7 +156,8 @@ class StoreCheckpointIO(CheckpointIO):
     saves (module docs).
 
     Rank obligations: Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank
-    0 only; ``load_checkpoint`` on every rank.
+    0 only; ``load_checkpoint`` on every rank, and a load of a ``"last"`` placeholder is a
+    collective (rank 0 picks the version).
     """
 
     def __init__(self, url: str | os.PathLike | BaseStore, *, storage_options: dict[str, Any] | None = None,
@@ -108,10 +169,13 @@ class StoreCheckpointIO(CheckpointIO):
         self.storage_options = dict(self.root.storage_options)
         self._bare_root = self.url.split("://", 1)[-1].rstrip("/")  # as Lightning normalises a URL
         self._local_cache_dir = local_cache_dir
-        self._fetched: dict[Path, Path] = {}
+        self._placeholders: dict[Path, re.Pattern] = {}
+        self._resumed: dict[Path, str] = {}
         self._saving: dict[str, threading.Lock] = {}
         self._stores: dict[str, BaseStore] = {}
+        self._closed_requests: dict[str, int] = {}  # requests of the names' stores removed since
         self._lock = threading.Lock()
+        self.save_observer: Callable[[CheckpointSaved], None] | None = None
 
     # -- names -----------------------------------------------------------------------------------
     def name_of(self, path: str | os.PathLike) -> str:
@@ -130,6 +194,13 @@ class StoreCheckpointIO(CheckpointIO):
                 if name != ".." and not name.startswith(("../", "/")):
                     return name
         raise ValueError(f"checkpoint path {text!r} is not under the store root {self.url}")
+
+    def is_under_root(self, path: str | os.PathLike) -> bool:
+        try:
+            self.name_of(path)
+        except ValueError:
+            return False
+        return True
 
     def store_of(self, path: str | os.PathLike) -> BaseStore:
         """The store holding the versions of the checkpoint at ``path`` (one object per name)."""
@@ -157,14 +228,31 @@ class StoreCheckpointIO(CheckpointIO):
         its storage options."""
         return self._tiers()[-1].storage.fs
 
-    def names(self) -> list[str]:
-        """Checkpoint names under the root (in either tier) that hold a complete checkpoint (a
-        fresh listing)."""
+    def listed_names(self) -> list[str]:
+        """Every name under the root (in either tier), whatever its versions' status (a fresh
+        listing); the run journal's prefix (``.opd-store-journal/``) is no name."""
         names = set()
         for tier in self._tiers():
             prefixes, _objects = tier.storage.list_children("")
             names.update(prefix.rstrip("/") for prefix in prefixes)
-        return [name for name in sorted(names) if self.exists(self.path_of(name))]
+        names.discard(JOURNAL_PREFIX)
+        return sorted(names)
+
+    def requests(self) -> dict[str, int]:
+        """Requests the root and every name's store sent so far (their durable tiers), by kind
+        (``Storage.requests``; the run journal's ``exit`` event reports a start's)."""
+        with self._lock:
+            counts = dict(self._closed_requests)
+            tiers = [self.root.durable_store(), *(store.durable_store() for store in self._stores.values())]
+        for store in tiers:
+            for kind, count in store.storage.requests.snapshot().items():
+                counts[kind] = counts.get(kind, 0) + count
+        return counts
+
+    def names(self) -> list[str]:
+        """Checkpoint names under the root (in either tier) that hold a complete checkpoint (a
+        fresh listing)."""
+        return [name for name in self.listed_names() if self.exists(self.path_of(name))]
 
     def exists(self, path: str | os.PathLike) -> bool:
         """Whether a complete checkpoint is saved under ``path``'s name."""
@@ -194,9 +282,13 @@ class StoreCheckpointIO(CheckpointIO):
         name = self.name_of(path)
         global_step = int(checkpoint.get("global_step", 0))
 
+        sizes: list[int] = []
+        began = time.monotonic()
+
         def write(txn, shared: bool) -> None:
             with txn.open(PAYLOAD_NAME) as writer:
                 torch.save(checkpoint, writer)
+            sizes.append(writer.size_bytes)
 
         def drop_leftovers(after: AfterCommit, url: str) -> None:
             for step in leftovers:  # attempts of killed saves of this name: no manifest names them
@@ -204,39 +296,89 @@ class StoreCheckpointIO(CheckpointIO):
 
         with self._name_lock(name), route_background_random():
             store = self.store_of(path)  # under the name's lock: a removal closes the name's store
-            listed = store.checkpoints()
-            version = max((info.step for info in listed), default=0) + 1
-            leftovers = [info.step for info in listed if info.status == UNCOMMITTED]
-            metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"),
-                        "global_step": global_step}
-            after = AfterCommit(store, version, retention=NEWEST_VERSION_ONLY, on_commit=[drop_leftovers])
-            url = run_save(SaveRequest(after, world_size=1, metadata=metadata, write=write))
+            tally = store.durable_store().storage.requests
+            before = tally.snapshot()
+            try:
+                listed = store.checkpoints()
+                version = max((info.step for info in listed), default=0) + 1
+                leftovers = [info.step for info in listed if info.status == UNCOMMITTED]
+                metadata = {"framework": FRAMEWORK, "name": name, "epoch": checkpoint.get("epoch"),
+                            "global_step": global_step}
+                after = AfterCommit(store, version, retention=NEWEST_VERSION_ONLY, on_commit=[drop_leftovers])
+                url = run_save(SaveRequest(after, world_size=1, metadata=metadata, write=write))
+            except BaseException:
+                self._observe(name, global_step, False, sizes, began, before, tally.snapshot())
+                raise
+            self._observe(name, global_step, True, sizes, began, before, tally.snapshot())
         logger.info("saved %s (global_step %d) as version %d (%s)", name, global_step, version, url)
 
+    def _observe(self, name: str, global_step: int, ok: bool, sizes: list[int], began: float,
+                 before: dict[str, int], after: dict[str, int]) -> None:
+        """Tell the ``save_observer`` of a save (a failing observer is logged: it never fails a save)."""
+        observer = self.save_observer
+        if observer is None:
+            return
+        requests = {kind: after[kind] - before.get(kind, 0) for kind in after if after[kind] > before.get(kind, 0)}
+        try:
+            observer(CheckpointSaved(name, global_step, ok, sum(sizes) if sizes else None, time.monotonic() - began,
+                                     requests, threading.get_ident()))
+        except Exception:  # noqa: BLE001 - the journal never fails a save
+            logger.warning("the save observer failed on %s", name, exc_info=True)
+
     def load_checkpoint(self, path, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        """The newest complete version of the checkpoint at ``path`` (size and CRC32C checked), or
-        a local file :meth:`fetch_local` fetched for ``ckpt_path="last"`` (then deleted: it was
-        only Lightning's way to the store).
+        """The checkpoint at ``path``, read once and verified (:meth:`open`); for a placeholder of
+        ``ckpt_path="last"`` (:meth:`last_placeholder`), the version rank 0 picks
+        (:func:`~opd_store.integrations._lightning_resume.open_last`).
+
+        Rank obligations: a placeholder's load is a collective: every rank calls it (Lightning
+        does, at the restore); rank 0 picks the version and every rank loads it.
 
         Raises:
-            CheckpointNotFoundError: no complete version under that name (``FileNotFoundError``).
-            IntegrityError: the bytes differ from the manifest.
+            CheckpointNotFoundError: no committed version and no plain file at ``path``
+                (``FileNotFoundError``).
+            IntegrityError, IncompleteCheckpointError, ManifestError: (all ``ValueError``) the
+                version is damaged (``"last"``: every version under the root is), in one line
+                naming it, the file and the remedy; nothing was loaded.
+            DistributedLoadError: (several ranks) the load failed on some ranks only.
         """
-        local = Path(os.fspath(path))
-        if local in self._fetched:
-            try:
-                with open(local, "rb") as handle:
-                    return torch.load(handle, map_location=map_location, weights_only=weights_only)
-            finally:
-                self._drop_fetched()
-        store = self.store_of(path)
-        step = store.latest_step()
-        with store.open(step, PAYLOAD_NAME) as reader:
+        if self.is_placeholder(path):
+            return self._load_last(Path(os.fspath(path)), map_location, weights_only)
+        with self.open(path) as reader:
             return torch.load(reader, map_location=map_location, weights_only=weights_only)
+
+    def open(self, path: str | os.PathLike) -> BinaryIO:
+        """A seekable reader of the checkpoint at ``path``, checked against its manifest (size and
+        CRC32C): for ``LightningModule.load_from_checkpoint(io.open(path))``, which cannot open a
+        name in the store by itself.
+
+        ``path`` under the root: the name's newest committed version. Outside the root: another
+        store of versions (the same), or else a plain checkpoint file, read unchecked (with this
+        plugin's storage options; a path without a protocol is local).
+
+        Raises:
+            CheckpointNotFoundError: nothing at ``path``.
+            IntegrityError, IncompleteCheckpointError, ManifestError: the newest version is
+                damaged (one line naming the version, the file and the remedy).
+        """
+        if self.is_under_root(path):
+            store, name = self.store_of(path), self.name_of(path)
+        else:
+            text = os.fspath(path)
+            store, name = CheckpointStore(text if "://" in text else os.path.abspath(text),
+                                          storage_options=self.storage_options), text
+        opened = open_newest(name, store)
+        if opened is not None:
+            return opened[1]
+        plain = open_plain(path, self.storage_options)
+        if plain is None:
+            raise CheckpointNotFoundError(f"no checkpoint at {store.url}: no committed version and no file")
+        logger.info("%s is a plain checkpoint file (no manifest): read unchecked", os.fspath(path))
+        return plain
 
     def remove_checkpoint(self, path) -> None:
         """Delete every version of the checkpoint at ``path``, each manifest first (on a tiered
-        root once the name's uploads finished), and close the name's store.
+        root once the name's uploads finished), then what is left under the name (a local
+        directory, pins), and close the name's store.
 
         Raises:
             UploadError: (a tiered root) an upload of this name failed and nobody saw it yet.
@@ -247,22 +389,27 @@ class StoreCheckpointIO(CheckpointIO):
             store.flush()
             for info in store.checkpoints():
                 store.delete(info.step)
+            for tier in self._tiers():  # what is left: a local directory, pins (Lightning's file is gone)
+                tier.storage.delete_tree(name)
             with self._lock:
                 self._stores.pop(name, None)
+                self._count_closed(store)
             store.close()
         logger.info("removed %s", name)
 
     def teardown(self) -> None:
-        """Close every name's store (a tiered root: wait for its uploads) and delete local copies
-        :meth:`fetch_local` made that were not loaded. (Lightning's ``AsyncCheckpointIO`` does not
-        forward ``teardown``; a loaded copy is deleted at the load.)
+        """Close every name's store (a tiered root: wait for its uploads) and delete placeholders
+        :meth:`last_placeholder` made that were not loaded. (Lightning's ``AsyncCheckpointIO``
+        does not forward ``teardown``; a loaded placeholder is deleted at the load.)
 
         Raises:
             UploadError: (a tiered root) an upload failed and nobody saw it yet.
         """
-        self._drop_fetched()
+        self._drop_placeholders()
         with self._lock:
             stores, self._stores = list(self._stores.values()), {}
+            for store in stores:
+                self._count_closed(store)
         failures = []
         for store in stores:  # every store is closed, the first failure raised after
             try:
@@ -273,40 +420,78 @@ class StoreCheckpointIO(CheckpointIO):
             raise failures[0]
 
     # -- "last" ------------------------------------------------------------------------------
-    def newest_complete(self, name: str) -> CheckpointInfo | None:
-        """The newest complete version of ``name`` (its info, with manifest), or ``None``."""
-        complete = [info for info in self.store_of(self.path_of(name)).checkpoints() if info.status == COMPLETE]
-        return complete[-1] if complete else None
+    def holds_last(self, pattern: re.Pattern) -> bool:
+        """Whether a name matching ``pattern`` (``last*.ckpt``) holds a committed version,
+        intact or damaged (a fresh listing)."""
+        return any(is_last_name(name, pattern) and committed_versions(name, self.store_of(self.path_of(name)))
+                   for name in self.listed_names())
 
-    def fetch_local(self, name: str, version: int | None = None) -> str:
-        """Fetch a complete version of ``name`` (default: the newest) into a new private directory
-        under the local cache; return the file's path. :meth:`load_checkpoint` of that path reads
-        and deletes it.
-
-        Raises:
-            CheckpointNotFoundError: no complete version.
-            IntegrityError: the bytes differ from the manifest (nothing is left locally).
-        """
-        store = self.store_of(self.path_of(name))
-        step = store.latest_step() if version is None else version
+    def last_placeholder(self, pattern: re.Pattern) -> str:
+        """An empty local file, in a new private directory under the local cache, that stands for
+        ``ckpt_path="last"`` until :meth:`load_checkpoint` of its path picks the version (the
+        newest commit of a name matching ``pattern``; module docs)."""
         base = Path(self._local_cache_dir) if self._local_cache_dir is not None else Path(tempfile.gettempdir())
         base.mkdir(parents=True, exist_ok=True)
-        directory = Path(tempfile.mkdtemp(prefix=f"opd-store-lightning-{step}-", dir=base)).resolve()
-        target = directory / Path(name).name
-        self._fetched[target] = directory
-        try:
-            with store.open(step, PAYLOAD_NAME) as reader, open(target, "wb") as out:
-                shutil.copyfileobj(reader, out, 8 << 20)
-        except BaseException:
-            del self._fetched[target]
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
-        return str(target)
+        directory = Path(tempfile.mkdtemp(prefix="opd-store-lightning-last-", dir=base)).resolve()
+        placeholder = directory / "last.ckpt"
+        placeholder.touch()
+        self._placeholders[placeholder] = pattern
+        return str(placeholder)
 
-    def _drop_fetched(self) -> None:
-        fetched, self._fetched = self._fetched, {}
-        for directory in fetched.values():
-            shutil.rmtree(directory, ignore_errors=True)
+    def is_placeholder(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` is a ``"last"`` placeholder of this plugin not loaded yet."""
+        return Path(os.fspath(path)) in self._placeholders
+
+    def resumed_name(self, path: str | os.PathLike | None) -> str | None:
+        """The name under the root a run resumed from ``path`` (its ``trainer.ckpt_path``) loaded:
+        the version a ``"last"`` placeholder resolved to, or the name of a path under the root;
+        ``None`` otherwise."""
+        if path is None:
+            return None
+        resolved = self._resumed.get(Path(os.fspath(path)))
+        if resolved is not None:
+            return resolved
+        return self.name_of(path) if self.is_under_root(path) else None
+
+    def _load_last(self, placeholder: Path, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
+        """Rank 0 picks the version (and keeps its verified bytes), every rank loads it."""
+        pattern = self._placeholders[placeholder]
+        group = current_group()
+        kept: dict[str, BinaryIO] = {}
+
+        def pick() -> tuple[str, int]:
+            stores = {name: self.store_of(self.path_of(name)) for name in self.listed_names()}
+            version, reader = open_last(self.url, stores, pattern)
+            kept["reader"] = reader
+            return version.name, version.info.step
+
+        def load() -> dict[str, Any]:
+            reader = kept.pop("reader", None)  # rank 0's verified download, else this rank's own
+            if reader is None:
+                reader = self.store_of(self.path_of(name)).open(step, PAYLOAD_NAME)
+            with reader:
+                return torch.load(reader, map_location=map_location, weights_only=weights_only)
+
+        try:
+            name, step = pick() if group is None else decide_on_rank0(group, pick)
+            checkpoint = load() if group is None else load_collective(group, load)
+        finally:
+            self._drop_placeholders()
+            if "reader" in kept:
+                kept.pop("reader").close()
+        self._resumed[placeholder] = name
+        logger.info("ckpt_path=\"last\": loaded %s version %d", self.path_of(name), step)
+        return checkpoint
+
+    def _drop_placeholders(self) -> None:
+        placeholders, self._placeholders = self._placeholders, {}
+        for placeholder in placeholders:
+            shutil.rmtree(placeholder.parent, ignore_errors=True)
+
+    def _count_closed(self, store: BaseStore) -> None:
+        """Keep the requests of a name's store this plugin lets go (under ``_lock``) for :meth:`requests`."""
+        for kind, count in store.durable_store().storage.requests.snapshot().items():
+            self._closed_requests[kind] = self._closed_requests.get(kind, 0) + count
 
     def _name_lock(self, name: str) -> threading.Lock:
         with self._lock:
@@ -314,23 +499,35 @@ class StoreCheckpointIO(CheckpointIO):
 
 
 class StoreModelCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` whose existence checks and ``ckpt_path="last"`` ask the store.
+    """``ModelCheckpoint`` whose existence checks, ``ckpt_path="last"`` and top-k removals ask the store.
 
     Args:
         checkpoint_io (StoreCheckpointIO): the plugin given to the ``Trainer`` (alone or wrapped in
             ``AsyncCheckpointIO``); its root is the ``dirpath``.
+        journal_progress_secs (float): seconds between the run journal's ``progress`` events (0:
+            after every batch). Global rank 0 journals each ``fit`` in the plugin's root: its start,
+            resume, first update, each save through the plugin, a SIGTERM and its end
+            (docs/ledger.md, "From other trainers"; :mod:`opd_store.integrations._trainer_journal`);
+            ``opd-store report <root>`` reads it.
         **kwargs: ``ModelCheckpoint``'s arguments (``monitor``, ``save_top_k``, ``save_last``,
-            ``filename``, ``every_n_train_steps``...). ``save_last="link"`` is refused (links are
-            local-only).
+            ``filename``, ``every_n_train_steps``, ``save_on_exception``...). ``save_last="link"``
+            is refused (links are local-only).
+
+    Attributes:
+        journal (TrainerJournal | None): the journal of the current ``fit`` (from ``on_train_start``).
 
     Raises:
-        ValueError: ``dirpath`` differs from the plugin's root, or ``save_last="link"``.
+        ValueError: ``dirpath`` differs from the plugin's root, ``save_last="link"``, or a negative
+            ``journal_progress_secs``; at setup, a strategy of :data:`BYPASSING_STRATEGIES`.
     """
 
-    def __init__(self, checkpoint_io: StoreCheckpointIO, **kwargs: Any) -> None:
+    def __init__(self, checkpoint_io: StoreCheckpointIO, *,
+                 journal_progress_secs: float = DEFAULT_PROGRESS_EVERY_SECS, **kwargs: Any) -> None:
         dirpath = kwargs.pop("dirpath", None) or checkpoint_io.url
         if os.fspath(dirpath).rstrip("/") != checkpoint_io.url.rstrip("/"):
             raise ValueError(f"dirpath {dirpath!r} differs from the store root {checkpoint_io.url!r}")
+        if journal_progress_secs < 0:
+            raise ValueError(f"journal_progress_secs must be >= 0, got {journal_progress_secs!r}")
         if kwargs.get("save_last") == "link":
             raise ValueError("save_last='link' makes a local symbolic link; use save_last=True with a store")
         # ModelCheckpoint would build a filesystem for dirpath with no storage options: for gs://
@@ -340,38 +537,169 @@ class StoreModelCheckpoint(ModelCheckpoint):
         self.dirpath = checkpoint_io.url
         self._fs = checkpoint_io.filesystem()
         self.checkpoint_io = checkpoint_io
+        self.journal_progress_secs = float(journal_progress_secs)
+        self.journal: TrainerJournal | None = None
+        self._journal_lock = threading.Lock()
+        self._awaiting: dict[str, collections.deque] = {}  # name -> keys of saves begun here, not yet seen committed
+        self._save_count = 0
+        self._save_reason = "periodic"
+        self._training_thread: int | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        # ModelCheckpoint.setup lists dirpath with Lightning's default filesystem (no storage
-        # options) only to warn about a non-empty directory; the store is asked instead.
+        """Refuse a strategy that bypasses the ``CheckpointIO``; then what ``ModelCheckpoint.setup``
+        does, with the store answering (it lists ``dirpath`` with Lightning's default filesystem,
+        without storage options, only to warn about a non-empty directory).
+
+        Raises:
+            ValueError: the strategy is one of :data:`BYPASSING_STRATEGIES` (one line naming it and why).
+        """
+        self.journal = None  # a fit journals from on_train_start; nothing before it is a start's
+        for strategy, why in BYPASSING_STRATEGIES.items():
+            if isinstance(trainer.strategy, strategy):
+                raise ValueError(f"{type(trainer.strategy).__name__} is not supported by StoreModelCheckpoint: {why}, "
+                                 f"so its checkpoints would not (all) reach {self.checkpoint_io.url}; use DDP "
+                                 "or a single device")
         self.dirpath = trainer.strategy.broadcast(self.dirpath)
         if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0:
-            names = self.checkpoint_io.names()
+            names = self.checkpoint_io.listed_names()  # one listing: this is only said
             if names:
-                logger.info("%s holds checkpoints %s", self.checkpoint_io.url, names)
+                logger.info("%s holds checkpoint names %s", self.checkpoint_io.url, names)
 
     def file_exists(self, filepath, trainer) -> bool:
         exists = self.checkpoint_io.exists(filepath) if trainer.is_global_zero else False
         return trainer.strategy.reduce_boolean_decision(exists, all=False)
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
-        """The newest complete ``last*.ckpt``, fetched locally (see module docs): Lightning then
-        checks it with its default filesystem, which reaches only local paths with certainty.
-        "Newest" is the latest commit time, as Lightning picks the last-modified file. Every rank
-        fetches its own copy (each loads the checkpoint)."""
+        """A placeholder for ``"last"`` when a ``last*.ckpt`` name holds a committed version (intact
+        or damaged: the load decides, module docs), else nothing (Lightning then warns that there is
+        no last checkpoint and starts from scratch). Lightning asks on every rank, before the
+        process group exists: each rank gets its own placeholder."""
         pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?\d+)?{re.escape(self.FILE_EXTENSION)}$")
-        newest = {}
-        for name in self.checkpoint_io.names():
-            info = self.checkpoint_io.newest_complete(name) if pattern.match(name) else None
-            if info is not None:
-                newest[name] = info
-        if not newest:
+        if not self.checkpoint_io.holds_last(pattern):
             return set()
-        best = max(newest, key=lambda name: (newest[name].created_at, newest[name].metadata.get("global_step", -1)))
+        return {self.checkpoint_io.last_placeholder(pattern)}
+
+    def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
+        """Lightning's rules for a local directory, for the store's names: a checkpoint saved again
+        under the same name, one outside the root and the one the run resumed from are kept.
+        (Lightning deems every non-local path removable, so a run resumed from a remote top-k
+        checkpoint would delete it at its first eviction.)"""
+        if previous == current or not self.checkpoint_io.is_under_root(previous):
+            return False
+        name = self.checkpoint_io.name_of(previous)
+        if self.checkpoint_io.is_under_root(current) and self.checkpoint_io.name_of(current) == name:
+            return False
+        return name != self.checkpoint_io.resumed_name(trainer.ckpt_path)
+
+    # -- the run journal (opd_store.integrations._trainer_journal) ---------------------------------
+    _SAVE_PARTS = ("commit", "blocking")
+    """A save's journal event waits for the plugin's commit (on the thread that saves: the
+    training thread, or ``AsyncCheckpointIO``'s) and for the training thread's return from
+    ``_save_checkpoint`` (the seconds it was blocked)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Start this fit's journal (global rank 0 writes): ``start``, and ``resume`` with the step
+        Lightning restored (``None`` without ``ckpt_path``)."""
+        super().on_train_start(trainer, pl_module)
+        self.journal = TrainerJournal(self.checkpoint_io.root, rank=trainer.global_rank,
+                                      world_size=trainer.world_size, progress_every_secs=self.journal_progress_secs,
+                                      requests=self.checkpoint_io.requests)
+        self._training_thread = threading.get_ident()
+        if trainer.is_global_zero:
+            self.checkpoint_io.save_observer = self._journal_commit
+        outer = trainer.strategy.checkpoint_io
+        self.journal.started(trainer.global_step if trainer.ckpt_path is not None else None,
+                             updates=trainer.max_steps if trainer.max_steps > 0 else None,
+                             checkpoint_every=self._every_n_train_steps or None,
+                             async_save=isinstance(outer, AsyncCheckpointIO))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.journal is not None:
+            self.journal.update_began()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Journal the update (``first_update``/``progress``) before ``ModelCheckpoint`` saves."""
+        if self.journal is not None:
+            self.journal.update_done(trainer.global_step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        """``ModelCheckpoint``'s save, timed on the training thread for the journal (rank 0, names
+        under the root)."""
+        if self.journal is None or not trainer.is_global_zero or not self.checkpoint_io.is_under_root(filepath):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        name = self.checkpoint_io.name_of(filepath)
+        with self._journal_lock:
+            self._save_count += 1
+            key = (name, self._save_count)
+            self._awaiting.setdefault(name, collections.deque()).append(key)
+        began = time.monotonic()
         try:
-            return {self.checkpoint_io.fetch_local(best, newest[best].step)}
-        except CheckpointNotFoundError:
-            return set()
+            super()._save_checkpoint(trainer, filepath)
+        except BaseException:
+            with self._journal_lock:  # failed before the plugin saw it: no commit part will come
+                waiting = self._awaiting[name]
+                unseen = key in waiting
+                if unseen:
+                    waiting.remove(key)
+            if not unseen:
+                self.journal.save_part(key, "blocking", self._SAVE_PARTS, failed=True)
+            raise
+        self.journal.save_part(key, "blocking", self._SAVE_PARTS, reason=self._save_reason,
+                               blocking_secs=time.monotonic() - began)
+
+    def _journal_commit(self, saved: CheckpointSaved) -> None:
+        """The plugin's ``save_observer``: the commit part of the oldest save of that name begun in
+        :meth:`_save_checkpoint`; a save that did not come through it (``trainer.save_checkpoint``)
+        is journaled alone, blocking for its whole time when it ran on the training thread."""
+        journal = self.journal
+        if journal is None:
+            return
+        with self._journal_lock:
+            waiting = self._awaiting.get(saved.name)
+            key = waiting.popleft() if waiting else None
+        fields = dict(step=saved.global_step, size_bytes=saved.size_bytes, commit_secs=saved.commit_secs,
+                      requests=saved.requests, failed=not saved.ok)
+        if key is not None:
+            journal.save_part(key, "commit", self._SAVE_PARTS, **fields)
+            return
+        blocking = saved.commit_secs if saved.thread_id == self._training_thread else 0.0
+        journal.save_part((saved.name, "direct", time.monotonic()), "commit", ("commit",), reason="periodic",
+                          blocking_secs=blocking, **fields)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Journal how the fit ended: after Lightning's SIGTERM (``trainer.received_sigterm``) a
+        ``notice`` (``save`` with ``save_on_exception``, else ``skip`` or ``already_committed``)
+        and ``exit`` ``preempted``; else ``exit`` ``failed`` naming ``exception``. Then what
+        ``ModelCheckpoint`` does (``save_on_exception``: a save of this step)."""
+        journal = self.journal
+        if journal is None:
+            super().on_exception(trainer, pl_module, exception)
+            return
+        step, preempted = trainer.global_step, bool(trainer.received_sigterm)
+        if preempted:
+            # save_on_exception: ModelCheckpoint's since recent Lightning releases (2.6 has it); absent before
+            saving = getattr(self, "save_on_exception", False) and self._should_save_on_exception(trainer)
+            decision = "save" if saving else ("already_committed" if self._last_global_step_saved == step else "skip")
+            journal.notice(source="SIGTERM", detail=f"Lightning stopped at SIGTERM ({type(exception).__name__})",
+                           step=step, decision=decision, deadline_secs=None)
+            self._save_reason = "notice"
+        try:
+            super().on_exception(trainer, pl_module, exception)
+        finally:
+            self._save_reason = "periodic"
+            journal.exit("preempted" if preempted else "failed", step, None if preempted else exception)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """Journal ``exit`` ``finished`` (Lightning calls this after its teardown: every
+        ``AsyncCheckpointIO`` save has ended) and detach from the plugin."""
+        super().on_fit_end(trainer, pl_module)
+        if self.journal is not None:
+            self.journal.exit("finished", trainer.global_step)
+            if self.checkpoint_io.save_observer == self._journal_commit:
+                self.checkpoint_io.save_observer = None
 
     def _remove_checkpoint(self, trainer, filepath: str) -> None:
         """Remove through ``AsyncCheckpointIO``'s queue when it wraps the plugin, so the removal
@@ -384,4 +712,4 @@ class StoreModelCheckpoint(ModelCheckpoint):
         super()._remove_checkpoint(trainer, filepath)
 
 
-__all__ = ["PAYLOAD_NAME", "REMOVAL_REQUEST", "StoreCheckpointIO", "StoreModelCheckpoint"]
+__all__ = ["BYPASSING_STRATEGIES", "PAYLOAD_NAME", "REMOVAL_REQUEST", "StoreCheckpointIO", "StoreModelCheckpoint"]

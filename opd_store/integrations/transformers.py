@@ -22,7 +22,10 @@ in flight, a failure raised at the next save, :meth:`StoreCallback.wait` or the 
 as :class:`~opd_store.errors.BackgroundSaveError`).
 
 :func:`store_checkpoint` and :func:`resume_from_store` (:mod:`opd_store.integrations._hf_resume`,
-re-exported here) fetch the newest *complete* step, verified, for ``Trainer.train`` to resume.
+re-exported here) fetch the newest intact step, verified as it downloads, with the Trainer's best
+checkpoint beside it, for ``Trainer.train`` to resume. Each manifest records that best checkpoint's
+step (``best_step``), which retention keeps while a kept step names it. Refused before training:
+DeepSpeed (its ZeRO shards are not attributed to their ranks) and ``resume_mode="elastic"``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -43,9 +47,17 @@ from ..pipeline import AfterCommit, BackgroundSaves, FinishCommit, SaveRequest, 
 from ..retention import RetentionPolicy, RunLineage
 from ..store import COMPLETE, BaseStore, as_store, refuse_damaged_step_ahead
 from ._files import FileSnapshot, directory_files, snapshot_files, upload_files
-from ._hf_layout import JIT_SENTINEL_NAME, checkpoint_dirname, files_of_rank, missing_files
+from ._hf_layout import (
+    CHECKPOINT_PREFIX,
+    JIT_SENTINEL_NAME,
+    best_step_of,
+    checkpoint_dirname,
+    files_of_rank,
+    missing_files,
+)
 from ._hf_resume import resume_from_store, store_checkpoint
-from ._run_config import RunConfig, check_resume, trainer_run_config
+from ._run_config import RunConfig, check_resume, check_trainer_resume_mode, trainer_run_config
+from ._trainer_journal import DEFAULT_PROGRESS_EVERY_SECS, TrainerJournal
 
 logger = logging.getLogger("opd_store.integrations.transformers")
 
@@ -73,14 +85,21 @@ class StoreCallback(TrainerCallback):
             callback commits (waiting for the commit) and training stops.
         resume_mode (str): ``exact`` (default), ``execution_change`` or ``rollout_limit_change``:
             which differences between this run and the checkpoint it resumes are accepted
-            (docs/resume.md, "Resume modes").
+            (docs/resume.md, "Resume modes"). ``elastic`` is refused: the Trainer restores each
+            rank's RNG file and data position itself, so no elastic policy can hold
+            (:data:`~opd_store.integrations._run_config.TRAINER_RESUME_MODES`).
         exit_timeout_secs (float): with ``async_upload``, seconds an upload in flight at
             interpreter exit gets to commit before it is abandoned (:class:`opd_store.pipeline.BackgroundSaves`).
+        journal_progress_secs (float): seconds between the run journal's ``progress`` events (0:
+            after every update). Rank 0 journals the start, resume, first update, each commit, a
+            notice and the end in the store (docs/ledger.md, "From other trainers";
+            :mod:`opd_store.integrations._trainer_journal`); ``opd-store report`` reads it.
 
     Raises:
         StoreUnreachableError: the store cannot be used (no bucket, credentials or connection);
             raised here, before training, naming the URL and the cause.
-        ValueError: an unknown resume mode, or a negative ``exit_timeout_secs``.
+        ValueError: an unknown resume mode, ``elastic``, or a negative ``exit_timeout_secs`` or
+            ``journal_progress_secs``.
 
     Rank obligations: every rank constructs the callback and runs the same ``Trainer``; the
     collectives of a save run inside ``on_save`` on every rank.
@@ -96,19 +115,25 @@ class StoreCallback(TrainerCallback):
         preemption: Any = None,
         resume_mode: str = "exact",
         exit_timeout_secs: float = DEFAULT_EXIT_TIMEOUT_SECS,
+        journal_progress_secs: float = DEFAULT_PROGRESS_EVERY_SECS,
     ) -> None:
         if exit_timeout_secs < 0:
             raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
+        if journal_progress_secs < 0:
+            raise ValueError(f"journal_progress_secs must be >= 0, got {journal_progress_secs!r}")
+        check_trainer_resume_mode(resume_mode)  # now, not at the first step
         self.store = as_store(url, storage_options)
         self.store.check_reachable()
-        RunConfig({}, resume_mode=resume_mode)  # validates the mode now, not at the first step
         self.retention = retention
         self.async_upload = async_upload
         self.preemption = preemption
         self.resume_mode = resume_mode
         self.exit_timeout_secs = float(exit_timeout_secs)
+        self.journal_progress_secs = float(journal_progress_secs)
+        self.journal: TrainerJournal | None = None  # this training's, from on_train_begin
         self.committed_steps: list[int] = []
         self.preempted_at: int | None = None
+        self._notice_step: int | None = None  # the step a preemption notice (ours, or the JIT save's SIGTERM) saves
         self._saved_steps: set[int] = set()  # steps commit() ran for, the same on every rank
         self._saves: BackgroundSaves | None = None
         self._lineage: RunLineage | None = None
@@ -116,9 +141,13 @@ class StoreCallback(TrainerCallback):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Check that this run may write the store, record its lineage, clear stale staging.
+        """Check that this run may write the store, record its lineage, clear what a killed process
+        left in the output directory (staging links; a just-in-time save's unfinished directory).
 
         Raises:
+            ValueError: a DeepSpeed run (one line): its ZeRO files (``global_step*/zero_pp_rank_*``)
+                are per-rank shards this callback cannot attribute to their ranks, so a commit could
+                miss other machines' shards. Nothing has been trained yet.
             CommitConflictError: the store holds complete checkpoints newer than the step this run
                 starts from (0, or the resumed step): its saves would collide with them, or
                 interleave two runs' steps. Nothing has been trained yet.
@@ -129,6 +158,11 @@ class StoreCallback(TrainerCallback):
         Rank obligations: every rank runs it (the Trainer calls callbacks on every rank); rank 0
         decides and every rank raises its error.
         """
+        if args.deepspeed or getattr(args, "deepspeed_plugin", None) is not None:
+            raise ValueError(
+                f"StoreCallback({self.store.url}) does not support DeepSpeed: its ZeRO checkpoint files are per-rank "
+                "shards the callback cannot attribute to their ranks, so a commit could miss other machines' shards; "
+                "train without DeepSpeed (DDP or FSDP) or checkpoint DeepSpeed runs another way (docs/integrations.md)")
         self._run_config = trainer_run_config(args, model, resume_mode=self.resume_mode)
         resumed = state.global_step
 
@@ -157,22 +191,35 @@ class StoreCallback(TrainerCallback):
             # hard links a killed process left (a background upload that never finished): they
             # would keep deleted checkpoints' bytes on disk; nothing of this process is in flight
             shutil.rmtree(Path(args.output_dir) / STAGING_DIRNAME, ignore_errors=True)
+        _remove_unfinished_jit_saves(Path(args.output_dir), after_step=resumed)
+        self.journal = TrainerJournal(self.store, rank=args.process_index, world_size=args.world_size,
+                                      progress_every_secs=self.journal_progress_secs)
+        self.journal.started(resumed or None, updates=state.max_steps or None, checkpoint_every=_save_steps(args, state),
+                             async_save=self.async_upload)
         if self.preemption is not None:
             self.preemption.start()
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.journal is not None:
+            self.journal.update_done(state.global_step)
         if self.preemption is not None and self.preemption.should_checkpoint_now() and self.preempted_at is None:
             notice = self.preemption.notice
             logger.warning("preemption notice (%s); saving step %d and stopping", notice.detail if notice else "?",
                            state.global_step)
-            self.preempted_at = state.global_step
+            self.preempted_at = self._notice_step = state.global_step
             control.should_save = True
             control.should_training_stop = True
+            if self.journal is not None:
+                self.journal.notice(source=notice.source if notice else "unknown", detail=notice.detail if notice else "",
+                                    step=state.global_step, deadline_secs=notice.secs_left() if notice else None,
+                                    decision="already_committed" if state.global_step in self._saved_steps else "save")
         self._commit_jit_checkpoint(args, state, control)
         return control
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._commit_jit_checkpoint(args, state, control)
+        if self.journal is not None:
+            self.journal.update_began()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._commit_jit_checkpoint(args, state, control)
@@ -185,7 +232,8 @@ class StoreCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """Wait for the background upload (its thread has ended when this returns) and for the
-        store's own uploads (a tiered store's ``flush``); raise what failed.
+        store's own uploads (a tiered store's ``flush``); raise what failed. Journals ``exit``
+        (``finished``; ``preempted`` after a notice; ``failed`` with what is raised here).
 
         Raises:
             BackgroundSaveError: a background upload failed and nobody saw it yet.
@@ -196,6 +244,13 @@ class StoreCallback(TrainerCallback):
             if saves is not None:
                 saves.close(at="the end of training")
             self.store.flush()
+        except BaseException as exc:
+            if self.journal is not None:
+                self.journal.exit("failed", state.global_step, exc)
+            raise
+        else:
+            if self.journal is not None:
+                self.journal.exit("preempted" if self._notice_step is not None else "finished", state.global_step)
         finally:
             if self.preemption is not None:
                 self.preemption.stop()
@@ -219,6 +274,10 @@ class StoreCallback(TrainerCallback):
         if step in self._saved_steps or not directory.is_dir() or (directory / JIT_SENTINEL_NAME).exists():
             return
         logger.warning("committing the just-in-time checkpoint of step %d", step)
+        self._notice_step = step
+        if self.journal is not None:
+            self.journal.notice(source="SIGTERM", detail="transformers' just-in-time checkpoint (enable_jit_checkpoint)",
+                                step=step, decision="save", deadline_secs=None)
         self.commit(args, state, wait=True)
 
     def commit(self, args, state, *, wait: bool = False) -> None:
@@ -255,22 +314,26 @@ class StoreCallback(TrainerCallback):
         directory = Path(args.output_dir) / checkpoint_dirname(step)
         background = self.async_upload and not wait
         group = current_group()
+        journaled = self._journal_save(step)
         with preserve_global_rng():
             if group is None:
                 self._sync("the next save")  # the previous upload's failure, before anything new starts
-                request = self._snapshot(directory, step, 0, 1, args, stage_links=background)
+                self._journal_mark(journaled)
+                request = self._snapshot(directory, state, 0, 1, args, stage_links=background, journaled=journaled)
                 if background:
                     saves = self._background()
                     saves.submit(self._label(step), step, lambda: self._save_once(request, saves.cancelled))
-                else:
-                    self._save_once(request, None)
+                elif self._save_once(request, None) is None:
+                    return
+                self._journal_blocking(journaled, None)
                 return
 
             def prepare() -> SaveRequest:
                 if group.rank == 0:
                     self._sync("the next save")
-                return self._snapshot(directory, step, group.rank, group.world_size, args,
-                                      stage_links=background and group.rank == 0)
+                self._journal_mark(journaled)
+                return self._snapshot(directory, state, group.rank, group.world_size, args,
+                                      stage_links=background and group.rank == 0, journaled=journaled)
 
             def defer(finish: FinishCommit) -> None:  # rank 0's write, commit and after-commit stage
                 saves = self._background()
@@ -283,11 +346,63 @@ class StoreCallback(TrainerCallback):
                     logger.info("step %d is already committed by this run; kept", step)
                     return
                 raise
+            self._journal_blocking(journaled, group)
 
-    def _snapshot(self, directory: Path, step: int, rank: int, world_size: int, args, *,
-                  stage_links: bool) -> SaveRequest:
+    # -- the run journal of saves (opd_store.integrations._trainer_journal) ------------------------
+    _SAVE_PARTS = ("commit", "blocking")
+    """A save's journal event waits for its commit (rank 0's after-commit stage, on whichever
+    thread commits) and for the training thread's return from the save (the seconds it was
+    blocked, and the other ranks' bytes and requests)."""
+
+    def _journal_save(self, step: int) -> dict[str, Any] | None:
+        """What this save's journal parts share (``None`` before training began): when it began,
+        why it saves; :meth:`_journal_mark` adds where the request count stood, the snapshot this
+        rank's bytes."""
+        if self.journal is None:
+            return None
+        return {"step": step, "began": time.monotonic(), "mark": None, "size_bytes": None,
+                "reason": "notice" if self._notice_step == step else "periodic"}
+
+    def _journal_mark(self, journaled: dict[str, Any] | None) -> None:
+        """Where the request count stands, once the previous background upload ended (so its
+        requests are not this save's; the wait for it still counts as blocking)."""
+        if journaled is not None:
+            journaled["mark"] = self.journal.mark()
+
+    def _journal_commit(self, journaled: dict[str, Any]) -> None:
+        """The commit part (rank 0, after its commit): bytes, seconds to commit, this rank's requests."""
+        mark = journaled["mark"]
+        self.journal.save_part(journaled["step"], "commit", self._SAVE_PARTS, step=journaled["step"],
+                               reason=journaled["reason"], size_bytes=journaled["size_bytes"],
+                               commit_secs=time.monotonic() - mark.began_monotonic,
+                               requests=self.journal.requests_since(mark))
+
+    def _journal_blocking(self, journaled: dict[str, Any] | None, group) -> None:
+        """The blocking part (the training thread, once the save returned: after the commit, or
+        after handing it to the background upload); with several ranks, every rank's bytes and
+        requests gathered (a collective) for rank 0's event and its ``exit`` totals."""
+        if journaled is None:
+            return
+        others, others_bytes = {}, None
+        if group is not None:
+            mine = ({}, 0) if group.rank == 0 else (self.journal.requests_since(journaled["mark"]),
+                                                   journaled["size_bytes"] or 0)
+            gathered = group.all_gather(mine)[1:]
+            others = {kind: sum(requests.get(kind, 0) for requests, _ in gathered)
+                      for kind in {kind for requests, _ in gathered for kind in requests}}
+            others_bytes = sum(size for _, size in gathered)
+        if self.journal.rank == 0:
+            self.journal.save_part(journaled["step"], "blocking", self._SAVE_PARTS, other_ranks_requests=others,
+                                   size_bytes=others_bytes,
+                                   blocking_secs=time.monotonic() - journaled["began"])
+
+    def _snapshot(self, directory: Path, state, rank: int, world_size: int, args, *,
+                  stage_links: bool, journaled: dict[str, Any] | None = None) -> SaveRequest:
         """The snapshot stage of this rank: its share, checked complete (with ``stage_links``
-        hard-linked into the staging directory), as the pipeline's :class:`SaveRequest`."""
+        hard-linked into the staging directory), as the pipeline's :class:`SaveRequest`; with
+        ``journaled``, its bytes noted there and (rank 0) the journal's commit part run after the
+        commit."""
+        step = state.global_step
         files = self._share(directory, step, rank, world_size, args)
         staging = None
         if stage_links:
@@ -299,10 +414,14 @@ class StoreCallback(TrainerCallback):
                 raise
         else:
             snaps = [FileSnapshot.of(name, path) for name, path in files.items()]
+        on_commit = [self._record_commit]
+        if journaled is not None:
+            journaled["size_bytes"] = sum(snap.size_bytes for snap in snaps)
+            if rank == 0:
+                on_commit.append(lambda after, url: self._journal_commit(journaled))
         return SaveRequest(
-            AfterCommit(self.store, step, retention=self.retention, lineage=self._lineage,
-                        on_commit=[self._record_commit]),
-            world_size=world_size, metadata=self._metadata(step, world_size) if rank == 0 else {},
+            AfterCommit(self.store, step, retention=self.retention, lineage=self._lineage, on_commit=on_commit),
+            world_size=world_size, metadata=self._metadata(state, world_size) if rank == 0 else {},
             write=lambda txn, shared: upload_files(txn, snaps),
             release=None if staging is None else (lambda: shutil.rmtree(staging, ignore_errors=True)),
         )
@@ -345,8 +464,15 @@ class StoreCallback(TrainerCallback):
     def _record_commit(self, after: AfterCommit, url: str) -> None:
         self.committed_steps.append(after.step)
 
-    def _metadata(self, step: int, world_size: int) -> dict[str, Any]:
+    def _metadata(self, state, world_size: int) -> dict[str, Any]:
+        """The manifest metadata: the framework, the directory's name, the run's lineage and config,
+        and ``best_step``, the step of the Trainer's ``state.best_model_checkpoint`` (retention
+        keeps the best step a kept checkpoint names: :mod:`opd_store.retention._policy`)."""
+        step = state.global_step
         metadata: dict[str, Any] = {"framework": FRAMEWORK, "checkpoint_name": checkpoint_dirname(step)}
+        best = best_step_of(state)
+        if best is not None:
+            metadata["best_step"] = best
         if self._lineage is not None:
             metadata.update(self._lineage.as_metadata())
         if self._run_config is not None:
@@ -375,6 +501,29 @@ class StoreCallback(TrainerCallback):
                 yet (the failure is the ``__cause__``); raised once.
         """
         self._sync("wait()")
+
+
+def _save_steps(args, state) -> int | None:
+    """The Trainer's save interval in updates (``state.save_steps``: a ratio of ``save_steps``
+    already made absolute), ``None`` unless it saves every N steps."""
+    strategy = getattr(args.save_strategy, "value", args.save_strategy)
+    return int(state.save_steps) if strategy == "steps" and state.save_steps and state.save_steps >= 1 else None
+
+
+def _remove_unfinished_jit_saves(output_dir: Path, *, after_step: int) -> None:
+    """Remove every ``checkpoint-N`` (``N > after_step``) of ``output_dir`` holding transformers'
+    ``checkpoint-is-incomplete.txt``: a just-in-time save killed before it finished. The run will
+    save step ``N`` again into that directory, and the Trainer's regular save does not remove the
+    sentinel, so every later save of ``N`` would be refused as incomplete, on every restart. Such a
+    directory was never committed (the callback commits only after the sentinel is gone)."""
+    if not output_dir.is_dir():
+        return
+    for sentinel in output_dir.glob(f"{CHECKPOINT_PREFIX}*/{JIT_SENTINEL_NAME}"):
+        step = sentinel.parent.name[len(CHECKPOINT_PREFIX):]
+        if step.isdigit() and int(step) > after_step:
+            logger.warning("%s: removing the unfinished just-in-time save of step %s (it holds %s); this run saves "
+                           "that step again", sentinel.parent, step, JIT_SENTINEL_NAME)
+            shutil.rmtree(sentinel.parent, ignore_errors=True)
 
 
 __all__ = ["BackgroundSaveError", "StoreCallback", "resume_from_store", "store_checkpoint"]

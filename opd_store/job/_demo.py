@@ -1,12 +1,17 @@
 """``opd-store demo``: train, lose the machine, resume elsewhere, and prove nothing changed.
 
 1. An uninterrupted reference run into its own store prefix.
-2. The spot run: started, SIGKILLed after a random number of updates; started again in a fresh
-   "machine" and SIGKILLed the moment it begins a save; then started once more and run to the end.
-   Every start is a new process whose working directory, ``HOME`` and temp dir are new and empty,
-   so only the store carries state from one start to the next.
+2. The spot run: started, SIGKILLed after a random number of updates (by the job's own kill point
+   between two updates, :mod:`opd_store.runtime._kill_points`, so the demo knows exactly where it
+   died); started again in a fresh "machine" and SIGKILLed the moment it begins a save; then
+   started once more and run to the end. Every start is a new process whose working directory,
+   ``HOME`` and temp dir are new and empty, so only the store carries state from one start to the
+   next.
 3. The final adapter weights, optimizer state and per-update loss log are compared with the
    reference bit for bit; a summary table is printed; any mismatch exits non-zero.
+4. ``opd-store report`` of the spot store (:mod:`opd_store.ledger`) must say what the demo knows:
+   which starts were killed, the step each reached, the step the next one resumed from and the
+   updates it redid; a difference exits non-zero too.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Any, Callable
 import torch
 
 from ..format import MANIFEST_NAME, step_dirname
+from ..ledger import report_store
+from ..runtime import kill_points
 from ..store import CheckpointStore
 from ._compare import job_state_differences
 from ._machines import fresh_machine
@@ -45,7 +52,7 @@ def _train_cmd(store_url: str, updates: int, every: int, seed: int, store_args: 
                final_state: Path | None) -> list[str]:
     cmd = [sys.executable, "-m", "opd_store", "train", "--store", store_url, "--updates", str(updates),
            "--checkpoint-every", str(every), "--seed", str(seed), "--resume", "auto",
-           "--log", str(log), "--events", "/dev/stdout", *store_args]
+           "--log", str(log), "--events", "/dev/stdout", "--journal-progress-secs", "0", *store_args]
     if final_state is not None:
         cmd += ["--final-state", str(final_state)]
     return cmd
@@ -69,23 +76,24 @@ def _kill_while_streaming(process: subprocess.Popen, store: CheckpointStore, ste
     return False
 
 
-def _run_until(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, kill_after_updates: int | None,
+def _run_until(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, kill_at_attempted: int | None,
                kill_on_save: bool, timeout_secs: float, popen: Callable[..., Any] = subprocess.Popen,
                spot: CheckpointStore | None = None) -> tuple[bool, str, list[dict[str, Any]], int | None]:
     """Run one start; SIGKILL it at the chosen point. Returns (killed, kill point, events, resumed step).
 
-    ``kill_after_updates`` kills after that many attempted updates following the first completed
-    save (so the next start has a checkpoint to resume from); ``kill_on_save`` kills while a save
-    is streaming its payloads into ``spot`` (objects written, manifest not yet created). ``popen``
-    starts the process (see :func:`run_demo`).
+    ``kill_at_attempted`` arms the job's kill point before that attempted update (the process
+    SIGKILLs itself there, after the previous update, its log record and its save);
+    ``kill_on_save`` kills while a save is streaming its payloads into ``spot`` (objects written,
+    manifest not yet created). ``popen`` starts the process (see :func:`run_demo`).
     """
+    if kill_at_attempted is not None:
+        env = dict(env, **{kill_points.ENV_VAR: json.dumps({"phase": "between_updates",
+                                                            "attempted": kill_at_attempted})})
     process = popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events: list[dict[str, Any]] = []
     resumed_step = None
     killed = False
     kill_point = "none (ran to the end)"
-    saved_once = False
-    updates_since_save = 0
     deadline = time.monotonic() + timeout_secs
     assert process.stdout is not None
     for line in process.stdout:
@@ -100,18 +108,13 @@ def _run_until(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, *, kil
             if _kill_while_streaming(process, spot, event["step"]):
                 killed, kill_point = True, f"during the save of step {event['step']}"
                 break
-        if event.get("event") == "update" and saved_once:
-            updates_since_save += 1
-        saved_once = saved_once or event.get("event") == "saved"
-        if kill_after_updates is not None and event.get("event") == "update" and updates_since_save >= kill_after_updates:
-            process.send_signal(signal.SIGKILL)
-            killed, kill_point = True, f"after attempted update {event['attempted_update']}"
-            break
         if time.monotonic() > deadline:
             process.kill()
             raise TimeoutError(f"training start timed out after {timeout_secs} s: {' '.join(cmd)}")
     process.wait()
     stderr = process.stderr.read() if process.stderr else ""
+    if kill_at_attempted is not None and process.returncode == -signal.SIGKILL:
+        killed, kill_point = True, f"after attempted update {kill_at_attempted - 1}"
     if not killed and process.returncode != 0:
         raise RuntimeError(f"training failed (exit {process.returncode}):\n{stderr[-4000:]}")
     return killed, kill_point, events, resumed_step
@@ -156,7 +159,7 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     env, cwd = fresh_machine(workdir, storage_env)
     started = time.perf_counter()
     _run_until(_train_cmd(reference_url, updates, every, seed, store_args, ref_log, ref_state), env, cwd, ref_log,
-               kill_after_updates=None, kill_on_save=False, timeout_secs=timeout_secs, popen=popen)
+               kill_at_attempted=None, kill_on_save=False, timeout_secs=timeout_secs, popen=popen)
     print(f"reference run: {updates} updates in {time.perf_counter() - started:.1f} s", file=out)
 
     spot = CheckpointStore(spot_url, storage_options=storage_options)
@@ -165,18 +168,23 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     spot.check_reachable()
     starts: list[Start] = []
     logs: list[Path] = []
-    # Start 1 dies at a random update after its first checkpoint; start 2 dies inside its first
-    # save; start 3 runs to the end.
-    plan = [("start 1", rng.randint(1, every), False), ("start 2", None, True), ("start 3", None, False)]
+    # Start 1 dies 0 to `every - 1` attempted updates after its first checkpoint, before the next
+    # one (the reference's log says which attempted update reached it: the runs are identical; the
+    # run has `every` attempted updates at least after it); start 2 dies inside its first save;
+    # start 3 runs to the end.
+    first_save = min(a for a, records in _log_entries([ref_log]).items()
+                     if records[0]["step"] == every and records[0]["ok"])
+    plan = [("start 1", first_save + rng.randint(1, every), False), ("start 2", None, True),
+            ("start 3", None, False)]
     final_state = workdir / "spot-final.pt"
-    for index, (label, kill_after, kill_on_save) in enumerate(plan):
+    for index, (label, kill_at, kill_on_save) in enumerate(plan):
         log = workdir / f"spot-log-{index + 1}.jsonl"
         logs.append(log)
         env, cwd = fresh_machine(workdir, storage_env)
         is_last = index == len(plan) - 1
         killed, point, events, resumed = _run_until(
             _train_cmd(spot_url, updates, every, seed, store_args, log, final_state),
-            env, cwd, log, kill_after_updates=kill_after, kill_on_save=kill_on_save, timeout_secs=timeout_secs,
+            env, cwd, log, kill_at_attempted=kill_at, kill_on_save=kill_on_save, timeout_secs=timeout_secs,
             popen=popen, spot=spot,
         )
         saves = [e for e in events if e.get("event") == "saved"]
@@ -208,6 +216,8 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
         problems.append(f"attempted updates never logged by the spot run: {missing}")
     if not any(s.killed_during_save for s in starts):
         problems.append("no kill landed inside a save (the save finished first); rerun the demo")
+    report_lines, report_problems = _check_report(spot, starts, logs)
+    problems += report_problems
 
     print("", file=out)
     print("| start | resumed from step | killed | saves (step: seconds, bytes) |", file=out)
@@ -219,6 +229,8 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
     print("", file=out)
     print(f"updates: {updates} successful, checkpoint every {every}", file=out)
     print(f"complete checkpoints in the spot store: {[i.step for i in spot.checkpoints() if i.status == 'complete']}", file=out)
+    for line in report_lines:
+        print(line, file=out)
     if problems:
         print("MISMATCH:", file=out)
         for problem in problems:
@@ -226,6 +238,29 @@ def run_demo(*, store_url: str, store_args: list[str], storage_env: dict[str, st
         return 1
     print("match: adapter weights, optimizer state and per-update loss log are bit-identical to the reference", file=out)
     return 0
+
+
+def _check_report(spot: CheckpointStore, starts: list[Start], logs: list[Path]) -> tuple[list[str], list[str]]:
+    """What ``opd-store report`` says of the spot store against where the demo killed each start:
+    the step a killed start reached (its per-update log's last record), the step the next start
+    resumed from, the updates redone. Returns (lines to print, problems)."""
+    truth = []
+    for index, start in enumerate(starts[:-1]):
+        if start.killed:
+            records = [r for entries in _log_entries([logs[index]]).values() for r in entries]
+            reached = max((r["step"] for r in records), default=start.resumed_step or 0)
+            resumed = starts[index + 1].resumed_step
+            truth.append((reached, resumed, reached - (resumed or 0)))
+    report = report_store(spot, use_default_prices=False)
+    said = [((p.last_step or 0), p.resumed_step, p.updates_lost) for p in report.preemptions]
+    lines = [f"opd-store report: {len(report.preemptions)} preemptions"
+             + "".join(f"; start {p.start_index + 1} reached step {p.last_step}, the next resumed from "
+                       f"{p.resumed_step}: {p.updates_lost} updates redone" for p in report.preemptions)
+             + (f"; goodput {report.goodput:.1%}" if report.goodput is not None else "")]
+    if said == truth and all(p.exact for p in report.preemptions):
+        lines.append("report: matches where the demo killed the job")
+        return lines, []
+    return lines, [f"opd-store report says {said} (step reached, resumed from, updates redone), the demo killed at {truth}"]
 
 
 __all__ = ["run_demo"]

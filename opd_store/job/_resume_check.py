@@ -8,16 +8,19 @@ that holds step 4) is refused too: the run would redo updates and then fail at t
 from __future__ import annotations
 
 from ..errors import CommitConflictError
-from ..store import ReadableStore, newest_intact_step, refuse_damaged_step_ahead
+from ..store import ReadableStore, VerifyReport, refuse_damaged_step_ahead
 
 
-def check_steps_ahead(store: ReadableStore, resumed_step: int | None, updates: int) -> None:
+def check_steps_ahead(store: ReadableStore, resumed_step: int | None, updates: int, *,
+                      known: dict[int, VerifyReport] | None = None) -> None:
     """Refuse a run that would save a step already committed (between its resume point and ``updates``).
 
     Args:
         store (ReadableStore): the job's store.
         resumed_step (int | None): the step the run resumes from (``None``: from scratch).
         updates (int): the run's last step.
+        known (dict[int, VerifyReport] | None): reports of the damaged steps the resume guard
+            skipped (not read again).
 
     Raises:
         IntegrityError: such a step is damaged (exit 4): names the step, the file and the command
@@ -26,7 +29,7 @@ def check_steps_ahead(store: ReadableStore, resumed_step: int | None, updates: i
     """
     start = resumed_step or 0
     resuming = f"resuming from step {resumed_step}" if resumed_step is not None else "starting from scratch"
-    refuse_damaged_step_ahead(store, start, updates, f"{resuming}, --updates {updates}")
+    refuse_damaged_step_ahead(store, start, updates, f"{resuming}, --updates {updates}", known=known)
     ahead = [step for step in store.steps() if start < step <= updates]
     if ahead:
         raise CommitConflictError(
@@ -35,4 +38,4 @@ def check_steps_ahead(store: ReadableStore, resumed_step: int | None, updates: i
         )
 
 
-__all__ = ["check_steps_ahead", "newest_intact_step"]
+__all__ = ["check_steps_ahead"]

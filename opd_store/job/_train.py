@@ -14,6 +14,7 @@ import math
 import os
 import random
 import sys
+import time
 from typing import Any, Callable, TextIO
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from .._version import __version__
 from ..errors import CheckpointNotFoundError, ResumeMismatchError
+from ..format import parse_step_dirname
 from ..opd import (
     OPDConfig,
     agree_on_notice,
@@ -30,16 +32,18 @@ from ..opd import (
     load_adapter,
     load_opd_checkpoint,
     load_sharded_opd_checkpoint,
+    payload_rank,
     save_opd_checkpoint,
     save_sharded_opd_checkpoint,
 )
 from ..retention import RetentionPolicy, RunLineage
 from ..runtime import PreemptionWatcher, kill_points
-from ..store import BaseStore, ReadableStore
+from ..store import BaseStore, ReadableStore, ResumePoint, find_resume_point
 from ._checkpoint_kind import check_checkpoint_kind
 from ._corpus import CORPUS, prompts_at
+from ._ledger import JobLedger
 from ._models import ModelSpec, build_student, build_teacher, build_tokenizer
-from ._resume_check import check_steps_ahead, newest_intact_step
+from ._resume_check import check_steps_ahead
 from ._saving import JobSaves, emit
 from ._sharding import full_state, prompt_batches, run_sharded_update, sample_position, shard_student
 from ._update import run_update
@@ -162,6 +166,11 @@ def train(
     retention: RetentionPolicy | None = None,
     shard: bool = False,
     rank_timeout_secs: float = 30.0,
+    checkpoint_every_auto: bool = False,
+    progress_every_secs: float = 60.0,
+    notice_deadline_secs: float | None = None,
+    journal_sinks: list | None = None,
+    process_started_secs: float | None = None,
 ) -> TrainResult:
     """Run (or continue) the OPD job until ``updates`` successful updates.
 
@@ -173,7 +182,8 @@ def train(
             waited for (``flush``; a failure raised as :class:`~opd_store.errors.UploadError`)
             before this returns.
         updates (int): successful updates to reach (``successful_updates`` at the end).
-        checkpoint_every (int): save after every ``checkpoint_every`` successful updates.
+        checkpoint_every (int): save after every ``checkpoint_every`` successful updates (with
+            ``checkpoint_every_auto``: the interval the run starts from).
         resume (str): ``auto`` (newest step that verifies deeply, if any), ``never``, or a step number.
         seed (int): seeds models, data order and every RNG.
         log (TextIO | None): receives one JSON line per attempted update (``attempted_update``,
@@ -208,6 +218,22 @@ def train(
         rank_timeout_secs (float): with a process group and ``preemption``, the timeout of the
             group the ranks agree on a notice in at every update boundary: a rank that stops
             answering there makes the others fail within this time.
+        checkpoint_every_auto (bool): move the interval toward the Young/Daly one as saves and
+            preemptions are measured (:mod:`opd_store.ledger._planning`; the schedule is journaled).
+        progress_every_secs (float): seconds between the journal's ``progress`` events (0: every
+            update; the report's lost updates are exact then).
+        notice_deadline_secs (float | None): a preemption signal's deadline in seconds (the AWS and
+            GCE notices carry theirs): on a notice whose deadline a save cannot meet, no save is
+            started and the run returns with ``action`` ``skipped`` (:mod:`opd_store.job._ledger`).
+        journal_sinks (list | None): receive every journal event on rank 0 (``observe(event)``:
+            the Prometheus exporter).
+        process_started_secs (float | None): when the job's process started, seconds since the
+            epoch (the restart time is measured from it): the launcher's for spawned ranks; this
+            process's by default.
+
+    The run journals its start, resume, first update, progress, saves, notice and exit in the
+    store (:mod:`opd_store.ledger`; ``opd-store report``). Nothing of it is needed to resume: a
+    journal that cannot be written or read is a warning.
 
     With a process group and ``preemption``, a notice seen by any rank (its signal, the AWS or
     GCE notice) is agreed at the next update boundary (:func:`~opd_store.opd._distributed.agree_on_notice`),
@@ -242,8 +268,15 @@ def train(
     store.check_reachable()
     group = current_group()
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
-    resumed_from = _resume_target(store, resume, updates, group)  # fails before models are built
-    saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
+    # Fails before models are built; on rank 0 (or alone) the resumed step's payloads are kept as the
+    # guard read them, so the load below reads each byte once (docs/resume.md, "One download per resume").
+    resumed_from, point = _resume_target(store, resume, updates, group, keep=_loaded_here(rank, world_size))
+    target_step = None if resumed_from is None else parse_step_dirname(resumed_from.rstrip("/").rpartition("/")[2])
+    try:
+        saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
+    except BaseException:
+        point.release()
+        raise
     gather_final = final_state_path is not None
     if rank != 0:
         log = events = open(os.devnull, "w")  # noqa: SIM115 - rank 0 reports for the job
@@ -254,6 +287,32 @@ def train(
     torch.set_num_threads(1)  # bit-exact CPU math across machines with different core counts
     config = job_config(updates=updates, checkpoint_every=checkpoint_every, store_url=store.url, seed=seed,
                         resume_mode=resume_mode, retention=retention)
+    ledger = JobLedger(store, group=group, updates=updates, checkpoint_every=checkpoint_every,
+                       auto=checkpoint_every_auto, progress_every_secs=progress_every_secs,
+                       notice_deadline_secs=notice_deadline_secs, async_save=async_save, shard=shard,
+                       sinks=journal_sinks, started_secs=process_started_secs)
+    ledger.start(target_step)  # the journal's start event; with auto, the schedule (a collective)
+    trainer: dict[str, Any] = {"attempted_updates": 0, "successful_updates": 0, "query_update": 0}
+    try:
+        return _run(store=store, updates=updates, seed=seed, log=log, events=events, final_state_path=final_state_path,
+                    gather_final=gather_final, preemption=preemption, async_save=async_save, retention=retention,
+                    shard=shard, rank_timeout_secs=rank_timeout_secs, group=group, rank=rank, world_size=world_size,
+                    resumed_from=resumed_from, point=point, saved_world_size=saved_world_size, config=config,
+                    ledger=ledger, trainer=trainer)
+    except BaseException as exc:
+        point.release()  # when the failure came before the load released it
+        ledger.exit("failed", trainer, exc)
+        raise
+
+
+def _run(*, store: BaseStore, updates: int, seed: int, log: TextIO, events: TextIO, final_state_path: str | None,
+         gather_final: bool, preemption: PreemptionWatcher | None, async_save: bool,
+         retention: RetentionPolicy | None, shard: bool, rank_timeout_secs: float, group, rank: int, world_size: int,
+         resumed_from: str | None, point: ResumePoint, saved_world_size: int | None, config: OPDConfig,
+         ledger: JobLedger, trainer: dict[str, Any]) -> TrainResult:
+    """The body of :func:`train` once its arguments are checked and its ledger started (same
+    errors); ``trainer`` is filled in place, so a failure's ``exit`` event has the counters;
+    ``point`` holds the payloads the resume guard read (released once loaded)."""
 
     tokenizer = build_tokenizer()
     student = build_student(len(tokenizer), seed)
@@ -276,22 +335,33 @@ def train(
     random.seed(seed + rank)
     np.random.seed(seed + rank)
     torch.manual_seed(seed + rank)
-    trainer: dict[str, Any] = {"attempted_updates": 0, "successful_updates": 0, "query_update": 0}
 
     resumed_step = None
     if resumed_from is not None:
         load_kwargs = dict(optimizer=optimizer, scheduler=scheduler, config=config, provenance_fingerprints=provenance,
                            teacher_state_loader=teacher_state.load, storage_options=store.storage_options)
-        if shard:
-            trainer = load_sharded_opd_checkpoint(resumed_from, model=student, **load_kwargs).trainer_state
-        else:
-            load_adapter(resumed_from, student, storage_options=store.storage_options)
-            trainer = load_opd_checkpoint(resumed_from, **load_kwargs)
+        checkpoint = resumed_from if point.copy is None else (point.copy, point.step)
+        try:
+            if shard:
+                loaded = load_sharded_opd_checkpoint(checkpoint, model=student, **load_kwargs).trainer_state
+            else:
+                load_adapter(checkpoint, student, storage_options=store.storage_options)
+                loaded = load_opd_checkpoint(checkpoint, **load_kwargs)
+        finally:
+            point.release()
+        trainer.clear()
+        trainer.update(loaded)
         extra = ({"saved_world_size": saved_world_size, "world_size": world_size,  # elastic (else refused)
                   "unclaimed_ranks": list(range(world_size, saved_world_size))}
                  if saved_world_size not in (None, world_size) else {})
+        if not shard and "samples_done" not in trainer:
+            # A checkpoint of an earlier version: its cursor was query_update * W + r at its own world
+            # size W, so the global index is counted at W, not at this run's size (an elastic resume).
+            trainer["samples_done"] = (trainer["query_update"] * (saved_world_size or world_size)
+                                       * config.training.queries_per_update)
         resumed_step = int(trainer["successful_updates"])
         emit(events, {"event": "resumed", "url": resumed_from, "step": resumed_step, **extra})
+    ledger.resumed(resumed_step)
     position = sample_position(seed, rank, world_size, config.training.queries_per_update) if shard else None
     if position is not None and "data_position" in trainer:
         position.load_state_dict(trainer["data_position"])
@@ -310,7 +380,7 @@ def train(
         config=config, provenance_fingerprints=provenance, lineage=lineage, retention=retention,
     )
     saves = JobSaves(store, events, save_kwargs, async_save=async_save,
-                     save=save_sharded_opd_checkpoint if shard else save_opd_checkpoint)
+                     save=save_sharded_opd_checkpoint if shard else save_opd_checkpoint, ledger=ledger)
     preempted: dict[str, Any] | None = None
     update_kwargs = dict(student=student, teacher=teacher, tokenizer=tokenizer, optimizer=optimizer,
                          scheduler=scheduler, max_new_tokens=config.rollout.max_new_tokens,
@@ -322,6 +392,7 @@ def train(
                 preempted = saves.on_notice(notice, trainer, teacher_state.state_dict())
                 break
             kill_points.update_started(trainer["attempted_updates"] + 1)  # test-only (the soak); nothing when not armed
+            update_began = time.perf_counter()
             if batches is not None:
                 outcome = run_sharded_update(prompts=next(batches), width=config.training.queries_per_update,
                                              **update_kwargs)
@@ -353,8 +424,9 @@ def train(
                 },
             )
             emit(events, {"event": "update", "attempted_update": trainer["attempted_updates"], "ok": outcome.ok})
+            ledger.update_done(trainer, time.perf_counter() - update_began)  # journaled before the next update
             saves.report_finished()
-            if outcome.ok and trainer["successful_updates"] % checkpoint_every == 0:
+            if outcome.ok and ledger.save_due(trainer["successful_updates"]):
                 saves.periodic(trainer, teacher_state.state_dict())
         if preempted is None:
             saves.finish()
@@ -374,24 +446,50 @@ def train(
                      "optimizer": optimizer.state_dict(), "trainer": dict(trainer)}
         if final_state_path is not None:
             torch.save(final, final_state_path)
+    ledger.exit("preempted" if preempted is not None else "finished", trainer)
     return TrainResult(resumed_from, resumed_step, trainer["attempted_updates"], trainer["successful_updates"],
                        saves.saves, preempted)
 
 
-def _resume_target(store: ReadableStore, resume: str, updates: int, group=None) -> str | None:
+def _resume_target(store: ReadableStore, resume: str, updates: int, group=None, *,
+                   keep: Callable[[str], bool] | None = None) -> tuple[str | None, ResumePoint]:
     """The checkpoint to resume (``auto``: the newest step that verifies deeply, damaged newer steps
     skipped with a warning), after refusing a run that would save a step already committed
-    (:mod:`opd_store.job._resume_check`); with a process group, one decision (rank 0's) for every rank."""
+    (:mod:`opd_store.job._resume_check`); with a process group, one decision (rank 0's) for every rank.
+
+    Returns:
+        tuple[str | None, ResumePoint]: the step's URL (``None``: from scratch) and, on the rank
+        that decided, the payloads of ``auto``'s step the check read and ``keep`` selects (every
+        other rank: no copy). Release the point after loading.
+    """
     if resume not in ("auto", "never") and not str(resume).isdigit():
         raise ValueError(f"--resume must be auto, never or a step number, got {resume!r}")
+    point = ResumePoint(None)
 
     def decide() -> str | None:
-        step = (None if resume == "never" else newest_intact_step(store) if resume == "auto"
-                else _complete_step(store, int(resume)))
-        check_steps_ahead(store, step, updates)
-        return None if step is None else store.step_url(step)
+        nonlocal point
+        if resume == "auto":
+            point = find_resume_point(store, keep=keep)
+        elif resume != "never":
+            point = ResumePoint(_complete_step(store, int(resume)))
+        try:
+            check_steps_ahead(store, point.step, updates, known=point.skipped)
+        except BaseException:
+            point.release()
+            raise
+        return None if point.step is None else store.step_url(point.step)
 
-    return decide() if group is None else decide_on_rank0(group, decide)
+    url = decide() if group is None else decide_on_rank0(group, decide)
+    return url, point
+
+
+def _loaded_here(rank: int, world_size: int) -> Callable[[str], bool]:
+    """Which payloads of the resumed step this process loads itself, so the guard keeps them:
+    every one alone; with several ranks, all but another rank's own files (``rng-rank-XX.pt``,
+    DCP's ``__<rank>_<n>.distcp``: :func:`~opd_store.opd.payload_rank`), which that rank reads itself."""
+    if world_size == 1:
+        return lambda _name: True
+    return lambda name: payload_rank(name) in (None, rank)
 
 
 def _complete_step(store: ReadableStore, step: int) -> int:

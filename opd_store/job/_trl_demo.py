@@ -115,6 +115,7 @@ def run_start(
     events: Callable[[dict[str, Any]], None] | None = None,
     async_upload: bool = False,
     retention: Any = None,
+    journal_progress_secs: float = 60.0,
 ) -> dict[str, Any]:
     """One process start: resume from the store if it holds a checkpoint, train to the end.
 
@@ -123,7 +124,8 @@ def run_start(
 
     ``store_url=None`` trains without the callback (the reference). ``events`` receives
     ``{"event": "resumed", "step": N}``, ``{"event": "step", "step": N}`` after every update and
-    ``{"event": "saved", "step": N}`` after every commit.
+    ``{"event": "saved", "step": N}`` after every commit. ``journal_progress_secs``: the callback's
+    (its run journal's ``progress`` interval; 0: every update).
 
     Returns:
         dict: :func:`final_state` of the finished run, plus ``"log_history"``.
@@ -147,7 +149,7 @@ def run_start(
     callbacks: list = []
     if store_url is not None:
         store_callback = StoreCallback(store_url, storage_options=storage_options, async_upload=async_upload,
-                                       retention=retention)
+                                       retention=retention, journal_progress_secs=journal_progress_secs)
         callbacks.append(store_callback)
     callbacks.append(Reporter())
     os.makedirs(output_dir, exist_ok=True)

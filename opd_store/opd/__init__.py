@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ._distributed import agree_on_notice, agreement_group, current_group, decide_on_rank0, load_collective
     from ._legacy import MigrationResult, migrate_legacy
     from ._load import latest_complete_checkpoint, load_opd_checkpoint
-    from ._names import SCHEMA_SHARDED
+    from ._names import SCHEMA_SHARDED, payload_rank
     from ._resume import RESUME_MODES, validate_resume
     from ._rng import preserve_global_rng
     from ._save import save_opd_checkpoint
@@ -47,6 +47,7 @@ _EXPORTS = {
     "latest_complete_checkpoint": "._load",
     "load_opd_checkpoint": "._load",
     "SCHEMA_SHARDED": "._names",
+    "payload_rank": "._names",
     "RESUME_MODES": "._resume",
     "validate_resume": "._resume",
     "preserve_global_rng": "._rng",

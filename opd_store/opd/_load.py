@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from ..errors import CheckpointNotFoundError
-from ..store import BaseStore, LegacyReader, ReadableStore, as_store
+from ..store import BaseStore, LegacyReader, ReadableStore, as_store, refuse_damaged_step_ahead
 from ._distributed import check_group_args, current_group, decide_on_rank0, load_collective
 from ._elastic import ElasticResume
 from ._names import (
@@ -246,8 +246,15 @@ def latest_complete_checkpoint(
 ) -> str:
     """The newest complete checkpoint (manifest-committed or legacy) under a directory.
 
-    Steps are ordered numerically. Uncommitted, incomplete and corrupt steps are skipped (and
-    logged), never chosen (field notes: a half-written newest checkpoint must not win).
+    Steps are ordered numerically. Uncommitted steps (a save that never committed) are skipped and
+    logged, never chosen (field notes: a half-written newest checkpoint must not win). A committed
+    step newer than the one found that is damaged (a payload missing or short, an unreadable
+    manifest) is in the way of the run resumed from it, which would save that step again: it is
+    refused with the remedy, as when no complete step is left beside a damaged one (a caller
+    starting from scratch on ``FileNotFoundError`` would hit it too). The rule is
+    :mod:`opd_store.store._resume_guard`'s (docs/resume.md, "A damaged checkpoint"). Only the
+    manifests and listings are read: a flipped byte of the step returned is found by the load,
+    which reads each payload once, checked.
 
     Args:
         checkpoints_dir (str | os.PathLike | BaseStore): local path, fsspec URL or store.
@@ -261,8 +268,11 @@ def latest_complete_checkpoint(
         str: the checkpoint's URL (a plain absolute path for a local store).
 
     Raises:
-        FileNotFoundError: no complete checkpoint
+        FileNotFoundError: no complete checkpoint and no damaged one
             (:class:`~opd_store.errors.CheckpointNotFoundError`; seed message).
+        opd_store.errors.IntegrityError: (a ``ValueError``) a committed step newer than the newest
+            complete one (or, without one, any committed step) is damaged: one line naming the
+            step, the file and the remedy.
     """
     reader = LegacyReader(as_store(checkpoints_dir, storage_options))
 
@@ -270,7 +280,9 @@ def latest_complete_checkpoint(
         try:
             step = reader.latest_step()
         except CheckpointNotFoundError as exc:
+            refuse_damaged_step_ahead(reader, 0, None, "starting from scratch", shallow=True)
             raise CheckpointNotFoundError(f"in-place OPD resume has no complete checkpoint: {exc}") from exc
+        refuse_damaged_step_ahead(reader, step, None, f"resuming from step {step}", shallow=True)
         return reader.step_url(step)
 
     group = current_group()

@@ -29,12 +29,13 @@ checkpoints directory is a local path, an fsspec URL or a store.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Union
 
 from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
 from ..format import parse_step_dirname, step_dirname
-from ..store import CheckpointStore, LegacyReader, ReadableStore, VerifyReport, split_checkpoint_url
+from ..store import UNCOMMITTED, CheckpointStore, LegacyReader, ReadableStore, VerifyReport, remedy, split_checkpoint_url
 
 SCHEMA_V1 = "opd_checkpoint_v1"
 SCHEMA_V2 = "opd_checkpoint_v2"
@@ -59,6 +60,20 @@ CheckpointRef = Union[str, os.PathLike, "tuple[ReadableStore, int]"]
 def rng_payload_name(rank: int, world_size: int) -> str:
     """Payload name of ``rank``'s RNG state: ``rng.pt`` for one rank, else ``rng-rank-XX.pt`` (seed)."""
     return RNG_SINGLE if world_size == 1 else f"rng-rank-{rank:02d}.pt"
+
+
+_RNG_PART = re.compile(r"rng-rank-(\d+)\.pt")
+
+
+def payload_rank(name: str) -> int | None:
+    """The rank whose own file payload ``name`` is (``rng-rank-XX.pt``; a sharded checkpoint's
+    ``__<rank>_<n>.distcp``, :func:`opd_store.dcp.writer_rank`), ``None`` for a shared payload."""
+    part = _RNG_PART.fullmatch(name)
+    if part is not None:
+        return int(part.group(1))
+    from ..dcp import writer_rank  # torch.distributed.checkpoint: imported by the sharded path only
+
+    return writer_rank(name)
 
 
 def resolve_checkpoint(
@@ -100,12 +115,15 @@ def require_complete(store: ReadableStore, step: int) -> VerifyReport:
     read through a :class:`~opd_store.store.LegacyReader`).
 
     Raises:
-        IncompleteCheckpointError: naming the URL, the status and every problem.
+        IncompleteCheckpointError: naming the URL, the status and every problem, and for a committed
+            step that is damaged the remedy (:func:`~opd_store.store.remedy`, docs/resume.md).
     """
     report = store.verify(step)
     if not report.ok:
         reasons = "; ".join(problem.detail for problem in report.problems) or report.status
-        raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} ({report.status}: {reasons})")
+        fix = "" if report.status == UNCOMMITTED else f"; the step is damaged: {remedy(store.url, step)}"
+        raise IncompleteCheckpointError(f"OPD checkpoint is incomplete: {report.url} (step {step} {report.status}: "
+                                        f"{reasons}){fix}")
     return report
 
 
@@ -171,6 +189,7 @@ __all__ = [
     "check_rank",
     "check_world_size",
     "open_checkpoint",
+    "payload_rank",
     "require_complete",
     "resolve_checkpoint",
     "rng_payload_name",

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import dcp
+from ..store import ReadableStore, VerifiedCopy
 from ._distributed import load_collective
 from ._elastic import ElasticResume
 from ._load import check_teacher_count, finish_resume, read_config_dict
@@ -114,6 +115,23 @@ def load_sharded_opd_checkpoint(
     group = group_of(process_group)
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
     store, step = resolve_checkpoint(checkpoint, storage_options)
+    # Both DCP loads below read the rank files (the small state lives beside the shards): one
+    # verified copy serves them, so each file is downloaded once (docs/resume.md, "One download
+    # per resume"); a copy the caller made (the job's resume guard) is used as it is.
+    owned = not (isinstance(store, VerifiedCopy) and store.step == step)
+    reads = VerifiedCopy(store, step) if owned else store
+    try:
+        return _load(reads, step, rank=rank, world_size=world_size, group=group, model=model, optimizer=optimizer,
+                     scheduler=scheduler, config=config, provenance_fingerprints=provenance_fingerprints,
+                     teacher_state_loader=teacher_state_loader, process_group=process_group)
+    finally:
+        if owned:
+            reads.release()
+
+
+def _load(store: ReadableStore, step: int, *, rank: int, world_size: int, group: Any, model, optimizer, scheduler,
+          config, provenance_fingerprints, teacher_state_loader, process_group) -> ShardedResume:
+    """:func:`load_sharded_opd_checkpoint` on ``store`` (a verified copy of ``step``)."""
 
     def decide() -> tuple[ResumeDecision, ElasticResume, str]:
         url = require_complete(store, step).url

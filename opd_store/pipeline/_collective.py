@@ -19,19 +19,41 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from ..errors import CommitConflictError, DistributedCommitConflictError, DistributedSaveError
+from ..errors import (
+    AmbiguousCommitError,
+    CommitConflictError,
+    DistributedAmbiguousCommitError,
+    DistributedCommitConflictError,
+    DistributedPermissionError,
+    DistributedSaveError,
+    DistributedUnreachableError,
+    StoragePermissionError,
+    StoreUnreachableError,
+)
 from ..format import PayloadEntry
 from ._save import SaveRequest
 
-Failure = tuple[str, str, bool]
-"""``(type name, message, is a commit conflict)``: a rank's failure as every rank receives it."""
+Failure = tuple[str, str, "str | None"]
+"""``(type name, message, meaning)``: a rank's failure as every rank receives it; ``meaning`` is
+the kind of :data:`MEANINGS` the error is (``None``: another error)."""
+
+MEANINGS: dict[str, tuple[type[BaseException], type[DistributedSaveError]]] = {
+    "conflict": (CommitConflictError, DistributedCommitConflictError),
+    "ambiguous": (AmbiguousCommitError, DistributedAmbiguousCommitError),
+    "permission": (StoragePermissionError, DistributedPermissionError),
+    "unreachable": (StoreUnreachableError, DistributedUnreachableError),
+}
+"""What a failure means, and the error every rank raises when every failing rank's failure means
+it: a caller that handles a commit conflict, an ambiguous commit, a refused permission or an
+unreachable store handles the multi-rank form the same way (docs/protocol.md, "Errors")."""
 
 
 def describe_failure(error: BaseException | None) -> Failure | None:
     """The :data:`Failure` of a local error (picklable, the same on every rank), or ``None``."""
     if error is None:
         return None
-    return type(error).__name__, str(error), isinstance(error, CommitConflictError)
+    meaning = next((kind for kind, (cls, _distributed) in MEANINGS.items() if isinstance(error, cls)), None)
+    return type(error).__name__, str(error), meaning
 
 
 def failure_text(failures: dict[int, Failure]) -> str:
@@ -40,10 +62,15 @@ def failure_text(failures: dict[int, Failure]) -> str:
 
 
 def save_failure(url: str | None, step: Any, failures: dict[int, Failure]) -> DistributedSaveError:
-    """The error every rank raises for a multi-rank save that was not committed: a
-    :class:`DistributedCommitConflictError` when every failure is a commit conflict, else a
-    :class:`DistributedSaveError`, naming the URL, the step and each failing rank (``failures``)."""
-    cls = DistributedCommitConflictError if all(c for _n, _m, c in failures.values()) else DistributedSaveError
+    """The error every rank raises for a multi-rank save that was not committed (or, ambiguous,
+    may have been), naming the URL, the step and each failing rank (``failures``): a
+    :class:`DistributedSaveError`, of the class of :data:`MEANINGS` that keeps the failures' meaning
+    when they all share one (:class:`DistributedCommitConflictError`,
+    :class:`DistributedAmbiguousCommitError`, :class:`DistributedPermissionError`,
+    :class:`DistributedUnreachableError`)."""
+    meanings = {meaning for _n, _m, meaning in failures.values()}
+    only = next(iter(meanings)) if len(meanings) == 1 else None
+    cls = MEANINGS[only][1] if only is not None else DistributedSaveError
     where = f"{url}: " if url else ""
     return cls.from_failures(
         f"{where}step {step} was not committed: {failure_text(failures)}",
@@ -82,7 +109,7 @@ def agree(group: Any, value: Any, error: BaseException | None, *, url: str | Non
         named = f"the step or {same_name}" if same_name else "the step"
         seen = ", ".join(f"rank {rank}: step {report[2]}" + (f", {same_name} {report[3]}" if same_name else "")
                          for rank, report in enumerate(reports))
-        failures = {0: ("ValueError", f"ranks disagree on {named} ({seen})", False)}
+        failures = {0: ("ValueError", f"ranks disagree on {named} ({seen})", None)}
     if failures:
         raise save_failure(url, step, failures) from error
     return [report[0] for report in reports]
@@ -118,7 +145,10 @@ def run_save_collective(group: Any, prepare: Callable[[], SaveRequest], *,
             already committed, or another writer committed it first; on every rank.
         opd_store.errors.DistributedSaveError: (a ``CommitError``, an ``OSError``) any rank failed
             to prepare or write its part, ranks disagreed on the step, or the manifest create
-            failed; on every rank, naming each failing rank and its error. Nothing is committed.
+            failed; on every rank, naming each failing rank and its error. Nothing is committed,
+            except after an ambiguous create (:class:`~opd_store.errors.DistributedAmbiguousCommitError`,
+            an ``AmbiguousCommitError``). Failures that all mean one thing keep that meaning
+            (:func:`save_failure`).
         RetentionError: (rank 0, plain store) the step committed and its retention pass failed.
         RuntimeError: a collective failed (a rank died or the process group timed out); the
             attempt is discarded by rank 0 when it can still run.

@@ -39,6 +39,8 @@ class GcReport:
         orphans (list[Orphan]): orphans found (deleted unless ``dry_run``).
         uploads (list[StaleUpload]): stale multipart uploads (aborted unless ``dry_run``).
         deleted_steps (list[int]): steps actually deleted.
+        journal_events (list[str]): run-journal events beyond the journal's bound (paths relative
+            to the store root; :func:`opd_store.ledger.prune_journal`), deleted unless ``dry_run``.
         dry_run (bool): nothing was deleted.
         store (CheckpointStore | None): the store the pass ran on.
         policy (RetentionPolicy | None): the policy it applied.
@@ -49,6 +51,7 @@ class GcReport:
     orphans: "list[Orphan]" = dataclasses.field(default_factory=list)
     uploads: "list[StaleUpload]" = dataclasses.field(default_factory=list)
     deleted_steps: list[int] = dataclasses.field(default_factory=list)
+    journal_events: list[str] = dataclasses.field(default_factory=list)
     dry_run: bool = True
     store: CheckpointStore | None = dataclasses.field(default=None, repr=False)
     policy: RetentionPolicy | None = None
@@ -69,10 +72,11 @@ def step_records(infos: Iterable[CheckpointInfo]) -> list[StepRecord]:
     records = []
     for info in infos:
         metadata = info.metadata
-        run_id, parent = metadata.get("run_id"), metadata.get("parent_step")
+        run_id, parent, best = metadata.get("run_id"), metadata.get("parent_step"), metadata.get("best_step")
         run_id = run_id if isinstance(run_id, str) else None
         parent = parent if isinstance(parent, int) and not isinstance(parent, bool) else None
-        records.append(StepRecord(info.step, info.status, info.total_size_bytes, run_id, parent))
+        best = best if isinstance(best, int) and not isinstance(best, bool) else None
+        records.append(StepRecord(info.step, info.status, info.total_size_bytes, run_id, parent, best))
     return records
 
 

@@ -39,6 +39,11 @@ The grace period must exceed the longest time a live save goes without writing: 
 parts, on GCS its temporary part objects and on local disk its bytes count as writes while it
 streams; a payload of at most one part is one request, invisible until it lands.
 
+The run journal (:mod:`opd_store.ledger`) lives outside every step prefix, so none of the above
+sees it; ``gc`` bounds it on its own terms: the newest ``journal_keep_events`` events of the durable
+tier are kept and older starts are deleted whole (:func:`opd_store.ledger.prune_journal`), never on
+the save path (a save writes one event and deletes none).
+
 A tiered store is collected tier by tier (:meth:`Durability.retention_tiers
 <opd_store.store._api.Durability.retention_tiers>`), each tier on its own clock: the bucket with the
 policy asked for, the local tier with its own, and a local step that is not durable yet is never
@@ -63,6 +68,7 @@ from ..format import (
     step_dirname,
     step_rel,
 )
+from ..ledger import DEFAULT_KEEP_EVENTS, prune_journal
 from ..storage import MultipartUploads
 from ..store import CheckpointStore, Durability, holds_legacy_marker
 from ._executor import GcReport, apply_retention, execute_plan
@@ -329,8 +335,10 @@ def collect_garbage(
     deep: bool = False,
     dry_run: bool = True,
     now_secs: float | None = None,
+    journal_keep_events: int = DEFAULT_KEEP_EVENTS,
 ) -> GcReport:
-    """Retention, orphan removal and stale-upload aborts in one pass (``opd-store gc``).
+    """Retention, orphan removal, stale-upload aborts and the run journal's bound in one pass
+    (``opd-store gc``).
 
     Args:
         store (Durability): a plain store, or a tiered store (each tier is collected; see the
@@ -344,17 +352,18 @@ def collect_garbage(
         now_secs (float | None): the store's notion of now (seconds since the epoch), for tests;
             read from the store (:meth:`Storage.clock_secs
             <opd_store.storage._base.Storage.clock_secs>`) by default.
+        journal_keep_events (int): run-journal events kept in the durable tier (module docstring).
 
     Returns:
         GcReport: the plan, orphans and uploads, and what was deleted, of the store (of the bucket
         for a tiered store); :func:`collect_garbage_tiers` returns one report per tier.
 
     Raises:
-        ValueError: a negative grace period.
+        ValueError: a negative grace period or ``journal_keep_events``.
         OSError: a backend failure (what was deleted before it stays deleted).
     """
     return collect_garbage_tiers(store, policy, orphans_older_than_secs=orphans_older_than_secs, deep=deep,
-                                 dry_run=dry_run, now_secs=now_secs)[0]
+                                 dry_run=dry_run, now_secs=now_secs, journal_keep_events=journal_keep_events)[0]
 
 
 def collect_garbage_tiers(
@@ -365,15 +374,22 @@ def collect_garbage_tiers(
     deep: bool = False,
     dry_run: bool = True,
     now_secs: float | None = None,
+    journal_keep_events: int = DEFAULT_KEEP_EVENTS,
 ) -> list[GcReport]:
     """:func:`collect_garbage` of every tier of ``store``: one report per tier, the durable tier
-    first (one report for a plain store). Same arguments and errors."""
+    first (one report for a plain store; the journal is bounded in the durable tier only). Same
+    arguments and errors."""
     if orphans_older_than_secs < 0:
         raise ValueError(f"orphan grace period must be >= 0 seconds, got {orphans_older_than_secs}")
+    if journal_keep_events < 0:
+        raise ValueError(f"journal_keep_events must be >= 0, got {journal_keep_events}")
     reports = []
-    for tier in store.retention_tiers(policy):
-        reports.append(_collect_tier(tier.store, tier.policy, tier.not_durable, orphans_older_than_secs, deep,
-                                     dry_run, now_secs))
+    for index, tier in enumerate(store.retention_tiers(policy)):
+        report = _collect_tier(tier.store, tier.policy, tier.not_durable, orphans_older_than_secs, deep, dry_run,
+                               now_secs)
+        if index == 0:
+            report.journal_events = prune_journal(tier.store, keep_events=journal_keep_events, dry_run=dry_run)
+        reports.append(report)
     return reports
 
 

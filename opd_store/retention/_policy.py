@@ -16,7 +16,10 @@ Rules (docs/cli.md, "Retention rules"):
   complete step; pinned steps; steps that are not durable yet (a tiered store's local steps whose
   upload has not landed: deleting one would lose its only copy); the step a run resumed from (its
   *parent*, recorded in the manifests of the run) until that run has committed a second complete
-  step newer than it (a resumed run that dies before its second save must still find its start).
+  step newer than it (a resumed run that dies before its second save must still find its start);
+  the best step a kept step names (manifest metadata ``best_step``: the Hugging Face Trainer's
+  ``state.best_model_checkpoint``, which ``load_best_model_at_end`` loads when training ends), as
+  long as a kept step names it (a run resumed from the store must still find its best model).
 * Only complete, manifest-committed steps are ever deleted. Damaged steps (``incomplete``,
   ``corrupt``) are kept for inspection and reported; ``legacy`` steps and anything without our
   manifest (a checkpoint copied in by another tool) are never touched.
@@ -37,6 +40,7 @@ KEEP_JUST_COMMITTED = "just-committed"
 KEEP_PINNED = "pinned"
 KEEP_PARENT = "resume-parent"
 KEEP_NOT_DURABLE = "not-durable"
+KEEP_BEST = "best-of-kept"
 KEEP_ALL = "no-policy"
 
 
@@ -113,6 +117,8 @@ class StepRecord:
         run_id (str | None): the run that committed it (manifest metadata ``run_id``).
         parent_step (int | None): the step that run resumed from (manifest metadata
             ``parent_step``), ``None`` for a run started from scratch.
+        best_step (int | None): the run's best checkpoint when this step was saved (manifest
+            metadata ``best_step``), kept while this step is.
     """
 
     step: int
@@ -120,6 +126,7 @@ class StepRecord:
     size_bytes: int = 0
     run_id: str | None = None
     parent_step: int | None = None
+    best_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +232,10 @@ def plan_retention(
         add(step, KEEP_NOT_DURABLE)
     for step in sorted(protected_parents(by_step.values(), current_run=current_run)):
         add(step, KEEP_PARENT)
+    for step in [step for step, why in reasons.items() if why]:  # what a kept step still refers to
+        best = by_step[step].best_step
+        if best is not None and best != step:
+            add(best, KEEP_BEST)
 
     keep = {step: tuple(why) for step, why in reasons.items() if why}
     delete = tuple(step for step in complete if step not in keep)
@@ -238,6 +249,7 @@ def plan_retention(
 
 __all__ = [
     "KEEP_ALL",
+    "KEEP_BEST",
     "KEEP_EVERY",
     "KEEP_JUST_COMMITTED",
     "KEEP_LAST",

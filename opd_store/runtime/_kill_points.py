@@ -33,7 +33,8 @@ the after-commit hooks, the retention pass and the job's ``saved`` event), ``ret
 
 Zero cost when the variable is unset: each call checks one module global (the environment is read
 once, at the first call, so a process forked from a preloaded parent sees its own environment).
-Nothing here is meant for production: the variable exists for the soak and its tests.
+Nothing here is meant for production: the variable exists for the soak, the demo (``opd-store demo``
+kills its first spot start between two updates, so it knows where the job died) and their tests.
 """
 
 from __future__ import annotations

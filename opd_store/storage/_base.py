@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
 from ..format import KeyLayout
 from ._client_options import ClientTimeouts
+from ._request_tally import RequestTally
 from .transfers import Transfers
 
 if TYPE_CHECKING:
@@ -79,6 +80,8 @@ class Storage(abc.ABC):
             ``open_storage``).
         layout (KeyLayout): where the store's saves put their payloads (storage options
             ``key_layout``, ``key_prefixes``; set by ``open_storage``; the step layout by default).
+        requests (RequestTally): the requests this store sent, by kind
+            (:mod:`opd_store.storage._request_tally`).
     """
 
     commit_primitive = "none"
@@ -87,6 +90,7 @@ class Storage(abc.ABC):
     # 1 GiB tensor would cost ~3 GiB of RSS. 8 MiB slices keep it to one part.
     write_slice_bytes = 8 << 20
     bucketed = False
+    counts_own_requests = False  # S3, GCS: counted at the client (count_client_requests), not per verb
     endpoint: str | None = None
     credential_sources: str | None = None
 
@@ -96,6 +100,7 @@ class Storage(abc.ABC):
         self._fs = None if callable(fs) else fs
         self._fs_lock = threading.Lock()
         self.timeouts = timeouts or ClientTimeouts()
+        self.requests = RequestTally()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
         self.transfers = Transfers()
         self.layout = KeyLayout()
@@ -126,13 +131,19 @@ class Storage(abc.ABC):
         if fs is None:
             with self._fs_lock:
                 if self._fs is None:
-                    self._fs = self._fs_factory()
+                    built = self._fs_factory()
+                    self.count_client_requests(built)
+                    self._fs = built
                 fs = self._fs
         return fs
 
     @fs.setter
     def fs(self, value: Any) -> None:
         self._fs = value
+
+    def count_client_requests(self, fs: Any) -> None:
+        """Make the client just built count its requests in :attr:`requests` (S3, GCS); nothing by
+        default, where each verb counts itself (:mod:`opd_store.storage._request_tally`)."""
 
     # -- names -------------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:

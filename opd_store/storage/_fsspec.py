@@ -14,7 +14,9 @@ connection, a host name that does not resolve, a connect or read timeout) raises
 cause (``s3://b/run/step-000002/manifest.json: cannot read: endpoint http://HOST:PORT did not
 answer within 60 s``) with the client's error as ``__cause__``: botocore raises those failures
 as its own exception types, which are neither the builtins callers catch nor anything a person
-can act on. Every backend below gets this by subclassing (:meth:`FsspecStorage.__init_subclass__`).
+can act on. Every backend below gets this by subclassing (:meth:`FsspecStorage.__init_subclass__`),
+and, on a backend whose client does not count its own requests, each outermost verb call counts
+one request of its kind in ``storage.requests`` (:mod:`opd_store.storage._request_tally`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,30 @@ import functools
 import threading
 from typing import BinaryIO, Callable, TypeVar
 
-from ..errors import OpdStoreError, StoreUnreachableError
+from ..errors import OpdStoreError, StoragePermissionError, StoreRequestError, StoreUnreachableError
 from ..runtime import register_io_thread
-from ._backend_errors import is_missing, is_unreachable
+from ._backend_errors import (
+    Meaning,
+    backend_operation,
+    classify,
+    is_backend_failure,
+    is_missing,
+    is_unreachable,
+    s3_error_code,
+)
 from ._base import Storage
 
 T = TypeVar("T")
+
+# The kind of request each verb is on a backend that sends none (local, memory:
+# opd_store.storage._request_tally); open_write and sync_prefix count nothing (the write is
+# counted when published, a sync is no request).
+_VERB_KINDS = {
+    "list_children": "list", "list_tree": "list", "list_tree_modified": "list", "size": "head",
+    "clock_secs": "head", "read_bytes": "get", "open_read": "get",
+    "open_read_stream": "get", "open_checked": "get", "finish_write": "put", "create_exclusive": "put",
+    "delete": "delete", "delete_tree": "delete",
+}
 
 # The verbs whose failures name an object, and what each was doing: ``<URL>: cannot <operation>:
 # <cause>``, so each operation is a whole phrase after the URL (never one ending in "of").
@@ -39,6 +59,28 @@ _VERB_OPERATIONS = {
     "finish_write": "write", "create_exclusive": "create", "delete": "delete", "delete_tree": "delete",
     "sync_prefix": "sync", "clock_secs": "read the store's clock",
 }
+
+
+# The verbs that only read: a failure that is not a missing object is raised typed, naming the URL
+# and the operation (a refusal, throttling or a server error after the client's retries); a
+# write's failures are typed by its caller, which knows the payload and the step.
+_READ_VERBS = frozenset({"list_children", "list_tree", "list_tree_modified", "size", "read_bytes", "open_read",
+                         "open_read_stream", "open_checked", "clock_secs"})
+
+
+def read_failure(storage: "FsspecStorage", rel: str, operation: str, exc: BaseException) -> OpdStoreError | None:
+    """``exc``, raised by a read of ``rel`` doing ``operation``, as the typed error it means:
+    :class:`~opd_store.errors.StoragePermissionError` for a refusal, :class:`~opd_store.errors.StoreRequestError`
+    for throttling or a server error after the client's retries; ``None`` for anything else (a
+    missing object stays a ``FileNotFoundError``; a bug is not a backend failure)."""
+    meaning = classify(exc)
+    request = ": ".join(part for part in (backend_operation(exc), s3_error_code(exc)) if part)  # "GetObject: SlowDown"
+    what = f"{storage.url(rel)}: cannot {operation}{f' ({request})' if request else ''}: {storage.explain(exc)}"
+    if meaning is Meaning.DENIED:
+        return StoragePermissionError(what)
+    if meaning is Meaning.THROTTLED or (meaning is Meaning.OTHER and is_backend_failure(exc)):
+        return StoreRequestError(what)
+    return None
 
 
 def translated(storage: "FsspecStorage", rel: str, operation: str, call: Callable[[], T]) -> T:
@@ -56,11 +98,29 @@ def translated(storage: "FsspecStorage", rel: str, operation: str, call: Callabl
         raise error from exc
 
 
-def _translating(operation: str, method):
+def _translating(name: str, operation: str, method):
+    kind = _VERB_KINDS.get(name)
+    reads = name in _READ_VERBS
+
     @functools.wraps(method)
     def verb(self: "FsspecStorage", *args, **kwargs):
-        rel = kwargs.get("rel") or next((arg for arg in args if isinstance(arg, str)), "")  # finish_write(handle, rel)
-        return translated(self, rel, operation, lambda: method(self, *args, **kwargs))
+        tally = self.requests
+        outermost = tally.enter_verb()
+        try:
+            if outermost and kind is not None and not self.counts_own_requests:
+                tally.add(kind)
+            rel = kwargs.get("rel") or next((arg for arg in args if isinstance(arg, str)), "")  # finish_write(handle, rel)
+            try:
+                return translated(self, rel, operation, lambda: method(self, *args, **kwargs))
+            except OpdStoreError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a read's backend failure is typed; anything else propagates
+                typed = read_failure(self, rel, operation, exc) if reads else None
+                if typed is None:
+                    raise
+                raise typed from exc
+        finally:
+            tally.exit_verb()
 
     verb.translates_failures = True
     return verb
@@ -244,7 +304,7 @@ def _translate_verbs(cls: type, *, inherited: bool = False) -> None:
     for name, operation in _VERB_OPERATIONS.items():
         method = cls.__dict__.get(name) or (getattr(cls, name, None) if inherited else None)
         if callable(method) and not getattr(method, "translates_failures", False):
-            setattr(cls, name, _translating(operation, method))
+            setattr(cls, name, _translating(name, operation, method))
 
 
 _translate_verbs(FsspecStorage, inherited=True)  # with the defaults of Storage (finish_write, ...)

@@ -134,8 +134,17 @@ class ReadableStore(abc.ABC):
         """A seekable reader of the verified bytes of a payload."""
 
     @abc.abstractmethod
-    def verify(self, step: int, *, deep: bool = False) -> "VerifyReport":
-        """Check one step's objects (sizes; with ``deep`` their CRC32C too)."""
+    def verify(self, step: int, *, deep: bool = False,
+               keep: Callable[[str, BinaryIO], None] | None = None) -> "VerifyReport":
+        """Check one step's objects (sizes; with ``deep`` their CRC32C too, each payload read once).
+
+        Args:
+            step (int): the step.
+            deep (bool): read every payload and check its CRC32C.
+            keep (Callable[[str, BinaryIO], None] | None): with ``deep``, receives ``(name,
+                reader)`` of each payload found intact and owns the reader (closed when ``None``);
+                how a resume loads the bytes it verified (:class:`~opd_store.store._verified_copy.VerifiedCopy`).
+        """
 
 
 class WritableStore(abc.ABC):
@@ -184,6 +193,12 @@ class Durability(abc.ABC):
         tiered store runs it on its upload worker after the step's upload; a failure is raised at
         the next save, ``flush`` or ``close``.
         """
+
+    @abc.abstractmethod
+    def durable_store(self) -> "CheckpointStore":
+        """The plain store that holds the durable copies (the store itself, or a tiered store's
+        bucket): where what must outlive this machine goes, such as the run journal
+        (:mod:`opd_store.ledger`). No I/O."""
 
     @abc.abstractmethod
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:

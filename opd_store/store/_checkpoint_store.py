@@ -35,7 +35,7 @@ from ._status import (
     step_prefixes,
     step_state,
 )
-from ._verified_reads import open_payload, verify_step
+from ._verified_reads import KeepReader, open_payload, verify_step
 
 logger = logging.getLogger("opd_store.store")
 
@@ -238,9 +238,10 @@ class CheckpointStore(BaseStore):
         """
         return open_payload(self.storage, step, name, self.manifest(step) if manifest is None else manifest)
 
-    def verify(self, step: int, *, deep: bool = False) -> VerifyReport:
-        """Check one step: sizes of every listed object, and with ``deep`` their CRC32C too."""
-        return verify_step(self.storage, step, self.step_state(step), deep=deep)
+    def verify(self, step: int, *, deep: bool = False, keep: KeepReader | None = None) -> VerifyReport:
+        """Check one step: sizes of every listed object, and with ``deep`` their CRC32C too, the
+        reader of each intact payload handed to ``keep`` (:meth:`ReadableStore.verify <opd_store.store._api.ReadableStore.verify>`)."""
+        return verify_step(self.storage, step, self.step_state(step), deep=deep, keep=keep)
 
     # -- writes ------------------------------------------------------------------------------
     def begin(
@@ -349,6 +350,10 @@ class CheckpointStore(BaseStore):
         """Run ``hook(self)`` now, in the calling thread: a committed step is durable here. Its
         exception propagates to the caller."""
         hook(self)
+
+    def durable_store(self) -> "CheckpointStore":
+        """This store: every committed step of a plain store is durable."""
+        return self
 
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """One tier: this store, with ``policy``."""

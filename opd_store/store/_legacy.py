@@ -242,10 +242,10 @@ class LegacyReader(ReadableStore):
                 raise CheckpointNotFoundError(f"legacy step {step} at {tier.step_url(step)} has no file {name!r}") from exc
             raise
 
-    def verify(self, step: int, *, deep: bool = False) -> VerifyReport:
-        """The store's report of ``step``; a legacy step's reports status ``legacy`` and no problem
-        (nothing to check it against)."""
-        report = self.store.verify(step, deep=deep)
+    def verify(self, step: int, *, deep: bool = False, keep=None) -> VerifyReport:
+        """The store's report of ``step`` (``keep``: as the store's); a legacy step's reports status
+        ``legacy`` and no problem (nothing to check it against)."""
+        report = self.store.verify(step, deep=deep, keep=keep)
         if report.status == UNCOMMITTED:
             tier = next((tier for tier in self.store.tiers() if _marked(tier.storage, step)), None)
             if tier is not None:

@@ -6,16 +6,18 @@ import os
 from typing import Any
 
 from ..format import parse_step_dirname
-from ._api import BaseStore
+from ._api import BaseStore, ReadableStore
 from ._checkpoint_store import CheckpointStore
 
 
 def as_store(
     target: "BaseStore | str | os.PathLike", storage_options: dict[str, Any] | None = None
 ) -> BaseStore:
-    """Return ``target`` if it is a store (plain or tiered), else open a store at that path or URL."""
-    if isinstance(target, BaseStore):
-        return target
+    """Return ``target`` if it is a store (plain or tiered, or a read view such as a
+    :class:`~opd_store.store._verified_copy.VerifiedCopy`, which only readers take), else open a
+    store at that path or URL."""
+    if isinstance(target, ReadableStore):
+        return target  # type: ignore[return-value]
     return CheckpointStore(target, storage_options=storage_options)
 
 

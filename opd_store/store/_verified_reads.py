@@ -12,11 +12,12 @@ reader stays valid.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, Callable
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
 from ..format import Manifest, step_dirname
 from ..storage import is_missing
+from ._resume_guard import remedy
 from ._status import COMPLETE, CORRUPT, Problem, StepState, VerifyReport
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def open_payload(storage: "Storage", step: int, name: str, manifest: Manifest) -
         CheckpointNotFoundError: the manifest has no payload ``name``.
         IncompleteCheckpointError: the manifest lists the object but it is absent.
         IntegrityError: size or checksum differ (names URL, step, object, expected and actual).
+        Both damage errors end with the remedy (:func:`~opd_store.store._resume_guard.remedy`).
     """
     if manifest.step != step:
         raise ValueError(f"the manifest given for step {step} is the manifest of step {manifest.step}")
@@ -44,19 +46,27 @@ def open_payload(storage: "Storage", step: int, name: str, manifest: Manifest) -
         reader, size_bytes, crc = storage.open_checked(rel, size_bytes=entry.size_bytes)
     except Exception as exc:  # noqa: BLE001 - a missing payload is named; anything else propagates
         if is_missing(exc):
-            raise IncompleteCheckpointError(f"step {step}: payload {name!r} listed in the manifest is missing at {url}") from exc
+            raise IncompleteCheckpointError(f"step {step}: payload {name!r} listed in the manifest is missing at {url}; "
+                                            f"{remedy(storage.url_root, step)}") from exc
         raise
     if size_bytes != entry.size_bytes or crc != entry.crc32c:
         reader.close()
         what = (f"has {size_bytes} bytes, manifest says {entry.size_bytes}" if size_bytes != entry.size_bytes
                 else f"has crc32c {crc}, manifest says {entry.crc32c}")
-        raise IntegrityError(f"step {step}: payload {name!r} at {url} {what}")
+        raise IntegrityError(f"step {step}: payload {name!r} at {url} {what}; {remedy(storage.url_root, step)}")
     return reader
 
 
-def verify_step(storage: "Storage", step: int, state: StepState, *, deep: bool = False) -> VerifyReport:
+KeepReader = Callable[[str, BinaryIO], None]
+"""``keep(name, reader)``: takes the reader of a payload a deep verify found intact (the callee
+owns it and closes it), so that a load can use the bytes the verify read (docs/resume.md)."""
+
+
+def verify_step(storage: "Storage", step: int, state: StepState, *, deep: bool = False,
+                keep: KeepReader | None = None) -> VerifyReport:
     """The :class:`VerifyReport` of ``step`` from its state; with ``deep`` every payload is read
-    and its CRC32C recomputed (a complete step with a checksum problem becomes ``corrupt``)."""
+    and its CRC32C recomputed (a complete step with a checksum problem becomes ``corrupt``), and
+    the reader of each payload found intact is handed to ``keep`` (closed when ``keep`` is ``None``)."""
     status, manifest, problems = state.status, state.manifest, list(state.problems)
     checked = len(manifest.payloads) if manifest else 0
     if deep and manifest is not None:
@@ -65,20 +75,24 @@ def verify_step(storage: "Storage", step: int, state: StepState, *, deep: bool =
                 continue
             try:
                 reader, _size, actual = storage.open_checked(manifest.object_rel(entry), size_bytes=entry.size_bytes)
-                reader.close()
             except Exception as exc:  # noqa: BLE001 - a vanished payload is a problem; anything else propagates
                 if not is_missing(exc):
                     raise
                 problems.append(Problem(entry.name, "missing", f"{entry.path} vanished while verifying"))
                 continue
             if actual != entry.crc32c:
+                reader.close()
                 problems.append(
                     Problem(entry.name, "checksum", f"{entry.path}: expected crc32c {entry.crc32c}, found {actual}")
                 )
+            elif keep is not None:
+                keep(entry.name, reader)
+            else:
+                reader.close()
         if problems and status == COMPLETE:
             status = CORRUPT
     return VerifyReport(url=storage.url(step_dirname(step)), step=step, status=status, deep=deep,
                         checked_objects=checked, problems=tuple(problems))
 
 
-__all__ = ["open_payload", "verify_step"]
+__all__ = ["KeepReader", "open_payload", "verify_step"]

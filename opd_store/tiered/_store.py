@@ -226,9 +226,9 @@ class TieredStore(BaseStore):
             manifest = None
         return tier.open(step, name, manifest=manifest)
 
-    def verify(self, step: int, *, deep: bool = False) -> VerifyReport:
+    def verify(self, step: int, *, deep: bool = False, keep=None) -> VerifyReport:
         """Verify ``step`` in the tier it is read from (see :meth:`CheckpointStore.verify`)."""
-        return self.tier_for(step).verify(step, deep=deep)
+        return self.tier_for(step).verify(step, deep=deep, keep=keep)
 
     # -- durability ------------------------------------------------------------------------------
     def durable_steps(self) -> list[int]:
@@ -324,6 +324,10 @@ class TieredStore(BaseStore):
                 logger.error("upload failure while closing %r after another error", self, exc_info=True)
 
     # -- retention -------------------------------------------------------------------------------
+    def durable_store(self) -> CheckpointStore:
+        """The bucket: a step is durable once it is complete there."""
+        return self.bucket
+
     def retention_tiers(self, policy: Any) -> list[RetentionTier]:
         """The bucket with ``policy``, then the local tier with its own policy and every step that
         is not durable yet protected."""

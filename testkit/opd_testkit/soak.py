@@ -22,6 +22,13 @@ After every start the soak checks, against the reference:
   counters (``torch.equal``).
 
 The checks of the start after a kill are that kill's resume verdict.
+
+At the end, :meth:`Soak.check_reports` holds ``opd-store report`` of every spot run
+(:mod:`opd_store.ledger`) against what the soak knows: the starts it killed, the step each reached
+(its per-update log), the step the next start resumed from and the updates that start redid. A
+kill on a background thread (``async_write``, ``tier_upload``) can land between the training
+thread's log record of an update and the journal's progress event of it, so there the report may
+be one update short; every other kill point is on the training thread and must match exactly.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from opd_store.runtime._kill_points import ENV_VAR
 from .soak_phases import Reference, StartPlan, phase_counts, plan_start
 
 CONFIG_YAML = "config.yaml"
+BACKGROUND_PHASES = ("async_write", "tier_upload")  # kill points off the training thread
 
 
 @dataclasses.dataclass
@@ -128,6 +136,7 @@ class Soak:
         self._compared: set[tuple[str, int, str]] = set()  # (prefix, step, attempt id) found identical
         self._reference_payloads: dict[tuple[int, str], Any] = {}  # (step, name) -> comparable form
         self._stores: dict[str, Any] = {}  # prefix -> CheckpointStore
+        self.report_problems: list[str] = []
 
     def store(self, prefix: str):
         """The store of ``prefix``, one per prefix (its listings are fresh on every call)."""
@@ -154,7 +163,7 @@ class Soak:
                "--updates", str(self.updates), "--checkpoint-every", str(self.checkpoint_every),
                "--seed", str(self.train_seed), "--log", str(files["log.jsonl"]),
                "--events", str(files["events.jsonl"]), "--final-state", str(files["final.pt"]),
-               *self.store_args, *flags]
+               "--journal-progress-secs", "0", *self.store_args, *flags]
         if self.world_size > 1:
             cmd += ["--nproc", str(self.world_size), "--dist-timeout-secs", "60"]
         began = time.monotonic()
@@ -292,6 +301,42 @@ class Soak:
                 break
             run_index += 1  # ran to the end (nothing left, or a miss): the next spot run
             prefix, expected, older, after_kill = f"spot-{run_index}", None, False, False
+        self.report_problems = self.check_reports()
+
+    def check_reports(self) -> list[str]:
+        """``opd-store report`` of each spot run against the soak's ground truth (module docstring)."""
+        from opd_store.ledger import report_store
+
+        problems = []
+        for prefix in dict.fromkeys(start.prefix for start in self.starts):
+            starts = [start for start in self.starts if start.prefix == prefix]
+            truth = []
+            for index, start in enumerate(starts[:-1]):
+                if start.killed is not None:
+                    reached = max((record["step"] for record in start.log), default=start.resumed or 0)
+                    truth.append((start.tag, start.killed["phase"], reached, starts[index + 1].resumed))
+            report = report_store(self.store(prefix), use_default_prices=False)
+            # rank 0 of a job whose other rank was killed gives up: its start ends "failed"
+            outcomes = ["killed" if row.outcome == "failed" and self.world_size > 1 else row.outcome
+                        for row in report.starts]
+            expected = ["killed" if start.killed is not None else "finished" for start in starts]
+            if outcomes != expected:
+                problems.append(f"{prefix}: the report's starts ended {outcomes}, the soak's {expected}")
+            if len(report.preemptions) != len(truth):
+                problems.append(f"{prefix}: the report counts {len(report.preemptions)} preemptions, the soak killed "
+                                f"{len(truth)} starts that were resumed")
+                continue
+            for (tag, phase, reached, resumed), row in zip(truth, report.preemptions):
+                slack = 1 if phase in BACKGROUND_PHASES else 0
+                said = row.last_step or 0
+                if row.resumed_step != resumed or not 0 <= reached - said <= slack or not row.exact:
+                    problems.append(f"{prefix}: start {tag} ({phase}): the report says it reached step {said} and the "
+                                    f"next start resumed from {row.resumed_step}; the soak: step {reached}, resumed "
+                                    f"from {resumed}")
+                elif row.updates_lost != said - (resumed or 0):
+                    problems.append(f"{prefix}: start {tag}: {row.updates_lost} updates lost in the report, "
+                                    f"{said - (resumed or 0)} by its steps")
+        return problems
 
     @property
     def misses(self) -> int:

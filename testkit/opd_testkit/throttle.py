@@ -37,14 +37,15 @@ BURST_BYTES = 256 << 10
 class _Bucket:
     """A token bucket: :meth:`take` blocks until ``n`` bytes fit ``rate`` (burst :data:`BURST_BYTES`)."""
 
-    def __init__(self, rate: float) -> None:
+    def __init__(self, rate: float, burst_bytes: int = BURST_BYTES) -> None:
         self.rate = rate
-        self.tokens = float(BURST_BYTES)
+        self.burst = float(burst_bytes)
+        self.tokens = self.burst
         self.last = time.monotonic()
 
     def take(self, n: int) -> None:
         now = time.monotonic()
-        self.tokens = min(float(BURST_BYTES), self.tokens + (now - self.last) * self.rate)
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
         self.last = now
         self.tokens -= n
         if self.tokens < 0:
@@ -57,13 +58,19 @@ class CappedProxy:
     Args:
         upstream (str): the server, ``http://127.0.0.1:PORT`` or ``127.0.0.1:PORT``.
         cap_bytes_per_sec (float | None): the cap per connection and direction; ``None``: no cap.
+        burst_bytes (int): the most a connection moves at once above the cap (:data:`BURST_BYTES`;
+            a small one makes a small save take its bytes' time: the ledger's notice tests).
+        uploads_only (bool): cap only what clients send (saves slow, loads at full speed).
 
     Attributes:
         endpoint_url (str): ``http://127.0.0.1:<port>``, where clients connect.
         port (int): the listening port.
     """
 
-    def __init__(self, upstream: str, cap_bytes_per_sec: float | None = DEFAULT_CAP_BYTES_PER_SEC) -> None:
+    def __init__(self, upstream: str, cap_bytes_per_sec: float | None = DEFAULT_CAP_BYTES_PER_SEC,
+                 burst_bytes: int = BURST_BYTES, uploads_only: bool = False) -> None:
+        self.burst_bytes = burst_bytes
+        self.uploads_only = uploads_only
         split = urlsplit(upstream if "//" in upstream else f"//{upstream}")
         self.upstream = (split.hostname or "127.0.0.1", split.port)
         self.cap_bytes_per_sec = cap_bytes_per_sec
@@ -120,7 +127,8 @@ class CappedProxy:
             self._open -= 1
 
     def _pump(self, src: socket.socket, dst: socket.socket, counter: str) -> None:
-        bucket = _Bucket(self.cap_bytes_per_sec) if self.cap_bytes_per_sec else None
+        capped = self.cap_bytes_per_sec and not (self.uploads_only and counter == "bytes_down")
+        bucket = _Bucket(self.cap_bytes_per_sec, self.burst_bytes) if capped else None
         buffer = bytearray(CHUNK_BYTES)
         view = memoryview(buffer)
         try:

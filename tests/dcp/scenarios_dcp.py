@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import opd_store.dcp._writer as dcp_writer
 from opd_store.dcp import StoreReader, StoreWriter, async_save, load, save
 from opd_testkit.damage import damage_payload
+from scenarios_dcp_plans import scenario_empty_ranks  # noqa: F401 - run by the remote backends' launch
 
 RESHARD_PAIRS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2))
 
@@ -117,11 +118,11 @@ def scenario_backend(ctx) -> dict:
     # a rank whose write fails: nothing committed, the same error on every rank
     original = dcp_writer.write_items
 
-    def failing(writer, name, items, planner):
+    def failing(writer, name, items, planner, *extensions):
         if ctx.rank == 2:
             writer.write(b"some bytes")
             raise OSError("injected write failure on rank 2")
-        return original(writer, name, items, planner)
+        return original(writer, name, items, planner, *extensions)
 
     dcp_writer.write_items = failing
     try:

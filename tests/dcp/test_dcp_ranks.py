@@ -58,9 +58,12 @@ def test_resharding_between_1_2_4_and_8_ranks(tmp_path):
 @pytest.mark.parametrize("backend_name", ["s3", "gcs"])
 def test_dcp_on_remote_backends(backend_name, request, tmp_path):
     """4 ranks on S3 (moto) or GCS (fake-gcs-server): plain dcp.save with StoreWriter, a resharded
-    load, dcp.async_save, a failing rank, and missing, truncated and corrupted rank files."""
+    load, dcp.async_save, a failing rank, and missing, truncated and corrupted rank files; ranks
+    with nothing to write (tests/dcp/test_dcp_plans.py) at 2 and 4 ranks."""
+    from test_dcp_plans import check_empty_ranks
+
     backend = request.getfixturevalue(f"{backend_name}_backend")  # tests/conftest.py: a clean bucket
-    ranks = run_launch({"world_size": 4, "module": "scenarios_dcp", "scenarios": ["backend"],
+    ranks = run_launch({"world_size": 4, "module": "scenarios_dcp", "scenarios": ["backend", "empty_ranks"],
                         "backend": backend.to_json()}, tmp_path / "run")
     results = [rank["backend"] for rank in ranks]
     assert all("error" not in result for result in results), results
@@ -93,3 +96,4 @@ def test_dcp_on_remote_backends(backend_name, request, tmp_path):
     assert zero["latest_at_end"] == 6
     _check_manifest_lists_every_rank(backend, 1, 4)
     _check_manifest_lists_every_rank(backend, 6, 4)
+    check_empty_ranks(backend, ranks, (2, 4))

@@ -18,6 +18,7 @@ no run pays the imports. The two runs with a fault go through tests/dcp/faulty_j
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ import torch
 from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
+from opd_store import dcp as store_dcp
 
 FAULTY_JOB = Path(__file__).with_name("faulty_job.py")
 DEADLINE_SECS = 600
@@ -149,12 +151,28 @@ def test_sharded_job_killed_resumed_exact_and_elastic(tmp_path):
     assert elastic_store.latest_step() == step and elastic_store.manifest(step).world_size == 2
     assert [e["step"] for e in records if e["event"] == "saved"].count(step) == 1
 
-    # 5. and again: it runs to the end
+    # 5. and again: it runs to the end. Not a replay of the reference (docs/resume.md, "Elastic
+    # resume"), but every update after the resume is real and continues the saved state: the
+    # reference's learning rate at every step (the scheduler went on from the checkpoint), finite
+    # losses, AdamW's step count of 4 on every state, the reference's final param groups, finite
+    # adapter tensors of the reference's shapes that moved away from the step-2 checkpoint's.
     finished = _run(_cmd(elastic, "elastic2", tmp_path, 2, "--resume-mode", "elastic"))
     assert finished.returncode == 0, finished.stderr[-4000:]
     final = torch.load(tmp_path / "elastic2.pt", weights_only=True)
     assert final["trainer"]["successful_updates"] == 4 and elastic_store.latest_step() == 4
-    assert final["adapter"].keys() == torch.load(tmp_path / "ref.pt", weights_only=True)["adapter"].keys()
+    reference = torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert {name: t.shape for name, t in final["adapter"].items()} == {
+        name: t.shape for name, t in reference["adapter"].items()}
+    assert all(torch.isfinite(t).all() for t in final["adapter"].values())
+    reference_lr = {r["step"]: r["lr"] for r in _records(tmp_path / "ref.log") if r["ok"]}
+    elastic_updates = [r for r in _records(tmp_path / "elastic1.log") + _records(tmp_path / "elastic2.log") if r["ok"]]
+    assert sorted({r["step"] for r in elastic_updates}) == [3, 4]
+    assert all(r["lr"] == reference_lr[r["step"]] and math.isfinite(r["loss"]) for r in elastic_updates)
+    assert final["optimizer"]["param_groups"] == reference["optimizer"]["param_groups"]
+    assert {float(state["step"]) for state in final["optimizer"]["state"].values()} == {4.0}
+    step2 = {"model": {name: torch.empty_like(t) for name, t in final["adapter"].items()}}
+    store_dcp.load(step2, elastic_store, 2)  # the checkpoint the elastic run resumed from, gathered whole
+    assert all(not torch.equal(final["adapter"][name], t) for name, t in step2["model"].items())
 
     # 6. one byte of rank 1's shard file of the reference's step 4 flipped after the commit: the
     # step is skipped like a truncated one, and since the run would save step 4 again it stops

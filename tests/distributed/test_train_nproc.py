@@ -3,12 +3,17 @@
 The job runs as a real CLI process that spawns two gloo ranks. The kill lands while rank 1 is in
 the middle of its RNG part of step 4 (tests/distributed/inject/sitecustomize.py blocks it there
 and names its pid), so nothing can have committed step 4. The restarted job resumes from step 2
-and must end bit-identical to an uninterrupted 2-rank run: adapter, optimizer, counters, losses.
+and must end bit-identical to an uninterrupted 2-rank run: adapter, optimizer, counters, losses;
+it does so with a run journal damaged and partly lost before the restart (nothing resumes from the
+journal), and ``opd-store report`` then says where the first run died (step 4 reached, step 2
+resumed from, 2 updates redone), skipping the damaged events with a warning.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -22,6 +27,8 @@ import torch
 from opd_testkit import forkserver
 
 from opd_store import CheckpointStore
+from opd_store.format import JOURNAL_PREFIX
+from opd_store.ledger import MAX_EVENT_BYTES, read_journal, report_store
 
 ROOT = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).with_name("inject")
@@ -35,7 +42,7 @@ def _cmd(store: Path, tag: str, tmp_path: Path, *, fork: bool = False) -> list[s
     in a fresh interpreter, and the default start method is tested there), the other runs fork to
     save the imports."""
     return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
-            "--checkpoint-every", "2", "--nproc", "2", "--log", str(tmp_path / f"{tag}.log"),
+            "--checkpoint-every", "2", "--nproc", "2", "--journal-progress-secs", "0", "--log", str(tmp_path / f"{tag}.log"),
             "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt"),
             *(["--start-method", "fork"] if fork else [])]
 
@@ -75,6 +82,14 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     output = killed.communicate(timeout=DEADLINE_SECS)[0]
     assert killed.returncode != 0, output[-4000:]
     assert store.steps() == [2] and store.latest_step() == 2  # step 4 never committed
+    # The journal damaged and partly lost: the killed start's resume event deleted, its first-update
+    # event overwritten, and an oversized and a newer-schema object beside them.
+    journal = tmp_path / "run" / JOURNAL_PREFIX
+    (journal / next(p.name for p in journal.iterdir() if "-resume-" in p.name)).unlink()
+    (journal / next(p.name for p in journal.iterdir() if "-first_update-" in p.name)).write_bytes(b"\x00garbage")
+    stamp = "20270101T000000.000000Z-" + "f" * 16
+    (journal / f"{stamp}-000000-progress-s000009.json").write_bytes(b" " * (MAX_EVENT_BYTES + 1))
+    (journal / f"{stamp}-000001-progress-s000009.json").write_text(json.dumps({"schema_version": 99}))
 
     resumed = forkserver.run(_cmd(tmp_path / "run", "run2", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
                              timeout=DEADLINE_SECS)
@@ -98,6 +113,13 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     for record in _records(tmp_path / "run1.log") + _records(tmp_path / "run2.log"):
         assert record == by_update[record["attempted_update"]]
     assert _records(tmp_path / "run2.log")[-1] == by_update[max(by_update)]
+    report = report_store(store)
+    assert [(row.outcome, row.world_size) for row in report.starts] == [("failed", 2), ("finished", 2)]  # rank 0 gave up
+    assert [(p.how, p.last_step, p.resumed_step, p.updates_lost, p.exact) for p in report.preemptions] == [
+        ("failed", 4, 2, 2, True)]
+    assert len(report.skipped) == 3 and report.saves == 2  # step 2, then step 4 after the resume
+    first_save = next(e for e in read_journal(store).events if e.kind == "save")
+    assert first_save.step == 2 and first_save.requests["put"] >= 10  # rank 0's 8 payloads, its manifest, rank 1's part
 
     # One rank's RNG file of the reference's step 4 truncated after the commit: the job stops
     # before training, on every rank, with exit 4 and a final line that does not promise a resume
@@ -143,13 +165,24 @@ def test_elastic_replicated_resume_reports_world_sizes(tmp_path):
     assert saved.returncode == 0, saved.stderr[-4000:]
     store = CheckpointStore(store_dir)
     assert store.steps() == [2, 4] and store.manifest(2).world_size == 2
+    saved_at_2 = torch.load(io.BytesIO(store.read(2, "training_state.pt")), weights_only=True)["trainer"]
     shutil.rmtree(store_dir / "step-000004")  # the job resumes from step 2 and commits step 4 again
     resumed = forkserver.run([sys.executable, "-m", "opd_store", "train", *common, "--nproc", "1",
                               "--resume-mode", "elastic", "--log", str(tmp_path / "run2.log"),
-                              "--events", str(tmp_path / "run2.events")],
+                              "--events", str(tmp_path / "run2.events"), "--final-state", str(tmp_path / "run2.pt")],
                              capture_output=True, text=True, timeout=DEADLINE_SECS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert _records(tmp_path / "run2.events")[0] == {
         "event": "resumed", "url": f"{store_dir}/step-000002", "step": 2, "saved_world_size": 2, "world_size": 1,
         "unclaimed_ranks": [1]}
     assert store.steps() == [2, 4] and store.manifest(4).world_size == 1
+    # More than the report: the run went on from the saved state. The global sample index continues
+    # from the two ranks' (one rank now reads 2 prompts per attempted update), the scheduler gives the
+    # first run's learning rate at every step, and the counters are the saved ones plus the updates run.
+    attempted = _records(tmp_path / "run2.log")
+    final = torch.load(tmp_path / "run2.pt", weights_only=True)["trainer"]
+    assert final["samples_done"] == saved_at_2["samples_done"] + len(attempted) * 1 * 2
+    assert final["attempted_updates"] == saved_at_2["attempted_updates"] + len(attempted)
+    assert final["successful_updates"] == 4 and [r["step"] for r in attempted if r["ok"]] == [3, 4]
+    first_lr = {r["step"]: r["lr"] for r in _records(tmp_path / "run1.log") if r["ok"]}
+    assert all(r["lr"] == first_lr[r["step"]] and math.isfinite(r["loss"]) for r in attempted if r["ok"])

@@ -9,7 +9,9 @@ interrupted from its beginning rather than from the batch it reached.
 As a program (``python tests/integrations/lightning_child.py SPEC_JSON``, started by :func:`start`
 on a fresh machine from the worker's fork server): events (:mod:`opd_testkit.events`)
 ``{"event": "epoch_end", "epoch": N}`` at each epoch end (before that epoch's checkpoint:
-ModelCheckpoint runs after other callbacks), then the child waits for the parent's reply; at the end
+ModelCheckpoint runs after other callbacks), then the child waits for the parent's reply;
+``{"event": "checkpoint", "step": N}`` for each checkpoint Lightning saves (its run journal has a
+``progress`` event after every batch, so ``opd-store report`` knows where a start was killed); at the end
 ``{"event": "done", "resumed_from": ...}`` after ``torch.save`` of the weights to the spec's
 ``result`` path, or ``{"event": "error", "traceback": ...}``.
 """
@@ -29,7 +31,12 @@ from opd_store.job._machines import fresh_machine
 
 
 def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs: int = 4, callbacks=(),
-          save_top_k: int = 2, rng_hooks: bool = True, lr: float = 1e-2, local_cache_dir=None):
+          save_top_k: int = 2, rng_hooks: bool = True, lr: float = 1e-2, local_cache_dir=None, plugin=None,
+          checkpoint_class=None, checkpoint_kwargs=None, **trainer_kwargs):
+    """The tiny run: ``(trainer, model, train loader, val loader, plugin, checkpoint callback)``.
+    ``plugin``: an existing StoreCheckpointIO (else a new one); ``checkpoint_class``: a subclass of
+    StoreModelCheckpoint; ``checkpoint_kwargs``: more of its arguments (``journal_progress_secs``,
+    ``save_on_exception``); ``trainer_kwargs``: more ``Trainer`` arguments (``devices``, ``strategy``)."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -70,13 +77,40 @@ def build(url: str, storage_options: dict, *, async_io: bool = False, max_epochs
     val = torch.utils.data.DataLoader(data, batch_size=32)
     pl.seed_everything(0, verbose=False)
     model = Tiny()
-    plugin = StoreCheckpointIO(url, storage_options=storage_options, local_cache_dir=local_cache_dir)
-    checkpoint = StoreModelCheckpoint(plugin, monitor="val_loss", save_top_k=save_top_k, save_last=True,
-                                      filename="{epoch}-{step}")
-    trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, plugins=[AsyncCheckpointIO(plugin) if async_io else plugin],
-                         callbacks=[checkpoint, *callbacks], default_root_dir=tempfile.mkdtemp())
+    if plugin is None:
+        plugin = StoreCheckpointIO(url, storage_options=storage_options, local_cache_dir=local_cache_dir)
+    checkpoint = (checkpoint_class or StoreModelCheckpoint)(plugin, monitor="val_loss", save_top_k=save_top_k, save_last=True,
+                                      filename="{epoch}-{step}", **(checkpoint_kwargs or {}))
+    trainer_kwargs = {"accelerator": "cpu", "devices": 1, **trainer_kwargs}
+    trainer = pl.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[AsyncCheckpointIO(plugin) if async_io else plugin], callbacks=[checkpoint, *callbacks],
+                         default_root_dir=tempfile.mkdtemp(), **trainer_kwargs)
     return trainer, model, train, val, plugin, checkpoint
+
+
+def snapshot(backend, sub: str = "ckpts") -> dict[str, bytes]:
+    """Every object under ``sub`` of ``backend`` (a plugin root), read with the backend's own client."""
+    fs, raw = backend.raw_fs(), f"{backend.raw_root()}/{sub}"
+    return {path[len(raw) + 1:]: fs.cat_file(path) for path in fs.find(raw)}
+
+
+def upload(objects: dict[str, bytes], backend, sub: str = "ckpts") -> str:
+    """Write a :func:`snapshot` into ``backend`` under ``sub`` with the backend's own client; return
+    the root's URL."""
+    fs, raw = backend.raw_fs(), backend.raw_root()
+    for rel, data in sorted(objects.items()):
+        fs.pipe_file(f"{raw}/{sub}/{rel}", data)
+    return f"{backend.url}/{sub}"
+
+
+def loaded_states(records: list):
+    """A callback appending ``(global_step, state_dict)`` of every checkpoint Lightning restores
+    from to ``records`` (its ``on_load_checkpoint``, on every rank)."""
+    class Loaded(pl_callback()):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            records.append((checkpoint["global_step"], dict(checkpoint["state_dict"])))
+
+    return Loaded()
 
 
 def pl_callback():
@@ -102,7 +136,11 @@ def main(spec: dict) -> None:
                 events.emit({"event": "epoch_end", "epoch": trainer.current_epoch, "step": trainer.global_step})
                 events.wait_reply()
 
-        trainer, model, train, val, _plugin, _ckpt = build(spec["url"], spec["storage_options"], callbacks=[Report()])
+            def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+                events.emit({"event": "checkpoint", "step": trainer.global_step})
+
+        trainer, model, train, val, _plugin, _ckpt = build(spec["url"], spec["storage_options"], callbacks=[Report()],
+                                                           checkpoint_kwargs={"journal_progress_secs": 0})
         trainer.fit(model, train, val, ckpt_path="last")  # also on the first start (empty store)
         torch.save(weights(model), spec["result"])
         events.emit({"event": "done", "resumed_from": str(trainer.ckpt_path)})

@@ -10,14 +10,17 @@ With ``probe`` each rank also fails alone once, in the processes already running
 after training, a commit of step 3 whose directory lacks rank 1's RNG file; before resuming, a fetch
 into a directory rank 1 cannot create. Every rank must raise the same typed error naming rank 1
 (a rank failing alone must not leave the other waiting in a collective); the errors are reported
-as ``[type name, failing ranks, message]``. The result is the event ``{"event": "result", ...}``
-(:mod:`opd_testkit.events`).
+as ``[type name, failing ranks, message]``. Before resuming, the two ranks also play two hosts
+(host names ``host-0`` and ``host-1``) sharing one output directory over a network filesystem:
+both fetch into it, and each reports how many fetches it made (the directory must be fetched
+once). The result is the event ``{"event": "result", ...}`` (:mod:`opd_testkit.events`).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -71,35 +74,34 @@ def _train(spec: dict) -> dict:
     """The run of this rank (see the module docstring); returns the ``result`` event."""
     import shutil
     import types
+    from unittest import mock
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from opd_testkit.hf import tiny_trainer
+    from transformers import TrainerCallback
 
     from opd_store.integrations.transformers import StoreCallback, store_checkpoint
 
     rank, out, store_url, stop_at = spec["rank"], spec["out"], spec["store_url"], spec["stop_at"]
     resume, probe = spec["resume"], spec["probe"]
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16))
-    data = [{"input_ids": torch.arange(8) + i, "labels": torch.arange(8) + i} for i in range(32)]
 
     class StopAt(TrainerCallback):  # a run of 4 steps whose process ends after step ``stop_at``
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == stop_at:
                 control.should_training_stop = True
 
-    args = TrainingArguments(output_dir=out, max_steps=4, save_steps=2, per_device_train_batch_size=2,
-                             report_to=[], use_cpu=True, disable_tqdm=True, ddp_backend="gloo", seed=0,
-                             logging_steps=1, ddp_timeout=60)
     callback = StoreCallback(store_url, async_upload=spec["async_upload"])
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, StopAt()])
+    trainer = tiny_trainer(out, callbacks=[callback, StopAt()], ddp_backend="gloo", ddp_timeout=60)
+    args = trainer.args
     result = {"event": "result", "rank": rank, "world_size": args.world_size}
     if probe and resume:
         blocker = Path(out).parent / f"not-a-directory-{rank}"
         blocker.write_text("x")
         local = blocker / "sub" if rank == 1 else Path(out).parent / f"probe-{rank}"
         result["fetch_error"] = _error(lambda: store_checkpoint(store_url, local))
+        fetches = _FetchCount()
+        with mock.patch("socket.gethostname", return_value=f"host-{rank}"), fetches:
+            shared = store_checkpoint(store_url, Path(out).parent / "shared-output")
+        result["shared_fetch"] = [shared, fetches.count, sorted(os.listdir(shared))]
     resume_path = store_checkpoint(store_url, trainer=trainer) if resume else None
     trainer.train(resume_from_checkpoint=resume_path)
     result.update(files=sorted(os.listdir(Path(out) / f"checkpoint-{stop_at}")), resumed=resume_path,
@@ -113,6 +115,30 @@ def _train(spec: dict) -> dict:
         result["commit_error"] = _error(lambda: callback.commit(args, types.SimpleNamespace(global_step=3)))
         shutil.rmtree(copy)
     return result
+
+
+class _FetchCount(logging.Handler):
+    """Counts the fetches of this process (``fetched ... into ...``, logged once per fetched step)
+    while it is entered."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += record.getMessage().startswith("fetched ")
+
+    def __enter__(self) -> "_FetchCount":
+        log = logging.getLogger("opd_store.integrations")
+        self._level = log.level
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        log = logging.getLogger("opd_store.integrations")
+        log.removeHandler(self)
+        log.setLevel(self._level)
 
 
 def start_pair(base: Path, store_url: str, outs: list[str], stop_at: int, resume: bool, probe: bool = False,

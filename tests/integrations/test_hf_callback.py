@@ -1,5 +1,6 @@
 """StoreCallback with a real (tiny) TRL GKDTrainer in this process: what is committed, async uploads
-racing save_total_limit, retention, preemption, transformers' JIT checkpoint, and bad input."""
+racing save_total_limit, retention, preemption and transformers' JIT checkpoint (and their run
+journal), a resume over a lost journal, and bad input."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from opd_store import (
 )
 from opd_store.integrations.transformers import StoreCallback, resume_from_store, store_checkpoint
 from opd_store.job._machines import torch_threads
+from opd_store.format import JOURNAL_PREFIX
 from opd_store.job._trl_demo import GKDSpec, build_trainer, final_state
+from opd_store.ledger import read_journal
 from opd_store.retention import RetentionPolicy
 from opd_store.runtime import PreemptionWatcher
 
@@ -269,6 +272,16 @@ def test_preemption_notice_saves_commits_and_stops(tmp_path):
     store = CheckpointStore(store_url)
     assert store.steps() == [3] and store.verify(3, deep=True).ok  # committed before train() returned
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the watcher was stopped
+    # journaled: the notice, its save (committed on the worker, waited for), the preempted end
+    events = read_journal(store).events
+    assert [e.kind for e in events] == ["start", "resume", "first_update", "notice", "save", "exit"]
+    notice, save, exit_ = events[3:]
+    assert (notice.source, notice.step, notice.decision, notice.last_committed_step) == ("SIGUSR1", 3, "save", None)
+    assert (save.step, save.reason, save.size_bytes) == (3, "notice", store.manifest(3).total_size_bytes)
+    assert save.commit_secs > 0 and save.blocking_secs >= save.commit_secs  # the notice's save is waited for
+    # the start's PUTs: the save's (a payload each, the manifest) and the journal's six events
+    assert (exit_.outcome, exit_.step, exit_.requests["put"]) == ("preempted", 3, save.requests["put"] + 6)
+    assert save.requests["put"] == len(store.manifest(3).payloads) + 1
 
 
 def test_transformers_jit_checkpoint_is_committed(tmp_path):
@@ -304,8 +317,15 @@ def test_resume_from_store_in_one_call_continues_exactly(run_a, tmp_path):
     first = build_trainer(str(tmp_path / "a"), GKDSpec(max_steps=4), callbacks=[StoreCallback(store_url), OnStepEnd(crash)])
     with pytest.raises(Crash):
         first.train()
+    store = CheckpointStore(store_url)
+    assert [e.kind for e in read_journal(store).events] == ["start", "resume", "first_update", "save"]
+    store.storage.delete_tree(JOURNAL_PREFIX)  # the run journal lost: nothing resumes from it
     second = build_trainer(str(tmp_path / "b"), GKDSpec(max_steps=4), callbacks=[StoreCallback(store_url)])
     resume_from_store(second, store_url)
-    assert CheckpointStore(store_url).manifest(4).metadata["parent_step"] == 2
+    assert store.manifest(4).metadata["parent_step"] == 2
     a, b = run_a.final, final_state(second)  # run A is the same run, uninterrupted
     assert a["losses"] == b["losses"] and all((a["adapter"][k] == b["adapter"][k]).all() for k in a["adapter"])
+    events = read_journal(store).events  # the second start's alone, its updates redone unknown
+    assert [(e.kind, getattr(e, "step", None)) for e in events] == [
+        ("start", None), ("resume", None), ("first_update", 3), ("save", 4), ("exit", 4)]
+    assert (events[1].resumed_step, events[1].updates_redone) == (2, None)

@@ -1,20 +1,26 @@
 """StoreCheckpointIO and StoreModelCheckpoint with a real Lightning Trainer: top-k and last in the
 store (with and without AsyncCheckpointIO), ``fit(ckpt_path="last")`` on S3, a name saved again
 below or at its step, and a run SIGKILLed after a checkpoint and resumed with
-``fit(ckpt_path="last")`` in a new process on GCS, continuing exactly."""
+``fit(ckpt_path="last")`` in a new process on GCS, continuing exactly over a damaged run journal
+(and in the same process over a lost one), ``opd-store report`` saying where it was killed; the
+journal of a SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
 import lightning_child
 import pytest
 import torch
+from opd_testkit.stores import raw_put
 
 from opd_store import CheckpointStore, StoreUnreachableError, TieredStore
+from opd_store.format import JOURNAL_PREFIX
 from opd_store.integrations.lightning import StoreCheckpointIO
 from opd_store.job._machines import torch_threads
+from opd_store.ledger import event_rel, read_journal, report_store
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -194,10 +200,15 @@ def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(gcs_bac
     url, options = gcs_backend.url + "/ckpts", gcs_backend.storage_options
     stream, _machine = lightning_child.start(tmp_path, url, options)
     # epochs 0 and 1 are checkpointed; killed at the end of epoch 2, before its checkpoint
-    stream.until(lambda e: e["event"] == "epoch_end" and e["epoch"] == 2, reply_to="epoch_end")
+    first = stream.until(lambda e: e["event"] == "epoch_end" and e["epoch"] == 2, reply_to="epoch_end")
     stream.process.kill()
     assert stream.process.wait(60) == -signal.SIGKILL
     assert _last(url, options) == (1, 8)
+    # the run journal damaged (an event that is not JSON, an object that is no event's): nothing
+    # resumes from it
+    junk = event_rel(946684800.0, "00000000deadbeef", 0, "save", 99)
+    raw_put(gcs_backend, f"ckpts/{junk}", b"not json")
+    raw_put(gcs_backend, f"ckpts/{JOURNAL_PREFIX}/notes.txt", b"kept by hand")
 
     stream, machine = lightning_child.start(tmp_path, url, options)
     events = stream.until(lambda e: e["event"] == "done", reply_to="epoch_end")
@@ -209,6 +220,23 @@ def test_killed_and_resumed_from_last_in_a_new_process_continues_exactly(gcs_bac
     for name, tensor in reference.items():
         assert torch.equal(state[name], tensor), name
     assert _last(url, options) == (1, 16)
+
+    # opd-store report: killed at step 12 (the end of epoch 2), resumed from 8, each checkpoint
+    # Lightning saved is one save; the damaged objects skipped, named
+    report = report_store(CheckpointStore(url, storage_options=options))
+    killed_at = first[-1]["step"]
+    assert [(r.outcome, r.resumed_step, r.last_step) for r in report.starts] == [
+        ("killed", None, killed_at), ("finished", 8, 16)]
+    assert [(p.last_step, p.resumed_step, p.updates_lost, p.exact) for p in report.preemptions] == [
+        (killed_at, 8, killed_at - 8, True)]
+    saved = [e["step"] for e in first + events if e["event"] == "checkpoint"]
+    assert report.saves == len(saved) and saved[:4] == [4, 4, 8, 8]
+    plugin = StoreCheckpointIO(url, storage_options=options)
+    assert report.bytes_stored == sum(CheckpointStore(plugin.path_of(name), storage_options=options).manifest(version)
+                                      .total_size_bytes for name, (version,) in _layout(url, options).items())
+    assert sorted(line.split(": ")[0] for line in report.skipped) == [f"{url}/{junk}", f"{url}/{JOURNAL_PREFIX}/notes.txt"]
+    resumes = [e for e in read_journal(plugin.root).events if e.kind == "resume"]
+    assert [(e.resumed_step, e.updates_redone) for e in resumes] == [(None, None), (8, killed_at - 8)]
 
 
 def test_lightning_does_not_restore_rng_without_the_module_hooks(tmp_path):
@@ -263,3 +291,60 @@ def test_a_name_saved_again_at_the_same_or_an_earlier_step_holds_the_newest_save
     for name, tensor in lightning_child.weights(model).items():
         assert torch.equal(last["state_dict"][name], tensor), name
     assert len(CheckpointStore(plugin.path_of("last.ckpt")).steps()) == 1
+
+
+@REFERENCE
+def test_a_new_trainer_in_the_same_process_after_a_crash_resumes_and_continues_exactly(tmp_path, reference):
+    """An in-process retry: a fit that raised at the end of epoch 2 (before that epoch's checkpoint),
+    then a new Trainer in the same process, with the same plugin object, ``fit(ckpt_path="last")``:
+    it resumes at step 8 and ends on the uninterrupted run's weights, as without a store."""
+    class Preempted(lightning_child.pl_callback()):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 2:
+                raise RuntimeError("preempted")
+
+    url = f"memory://lightning-retry-{tmp_path.name}/ckpts"
+    first, model, train, val, plugin, _c = lightning_child.build(url, {}, callbacks=[Preempted()])
+    with pytest.raises(RuntimeError, match="^preempted$"):
+        first.fit(model, train, val, ckpt_path="last")  # a first start: nothing to resume yet
+    assert first.global_step == 12 and _last(url, {}) == (1, 8)
+    (exit_,) = [e for e in read_journal(plugin.root).events if e.kind == "exit"]
+    assert (exit_.outcome, exit_.step, exit_.error) == ("failed", 12, "RuntimeError: preempted")
+    plugin.root.storage.delete_tree(JOURNAL_PREFIX)  # the run journal lost: nothing resumes from it
+    second, model, train, val, _p, _c = lightning_child.build(url, {}, plugin=plugin)
+    second.fit(model, train, val, ckpt_path="last")
+    assert second.global_step == 16 and _last(url, {}) == (1, 16)
+    for name, tensor in lightning_child.weights(model).items():
+        assert torch.equal(reference[name], tensor), name
+    assert [(e.kind, getattr(e, "resumed_step", None)) for e in read_journal(plugin.root).events
+            if e.kind in ("start", "resume", "exit")] == [("start", None), ("resume", 8), ("exit", None)]
+
+
+@pytest.mark.parametrize("save_on_exception", [False, True], ids=["skipped", "saved"])
+def test_a_sigterm_is_journaled_as_a_notice_with_what_came_of_it(save_on_exception, tmp_path):
+    """Lightning stops after the batch in which SIGTERM arrived (``SIGTERMException``); the journal
+    says so: a notice at that step with its decision (``save_on_exception``: ModelCheckpoint saves
+    the step, else the updates since the last checkpoint are lost) and ``exit`` ``preempted``."""
+    assert threading.current_thread() is threading.main_thread()  # where Lightning installs its handler
+
+    class Term(lightning_child.pl_callback()):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 6:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    url = f"memory://lightning-sigterm-{tmp_path.name}/ckpts"
+    trainer, model, train, val, plugin, _c = lightning_child.build(
+        url, {}, max_epochs=2, callbacks=[Term()], checkpoint_kwargs={"save_on_exception": save_on_exception})
+    with pytest.raises(SystemExit):  # Lightning's SIGTERMException
+        trainer.fit(model, train, val)
+    assert trainer.global_step == 6
+    events = read_journal(plugin.root).events
+    (notice,) = [e for e in events if e.kind == "notice"]
+    assert (notice.source, notice.step, notice.last_committed_step, notice.decision, notice.updates_lost) == (
+        "SIGTERM", 6, 4, "save" if save_on_exception else "skip", 0 if save_on_exception else 2)
+    # epoch 0's checkpoint (its top-k name and last.ckpt), then with save_on_exception step 6's
+    assert [(e.step, e.reason) for e in events if e.kind == "save"] == (
+        [(4, "periodic")] * 2 + ([(6, "notice")] * 2 if save_on_exception else []))
+    assert [(e.kind, e.outcome, e.step) for e in events if e.kind == "exit"] == [("exit", "preempted", 6)]
+    (row,) = report_store(plugin.root).starts
+    assert (row.outcome, row.last_step) == ("preempted", 6)

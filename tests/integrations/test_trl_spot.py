@@ -5,21 +5,32 @@ with a chat template, no network) with :class:`StoreCallback` committing every s
 SIGKILLed once during training and once during a save (payloads written, manifest create refused by
 the S3 proxy so the commit cannot land first), and every start is a new process with a new empty
 working directory, HOME and temp dir. The final adapter, optimizer state and logged losses equal an
-uninterrupted run's bit for bit.
+uninterrupted run's bit for bit, though the last start finds the run journal damaged; and
+``opd-store report`` says where each start was killed and what it lost.
 """
 
 from __future__ import annotations
 
+import json
 import signal
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 import trl_child
 from opd_testkit.proxies import Rule, S3FaultProxy
+from opd_testkit.stores import raw_put
 
 from opd_store import CheckpointStore
+from opd_store.cli import main
+from opd_store.format import JOURNAL_PREFIX
 from opd_store.job._machines import torch_threads
+from opd_store.ledger import event_rel, read_journal
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
+from cli_helpers import cli_store_args  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,7 +51,7 @@ def _kill(stream) -> None:
     assert stream.process.wait(60) == -signal.SIGKILL
 
 
-def test_gkd_killed_in_training_and_in_a_save_resumes_bit_for_bit(s3_backend, moto_s3, tmp_path, reference):
+def test_gkd_killed_in_training_and_in_a_save_resumes_bit_for_bit(s3_backend, moto_s3, tmp_path, reference, capsys):
     proxy = S3FaultProxy(moto_s3.endpoint_url)
     try:
         options = dict(s3_backend.storage_options, endpoint_url=proxy.endpoint_url)
@@ -77,6 +88,12 @@ def test_gkd_killed_in_training_and_in_a_save_resumes_bit_for_bit(s3_backend, mo
         assert info[4].total_size_bytes > 0  # the payloads of step 4 had landed
         assert store.steps() == [2]
 
+        # The run journal damaged: an event that is not JSON, an object that is no event's. Nothing
+        # resumes from the journal: start 3 resumes as without it.
+        junk = event_rel(946684800.0, "00000000deadbeef", 0, "save", 99)
+        raw_put(s3_backend, junk, b"not json")
+        raw_put(s3_backend, f"{JOURNAL_PREFIX}/notes.txt", b"kept by hand")
+
         # Start 3: skips the uncommitted step 4, resumes from 2 and runs to the end.
         stream, machine = trl_child.start(tmp_path, s3_backend.url, options)
         homes.append(machine / "home")
@@ -100,5 +117,25 @@ def test_gkd_killed_in_training_and_in_a_save_resumes_bit_for_bit(s3_backend, mo
         # and temp dir stayed empty
         for home in homes:
             assert sorted(p.name for p in home.iterdir()) == []
+
+        # opd-store report: start 1 killed at step 3 and start 2 at step 4 (in its save), both
+        # redone from step 2; two saves committed; the damaged objects skipped, named
+        assert main(["report", s3_backend.url, "--json", *cli_store_args(s3_backend)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert [(r["outcome"], r["resumed_step"], r["last_step"]) for r in report["starts"]] == [
+            ("killed", None, 3), ("killed", 2, 4), ("finished", 2, 4)]
+        assert [(p["last_step"], p["resumed_step"], p["updates_lost"], p["exact"]) for p in report["preemptions"]] == [
+            (3, 2, 1, True), (4, 2, 2, True)]
+        assert report["saves"] == 2 and report["restart_secs_worst"] > 0
+        assert report["bytes_stored"] == store.manifest(2).total_size_bytes + store.manifest(4).total_size_bytes
+        assert sorted(line.split(": ")[0] for line in report["skipped"]) == [
+            f"{s3_backend.url}/{junk}", f"{s3_backend.url}/{JOURNAL_PREFIX}/notes.txt"]
+        events = read_journal(store).events
+        assert [(e.resumed_step, e.updates_redone) for e in events if e.kind == "resume"] == [(None, None), (2, 1), (2, 2)]
+        saves = [e for e in events if e.kind == "save"]
+        assert [(e.step, e.reason, e.size_bytes) for e in saves] == [
+            (2, "periodic", store.manifest(2).total_size_bytes), (4, "periodic", store.manifest(4).total_size_bytes)]
+        files = [len(store.manifest(step).payloads) for step in (2, 4)]
+        assert [e.requests["put"] for e in saves] == [n + 1 for n in files]  # every payload and the manifest
     finally:
         proxy.stop()

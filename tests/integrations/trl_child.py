@@ -11,6 +11,8 @@ Events (:mod:`opd_testkit.events`): every event of :func:`opd_store.job._trl_dem
 each ``step`` event, so the parent can SIGKILL it at an exact step; at the end
 ``{"event": "done", "cwd_entries": [...]}`` after ``torch.save`` of the final state (adapter,
 optimizer, losses, step) to the spec's ``result`` path, or ``{"event": "error", "traceback": ...}``.
+The callback journals a ``progress`` event after every update, so ``opd-store report`` knows
+exactly where a start was killed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def main(spec: dict) -> None:
                 events.wait_reply()
 
         state = run_start(spec["store_url"], "out", storage_options=spec["storage_options"], events=on_event,
-                          async_upload=spec["async_upload"], spec=SPEC)
+                          async_upload=spec["async_upload"], spec=SPEC, journal_progress_secs=0)
         state.pop("log_history", None)
         torch.save(state, spec["result"])
         events.emit({"event": "done", "cwd_entries": sorted(os.listdir("."))})

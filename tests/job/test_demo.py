@@ -34,6 +34,9 @@ def test_demo_on_s3_emulator_matches_reference_bit_for_bit(tmp_path, fork_server
     rows = [line for line in out.splitlines() if line.startswith("| start ") and not line.startswith("| start |")]
     assert len(rows) == 3
     assert "| start 2 | 2 |" in out or "| start 2 | 4 |" in out, out
+    # opd-store report of the spot store says where the demo killed it: two preemptions
+    assert "report: matches where the demo killed the job" in out
+    assert "opd-store report: 2 preemptions; start 1 reached step " in out
 
 
 @pytest.mark.parametrize("argv, message", [

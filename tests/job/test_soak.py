@@ -147,8 +147,9 @@ def test_soak_short_form_reaches_every_phase_and_resumes_bit_exactly(where, requ
                 workdir=tmp_path, popen=fork_server.popen, timeout_secs=300)
     soak.run(12, seed=5)
     text, problems = render(kills=soak.kills, n=12, header=["# soak"], starts=soak.starts,
-                            extra_problems=soak.start_problems)
+                            extra_problems=soak.start_problems + soak.report_problems)
     assert problems == [], text
+    assert soak.report_problems == []  # opd-store report says where each start was killed and resumed
     assert len(soak.kills) == 12 and {k["phase"] for k in soak.kills} == set(PHASES)
     assert all(k["resume_problems"] == [] for k in soak.kills)
     killed = [s for s in soak.starts if s.killed is not None]

@@ -156,3 +156,43 @@ def test_a_profile_that_does_not_exist_is_missing_credentials_named_in_one_line(
     assert capsys.readouterr().err.splitlines() == [
         f"opd-store ls: error: {backend.url}: cannot list the store: {cause}"]
     assert boto3_client(moto_s3).list_objects_v2(Bucket=backend.url.split("/")[2]).get("KeyCount") == 0
+
+
+FAST_S3 = dict(retries=1, config_kwargs={"retries": {"total_max_attempts": 2, "mode": "standard"}},
+               connect_timeout_secs=2, read_timeout_secs=2)
+
+
+@pytest.mark.parametrize(("status", "code", "error", "builtin"), [
+    (503, "SlowDown", "StoreRequestError", OSError),
+    (500, "InternalError", "StoreRequestError", OSError),
+    (403, "AccessDenied", "StoragePermissionError", PermissionError),
+])
+def test_a_read_refused_past_the_retries_is_typed_naming_the_url_and_operation(s3_fault_proxy, status, code, error,
+                                                                               builtin):
+    """Every read verb of a storage (listings, sizes, reads) answers a backend failure that is not a
+    missing object with a typed error naming the object's URL, the operation and the backend's
+    answer (a HEAD's reply has no body: its status line), the backend's error chained: the manifest probe of ``begin`` (HeadObject), a listing of
+    the steps (ListObjectsV2) and a payload read (GetObject). Nothing committed changes."""
+    import opd_store.errors as errors
+    from opd_testkit.proxies import through_proxy
+
+    backend, proxy = s3_fault_proxy
+    store = open_store(through_proxy(backend, proxy, **FAST_S3))
+    with store.begin(1) as txn:
+        with txn.open("model.bin") as writer:
+            writer.write(b"weights")
+    for op, call, what in (("HeadObject", lambda: store.begin(2), "step-000002/manifest.json: cannot read its size"),
+                           ("ListObjectsV2", store.steps, "cannot list"),
+                           ("GetObject", lambda: store.read(1, "model.bin"), "/model.bin: cannot read")):
+        proxy.clear()
+        proxy.add(ops=(op,), match=lambda request: not request.path.endswith("manifest.json") or op == "HeadObject",
+                  status=status, code=code, times=None)
+        exc = _raised(call)
+        assert type(exc).__name__ == error and isinstance(exc, builtin), repr(exc)
+        assert isinstance(exc, getattr(errors, error)) and exc.__cause__ is not None
+        answer = (code, str(status), {503: "Service Unavailable", 500: "Internal Server Error", 403: "Forbidden"}[status])
+        assert what in str(exc) and store.url in str(exc) and any(word in str(exc) for word in answer), str(exc)
+        faulted = {request.op for request in proxy.requests if request.fault}
+        assert faulted == {op}
+    proxy.clear()
+    assert store.steps() == [1] and store.read(1, "model.bin") == b"weights"

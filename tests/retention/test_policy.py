@@ -1,6 +1,6 @@
 """Retention policies as pure functions (no store, no I/O): keep-last, keep-every, pins, the
-never-deleted steps (just committed, resume parent, newest complete), and damaged newest steps that
-never push a good one out."""
+never-deleted steps (just committed, resume parent, newest complete, the best step a kept step
+names), and damaged newest steps that never push a good one out."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from opd_store.retention import RetentionPolicy, RunLineage
 from opd_store.retention._policy import (
+    KEEP_BEST,
     KEEP_EVERY,
     KEEP_JUST_COMMITTED,
     KEEP_LAST,
@@ -140,3 +141,15 @@ def test_run_lineage_metadata_and_validation():
         RunLineage("r1", -1)
     with pytest.raises(ValueError, match="run_id"):
         RunLineage("", 1)
+
+
+def test_the_best_step_a_kept_step_names_is_kept_while_one_names_it():
+    # steps 3 and 4 name step 1 as their best (the Trainer's best_model_checkpoint): kept beside 4
+    records = complete(1, 2) + [StepRecord(3, "complete", 10, best_step=1), StepRecord(4, "complete", 10, best_step=1)]
+    plan = plan_retention(records, RetentionPolicy(keep_last=1))
+    assert plan.keep == {1: (KEEP_BEST,), 4: (KEEP_LAST, KEEP_NEWEST)} and plan.delete == (2, 3)
+    # a new best: step 1 is named by no kept step any more, and goes
+    records.append(StepRecord(5, "complete", 10, best_step=5))
+    plan = plan_retention(records, RetentionPolicy(keep_last=1))
+    assert plan.keep == {5: (KEEP_LAST, KEEP_NEWEST)} and plan.delete == (1, 2, 3, 4)
+

@@ -44,7 +44,7 @@ def _headers(fs, start: int, end: int) -> dict[str, str]:
 
 
 def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings,
-                 size_bytes: int) -> tuple[MemoryReader, int, str]:
+                 size_bytes: int, requests=None) -> tuple[MemoryReader, int, str]:
     """The object read with parallel ranged downloads into one buffer of ``size_bytes``: a reader
     over it, the object's size and the CRC32C of the bytes read (8 hex digits).
 
@@ -57,20 +57,25 @@ def read_checked(fs, bucket: str, key: str, url: str, settings: TransferSettings
         url (str): the object's URL (for messages).
         settings (TransferSettings): range size and ranges in flight.
         size_bytes (int): the size expected (the manifest's).
+        requests (RequestTally | None): counts each ranged download (:func:`range_opener`).
 
     Raises:
         IntegrityError: a range came back short (names the object and the range).
         OSError: the backend's failure after gcsfs's retries (a missing object:
             ``FileNotFoundError``; a refusal: ``OSError("Forbidden: ...")``).
     """
-    return read_all_checked(fs, f"{bucket}/{key}", url, settings, size_bytes, range_opener(fs, bucket, key))
+    return read_all_checked(fs, f"{bucket}/{key}", url, settings, size_bytes,
+                            range_opener(fs, bucket, key, requests=requests))
 
 
-def range_opener(fs, bucket: str, key: str):
+def range_opener(fs, bucket: str, key: str, requests=None):
     """``open_range(start, end)`` of the GCS object ``bucket/key`` (one ranged ``alt=media``
     download on gcsfs's session, with gcsfs's retries; 416 raises ``OtherSize(-1)``): the
     :mod:`opd_store.storage.transfers._ranged_reads` interface, shared with the copies' reader
-    (:mod:`opd_store.storage.transfers._range_stream`)."""
+    (:mod:`opd_store.storage.transfers._range_stream`). ``requests`` (a
+    :class:`~opd_store.storage._request_tally.RequestTally`) counts one ``get`` per range, its
+    retries included once: these downloads bypass gcsfs's ``_request``, where the store counts
+    the rest."""
     from gcsfs.retry import retry_request, validate_response
 
     path = f"{bucket}/{key}"
@@ -93,7 +98,14 @@ def range_opener(fs, bucket: str, key: str):
                 response.release()
         return _GCSRangeBody(response)
 
-    return open_range
+    if requests is None:
+        return open_range
+
+    async def counted_range(start: int, end: int) -> _GCSRangeBody:
+        requests.add("get")
+        return await open_range(start, end)
+
+    return counted_range
 
 
 

@@ -29,6 +29,7 @@ class GCSStorage(BucketStorage):
 
     commit_primitive = "single-request upload with ifGenerationMatch=0 (412 when the object exists)"
     credential_sources = _probes.GCS_CREDENTIAL_SOURCES
+    counts_own_requests = True
 
     @classmethod
     def with_client_timeouts(cls, options, timeouts):
@@ -52,6 +53,13 @@ class GCSStorage(BucketStorage):
             return "https://storage.googleapis.com"
         return location if location.startswith(("http://", "https://")) else f"http://{location}"
 
+    def count_client_requests(self, fs) -> None:
+        """Count every request of gcsfs's ``_request`` (where gcsfs and opd_store's composite
+        uploads send theirs) by its kind; the ranged reads count their own (:mod:`._reads`)."""
+        from .._request_tally import count_calls
+
+        count_calls(fs, "_request", gcs_request_kind, self.requests)
+
     def reachability_probe(self) -> _probes.GCSProbe:
         return _probes.GCSProbe(self)
 
@@ -68,16 +76,34 @@ class GCSStorage(BucketStorage):
         return PartWriter(upload, self.transfers.part_pool)  # type: ignore[return-value]
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:
+        import functools
+
         from ._reads import range_opener
 
-        return self._range_stream(rel, size_bytes, range_opener)
+        return self._range_stream(rel, size_bytes, functools.partial(range_opener, requests=self.requests))
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:
         from ._reads import read_checked
 
         bucket, _, key = self.path(rel).partition("/")
         return read_checked(self.fs, bucket, key, self.url(rel), self.transfers.settings,  # type: ignore[return-value]
-                            self._expected_size(rel, size_bytes))
+                            self._expected_size(rel, size_bytes), requests=self.requests)
+
+
+def gcs_request_kind(method: str, path: str, *args, **kwargs) -> str:
+    """The kind (:mod:`opd_store.storage._request_tally`) of one gcsfs ``_request``: a listing
+    (``GET b/{bucket}/o``), an object's metadata or bytes (``alt=media``), an upload (``POST``
+    to the upload endpoint, ``PUT`` of a resumable chunk), a compose (``POST .../compose``), a delete."""
+    method = method.upper()
+    if method == "DELETE":
+        return "delete"
+    if method == "GET":
+        if str(path).rstrip("/").endswith("/o"):
+            return "list"
+        return "get" if kwargs.get("alt") == "media" or "alt=media" in str(path) else "head"
+    if method == "POST" and str(path).endswith("/compose"):
+        return "post"
+    return "put"
 
 
 __all__ = ["GCSStorage"]

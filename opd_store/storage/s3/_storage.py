@@ -28,6 +28,7 @@ class S3Storage(BucketStorage):
 
     commit_primitive = "single PutObject with If-None-Match: * (412 when the key exists)"
     credential_sources = _probes.S3_CREDENTIAL_SOURCES
+    counts_own_requests = True
 
     @classmethod
     def with_client_timeouts(cls, options, timeouts):
@@ -43,11 +44,17 @@ class S3Storage(BucketStorage):
         return (options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
                 or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
 
+    def count_client_requests(self, fs) -> None:
+        """Count every S3 API call by its kind: s3fs's ``_call_s3`` is where s3fs (every page of a
+        listing included) and opd_store's multipart uploads and ranged reads send theirs."""
+        from .._request_tally import count_calls
+
+        count_calls(fs, "_call_s3", s3_request_kind, self.requests)
+
     def reachability_probe(self) -> _probes.S3Probe:
         return _probes.S3Probe(self)
 
     def multipart_uploads(self) -> S3Uploads:
-
         return S3Uploads(self)
 
     def clock_secs(self) -> float:
@@ -106,6 +113,21 @@ class S3Storage(BucketStorage):
         from ._reads import range_opener
 
         return self._range_stream(rel, size_bytes, range_opener)
+
+
+_S3_KINDS = {
+    "list_objects_v2": "list", "list_objects": "list", "list_multipart_uploads": "list", "list_parts": "list",
+    "list_object_versions": "list", "head_object": "head", "head_bucket": "head", "get_object": "get",
+    "put_object": "put", "upload_part": "put", "copy_object": "put", "upload_part_copy": "put",
+    "create_multipart_upload": "post", "complete_multipart_upload": "post", "delete_object": "delete",
+    "delete_objects": "delete", "abort_multipart_upload": "delete",
+}
+
+
+def s3_request_kind(method: str, *args, **kwargs) -> str:
+    """The kind (:mod:`opd_store.storage._request_tally`) of one s3fs ``_call_s3`` (botocore's
+    method name); any other call counts as a ``get`` (AWS bills it among GET and others)."""
+    return _S3_KINDS.get(getattr(method, "__name__", method), "get")
 
 
 __all__ = ["S3Storage"]
