@@ -107,6 +107,13 @@ class PayloadUploadError(OpdStoreError, OSError):
     request that failed; the backend's error is the ``__cause__``."""
 
 
+class ThrottledUploadError(PayloadUploadError):
+    """A payload's request was refused for the store's request rate (S3 ``SlowDown``, GCS ``429``)
+    for longer than the storage option ``throttle_timeout_secs`` from its first refusal: the
+    upload is aborted and the step not committed, as for any failed part. Names the object, the
+    request and how long it was throttled; the last refusal is the ``__cause__``."""
+
+
 class StoreRequestError(OpdStoreError, OSError):
     """A read of the store failed after the client's retries with an answer that is neither a
     missing object nor a refusal for lack of permission: throttling (S3 ``SlowDown``, GCS 429) or a
@@ -227,6 +234,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreUnreachableError",
     "StreamTransformError",
+    "ThrottledUploadError",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
     "UploadError",

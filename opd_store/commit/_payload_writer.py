@@ -125,7 +125,7 @@ class PayloadWriter:
         :class:`PayloadUploadError` of the storage layer (which knows the object's URL only) named
         with the payload and the step, its cause kept."""
         if isinstance(exc, PayloadUploadError) and f"of step {self.step}" not in str(exc):
-            named = PayloadUploadError(f"{exc}; payload {self.name!r} of step {self.step} is not committed")
+            named = type(exc)(f"{exc}; payload {self.name!r} of step {self.step} is not committed")
             named.__cause__ = exc.__cause__
             return named
         if isinstance(exc, OpdStoreError):

@@ -3,7 +3,7 @@ layout of the store's saves.
 
 These keys of ``storage_options`` belong to opd_store, not to fsspec; :func:`split_options` and
 :func:`pop_layout` take them out before the rest reaches the filesystem (the transfer options
-``part_size_bytes``, ``parts_in_flight``, ``throttle_retries`` and ``throttle_warn_share`` are
+``part_size_bytes``, ``parts_in_flight``, ``throttle_timeout_secs`` and ``throttle_warn_share`` are
 :class:`~opd_store.storage.transfers.TransferSettings`'):
 
 =======================  =======  ===========================================================

@@ -59,7 +59,7 @@ def open_storage(
             ``key``, ``token``, ...), which reach every request the store makes, and opd_store's
             own ``connect_timeout_secs``, ``read_timeout_secs``, ``key_layout`` and ``key_prefixes``
             (:mod:`opd_store.storage._client_options`), ``part_size_bytes``, ``parts_in_flight``,
-            ``throttle_retries`` and ``throttle_warn_share`` (parallel transfers,
+            ``throttle_timeout_secs`` and ``throttle_warn_share`` (parallel transfers,
             :class:`~opd_store.storage.transfers._parts.TransferSettings`).
         allow_check_then_put (bool): accept a non-atomic commit on backends without a create-only
             write (see module docstring).

@@ -55,7 +55,7 @@ class SimSpec:
         key_layout (str): ``step`` or ``spread`` (the storage option).
         key_prefixes (int): spread prefixes.
         path (str): ``collective`` or ``dcp``.
-        throttle_retries (int): each rank's ``throttle_retries``.
+        throttle_timeout_secs (float): each rank's ``throttle_timeout_secs``.
         processes (int): processes the ranks run in (1: threads of this process).
         pacing (bool): each rank's store paces its uploads (``False``: a pacer that never slows
             down, only the client's retries and the part writer's: what a store without pacing sends).
@@ -69,13 +69,13 @@ class SimSpec:
     key_layout: str = "step"
     key_prefixes: int = 16
     path: str = COLLECTIVE
-    throttle_retries: int = 10
+    throttle_timeout_secs: float = 300.0
     processes: int = 1
     pacing: bool = True
 
     def storage_options(self, base: dict[str, Any]) -> dict[str, Any]:
         """``base`` (endpoint, credentials) with this spec's layout and transfer options."""
-        options = dict(base, parts_in_flight=self.parts_in_flight, throttle_retries=self.throttle_retries,
+        options = dict(base, parts_in_flight=self.parts_in_flight, throttle_timeout_secs=self.throttle_timeout_secs,
                        key_layout=self.key_layout)
         if self.key_layout != "step":
             options["key_prefixes"] = self.key_prefixes
@@ -237,7 +237,7 @@ def _open_rank_store(spec: SimSpec, url: str, options: dict[str, Any]):
     store.storage.transfers = Transfers(dataclasses.replace(
         settings, part_size_bytes=spec.part_size_bytes, min_part_size_bytes=spec.part_size_bytes))
     if not spec.pacing:
-        store.storage.transfers.pacer = Pacer(spec.parts_in_flight, throttle_retries=spec.throttle_retries,
+        store.storage.transfers.pacer = Pacer(spec.parts_in_flight, throttle_timeout_secs=spec.throttle_timeout_secs,
                                               adaptive=False)
     connect = getattr(store.storage.fs, "connect", None)
     if connect is not None:

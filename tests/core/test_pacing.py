@@ -1,7 +1,8 @@
 """Back-off that does not storm (opd_store/storage/transfers/_pacing.py): a store's uploads fly at
 most at its adaptive limit, which halves on a throttled answer and grows back on successes;
 throttled requests the client gave up on are sent again after a jittered back-off drawn from a
-private generator; a save that exhausts them fails like any failed part; a save that spent more
+private generator until refused ``throttle_timeout_secs`` after their first refusal (on a virtual
+clock here), then the save fails like any failed part; a save that spent more
 than ``throttle_warn_share`` of its time throttled says so."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from opd_testkit.proxies import Rule
 from opd_testkit.simulation import lower_moto_min_part
 from opd_testkit.stores import open_store
 
-from opd_store import PayloadUploadError
+from opd_store import PayloadUploadError, ThrottledUploadError
 from opd_store.storage.transfers import Pacer, Transfers, TransferSettings, paced
 
 SMALL_PART = 64 << 10
@@ -128,32 +129,82 @@ def test_the_back_off_is_full_jitter_from_a_private_generator():
     assert Pacer(4, seed=7).backoff_secs(0) == waits[0][0]  # seeded: the same draws
 
 
-def test_paced_sends_a_throttled_request_again_and_gives_up_after_its_retries():
-    async def scenario(pacer: Pacer, failures: int, error: type[Exception]) -> tuple[int, object]:
-        sent = 0
+class VirtualTime:
+    """A clock and a sleep that moves it: the pacer's waits take no wall time, and what it does at
+    each instant is deterministic (seeded draws)."""
 
-        async def send():
-            nonlocal sent
-            sent += 1
-            if sent <= failures:
-                raise error()
-            return "stored"
+    def __init__(self) -> None:
+        self.now = 0.0
 
-        try:
-            result = await paced(pacer, send)
-        except Exception as exc:  # noqa: BLE001 - the outcome under test
-            result = exc
-        return sent, result
+    def clock(self) -> float:
+        return self.now
 
-    pacer = Pacer(8, throttle_retries=2, seed=1)
-    assert asyncio.run(scenario(pacer, 2, SlowDown)) == (3, "stored")
+    async def sleep(self, secs: float) -> None:
+        self.now += secs
+        await asyncio.sleep(0)
+
+
+def _refused_until(time: VirtualTime, admitted_at_secs: float | None, error: type[Exception] = SlowDown):
+    """``(send, sends)``: a request refused until the virtual clock reaches ``admitted_at_secs``
+    (``None``: always), and the virtual times it was sent at."""
+    sends: list[float] = []
+
+    async def send():
+        sends.append(time.now)
+        if admitted_at_secs is None or time.now < admitted_at_secs:
+            raise error()
+        return "stored"
+
+    return send, sends
+
+
+def test_a_request_refused_many_times_within_the_timeout_is_sent_until_it_lands():
+    # A rank of a save behind one prefix: its own store has no success at all while the bucket
+    # serves the other ranks; a count of refusals would fail it, the time from its first refusal
+    # does not.
+    time = VirtualTime()
+    pacer = Pacer(8, throttle_timeout_secs=300, seed=1, clock=time.clock, sleep=time.sleep)
+    send, sends = _refused_until(time, admitted_at_secs=240.0)
+    assert asyncio.run(paced(pacer, send)) == "stored"
+    assert len(sends) > 11 and sends[-2] < 240.0 <= sends[-1] < 300.0  # > the old 10 strikes, no success between
     stats = pacer.stats()
-    assert (stats.throttled_answers, stats.retries, stats.limit) == (2, 2, 2.5)  # cut twice, one success
-    assert stats.rate is not None  # the retries waited their turn
-    sent, outcome = asyncio.run(scenario(Pacer(8, throttle_retries=2, seed=1), 9, SlowDown))
-    assert sent == 3 and isinstance(outcome, SlowDown)
-    sent, outcome = asyncio.run(scenario(Pacer(8, throttle_retries=2, seed=1), 9, PermissionError))
-    assert sent == 1 and isinstance(outcome, PermissionError)  # not throttled: no retry
+    assert (stats.throttled_answers, stats.retries) == (len(sends) - 1, len(sends) - 1)
+    # The back-off bound doubles per refusal up to 10 s; the turn under the send rate comes on top.
+    gaps = [b - a for a, b in zip(sends, sends[1:])]
+    assert all(gap >= 0 for gap in gaps) and max(gaps) <= 10.0 + 1.5 / 0.02
+
+
+def test_a_request_refused_past_the_timeout_fails_naming_how_long():
+    time = VirtualTime()
+    pacer = Pacer(8, throttle_timeout_secs=60, seed=1, clock=time.clock, sleep=time.sleep)
+    send, sends = _refused_until(time, admitted_at_secs=None)
+    with pytest.raises(ThrottledUploadError) as caught:
+        asyncio.run(paced(pacer, send))
+    # Sent again while within 60 s of its first refusal; the first refusal at 60 s or later fails it.
+    assert sends[0] == 0.0 and sends[-2] < 60.0 <= sends[-1]
+    assert f"throttled for {sends[-1]:.0f} s ({len(sends)} refusals)" in str(caught.value)
+    assert "throttle_timeout_secs=60" in str(caught.value) and "SlowDown" in str(caught.value)
+    assert isinstance(caught.value.__cause__, SlowDown) and isinstance(caught.value, PayloadUploadError)
+    # A zero timeout fails at the first refusal; a failure that is not the store's rate is never retried.
+    time = VirtualTime()
+    send, sends = _refused_until(time, admitted_at_secs=None)
+    with pytest.raises(ThrottledUploadError, match=r"throttled for 0 s \(1 refusals\)"):
+        asyncio.run(paced(Pacer(8, throttle_timeout_secs=0, clock=time.clock, sleep=time.sleep), send))
+    assert sends == [0.0]
+    send, sends = _refused_until(time, admitted_at_secs=None, error=PermissionError)
+    with pytest.raises(PermissionError):
+        asyncio.run(paced(Pacer(8, clock=time.clock, sleep=time.sleep), send))
+    assert len(sends) == 1
+
+
+def test_paced_cuts_the_limit_and_rate_on_each_refusal_and_grows_on_success():
+    time = VirtualTime()
+    pacer = Pacer(8, seed=1, clock=time.clock, sleep=time.sleep)
+    send, sends = _refused_until(time, admitted_at_secs=1e-9)  # refused once per send at t=0 only
+    assert asyncio.run(paced(pacer, send)) == "stored" and len(sends) == 2
+    stats = pacer.stats()
+    assert (stats.throttled_answers, stats.retries, stats.limit) == (1, 1, 4.25)  # halved, +1/4 by the success
+    assert stats.rate is not None  # the retry waited its turn
 
 
 @pytest.fixture
@@ -184,19 +235,22 @@ def test_a_throttled_payload_is_sent_again_and_the_save_commits_and_warns(thrott
     assert len(warning) == 1 and "the save of step 1 at" in warning[0] and "(3 throttled answers, 3 retries" in warning[0]
 
 
-def test_a_throttled_save_that_exhausts_its_retries_fails_like_any_failed_part(throttled_s3):
+def test_a_throttled_save_past_its_timeout_fails_like_any_failed_part(throttled_s3):
     store_of, proxy = throttled_s3
-    store = store_of(throttle_retries=1)
+    store = store_of(throttle_timeout_secs=0)
     store.storage.transfers = Transfers(TransferSettings(part_size_bytes=SMALL_PART, min_part_size_bytes=SMALL_PART,
-                                                         throttle_retries=1))
+                                                         throttle_timeout_secs=0))
     proxy.add(Rule(ops=("UploadPart",), times=None))
-    with lower_moto_min_part(SMALL_PART), pytest.raises(PayloadUploadError, match=r"UploadPart \d") as caught:
+    with lower_moto_min_part(SMALL_PART), pytest.raises(ThrottledUploadError, match=r"UploadPart \d") as caught:
         with store.begin(1) as txn:
             txn.write_bytes("model.bin", bytes(range(256)) * (3 * SMALL_PART // 256))
-    assert "SlowDown" in str(caught.value) and "step-000001" in str(caught.value)
-    # Every part refused: each is sent once more (the store had a success in between: its upload
-    # created), then gives up; the upload is aborted once no part is in flight.
-    assert proxy.count("UploadPart", faulted=True) == 6
+    message = str(caught.value)
+    assert "throttled for 0 s (1 refusals)" in message and "SlowDown" in message and "step-000001" in message
+    assert "payload 'model.bin' of step 1 is not committed" in message
+    # A zero timeout: every part sent is refused once and never sent again; the upload is aborted
+    # once no part is in flight.
+    sent = proxy.count("UploadPart")
+    assert 1 <= sent <= 3 and proxy.count("UploadPart", faulted=True) == sent
     assert proxy.count("AbortMultipartUpload") == 1
     assert store.steps() == [] and store.storage.list_tree("") == {}
     assert store.storage.multipart_uploads().list() == []

@@ -22,11 +22,16 @@ decrease):
   refusals cuts once;
 * a throttled request is sent again after a wait drawn uniformly from ``[0, min(cap, base x
   2^n)]`` ("full jitter", from a private ``random.Random``: never the training thread's stream,
-  :mod:`opd_store.runtime._thread_random`), then waits for its slot and turn like any request
-  (:meth:`Pacer.backoff`). It fails once it was refused more than ``throttle_retries`` times in a
-  row while the store had no success at all: a store that makes progress is slowed, not failed
-  (hundreds of ranks behind one prefix may each wait minutes for their share). On S3 botocore leaves these retries to
-  the pacer (:func:`opd_store.storage.s3._multipart.watch_throttling`).
+  :mod:`opd_store.runtime._thread_random`; ``n`` counts the request's refusals, the back-off
+  schedule only), then waits for its slot and turn like any request (:meth:`Pacer.backoff`). On S3
+  botocore leaves these retries to the pacer (:func:`opd_store.storage.s3._multipart.watch_throttling`).
+
+When a throttled request fails: once it is refused ``throttle_timeout_secs`` (default 300 s) or
+more after its first refusal (0: at its first refusal), with :class:`~opd_store.errors.ThrottledUploadError`
+naming how long. Never by a count of refusals, nor by this store's own progress: every rank has its
+own store and pacer, and behind one prefix hundreds of ranks share the bucket's rate, so a rank
+waits many refusals for its share while the bucket serves the job at its limit (a count per rank
+failed whole 256- and 512-rank saves that were committing at the limit: docs/performance.md).
 
 The store counts its throttled answers and its *throttled time*: from a throttled answer until
 :data:`QUIET_SECS` have passed without another one (:meth:`Pacer.stats`); a save compares that
@@ -43,7 +48,8 @@ import threading
 import time
 from typing import Awaitable, Callable, TypeVar
 
-from .._backend_errors import is_rate_limited
+from ...errors import ThrottledUploadError
+from .._backend_errors import describe, is_rate_limited
 
 T = TypeVar("T")
 
@@ -69,6 +75,9 @@ MIN_RATE = 0.02
 """The lowest send rate, requests per second (one request per 50 s)."""
 QUIET_SECS = 1.0
 """A throttled period ends this long after its last throttled answer."""
+DEFAULT_THROTTLE_TIMEOUT_SECS = 300.0
+"""Default ``throttle_timeout_secs``: 512 ranks behind one prefix limited to 20 writes/s commit in
+about 3 minutes (docs/performance.md); a shorter preemption notice is lost either way."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,25 +105,29 @@ class Pacer:
 
     Args:
         max_in_flight (int): the most requests in flight (``parts_in_flight``).
-        throttle_retries (int): how many times the part writer sends a throttled request again
-            (``throttle_retries``).
+        throttle_timeout_secs (float): how long after its first refusal a request still refused
+            fails (``throttle_timeout_secs``; module docstring).
         seed (int | None): seed of the private generator of back-offs and spacing (tests);
             ``os.urandom`` by default.
         adaptive (bool): slow down on throttled answers (``False``: count them only: what a store
             without pacing does, ``bench.simulation``'s comparison).
         clock (Callable[[], float]): monotonic seconds (tests pass their own).
+        sleep (Callable[[float], Awaitable[None]]): how the pacer waits (``asyncio.sleep``; tests
+            pass one that moves their clock).
 
     Slots are taken and handed over from any thread and any event loop (a waiting coroutine is
     woken on its own loop).
     """
 
-    def __init__(self, max_in_flight: int, *, throttle_retries: int = 0, seed: int | None = None,
-                 adaptive: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_in_flight: int, *, throttle_timeout_secs: float = DEFAULT_THROTTLE_TIMEOUT_SECS,
+                 seed: int | None = None, adaptive: bool = True, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.max_in_flight = max_in_flight
         self._clock = clock
+        self._sleep = sleep
         self.adaptive = adaptive
         self.watches_answers = False  # set when every throttled answer is reported as it arrives (S3)
-        self.throttle_retries = throttle_retries
+        self.throttle_timeout_secs = throttle_timeout_secs
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._limit = float(max_in_flight)
@@ -174,7 +187,7 @@ class Pacer:
             if future is not None:
                 await future
             while (wait := self._turn()) > 0:
-                await asyncio.sleep(wait)
+                await self._sleep(wait)
         except asyncio.CancelledError:
             with self._lock:
                 if future is not None and (loop, future) in self._waiters:
@@ -217,10 +230,9 @@ class Pacer:
                     self._limit = min(float(self.max_in_flight), self._limit + 1.0 / self._limit)
             self._wake_locked()
 
-    @property
-    def successes(self) -> int:
-        """Requests that succeeded so far (a store making progress)."""
-        return self._successes
+    def now(self) -> float:
+        """The pacer's clock (monotonic seconds)."""
+        return self._clock()
 
     def _wake_locked(self) -> None:
         while self._waiters and self._in_flight < self._allowed():
@@ -277,7 +289,7 @@ class Pacer:
         """Wait out retry number ``retry``'s back-off (counted as a retry)."""
         with self._lock:
             self._retries += 1
-        await asyncio.sleep(self.backoff_secs(retry))
+        await self._sleep(self.backoff_secs(retry))
 
     def stats(self) -> PacerStats:
         """The counters so far (a throttled period still open counts up to now)."""
@@ -292,17 +304,18 @@ class Pacer:
 async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
     """``await send()`` (one upload request, the client's retries included) in a slot of
     ``pacer``; a failure for the store's rate (:func:`~opd_store.storage._backend_errors.is_rate_limited`)
-    cuts the limit and rate and is sent again after a jittered back-off, until it was refused more
-    than ``pacer.throttle_retries`` times in a row with no success of the store in between (module
-    docstring). Without a pacer, ``send()`` as it is.
+    cuts the limit and rate and is sent again after a jittered back-off, until it is refused
+    ``pacer.throttle_timeout_secs`` or more after its first refusal (module docstring). Without a
+    pacer, ``send()`` as it is.
 
     Raises:
-        Exception: whatever the last ``send()`` raised (a throttled one once the retries are spent).
+        ThrottledUploadError: still throttled past the timeout (the last refusal is its cause).
+        Exception: whatever ``send()`` raised that is not a refusal for the store's rate.
     """
     if pacer is None:
         return await send()
-    retry = strikes = 0
-    progress = pacer.successes
+    retry = 0
+    first_refused: float | None = None
     while True:
         epoch = await pacer.acquire()
         try:
@@ -312,11 +325,13 @@ async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
             if not is_rate_limited(exc):
                 raise
             pacer.throttled(epoch, count=not pacer.watches_answers)
-            if pacer.successes != progress:  # the store moved on since the last refusal
-                strikes, progress = 0, pacer.successes
-            strikes += 1
-            if strikes > pacer.throttle_retries:
-                raise
+            now = pacer.now()
+            first_refused = now if first_refused is None else first_refused
+            if now - first_refused >= pacer.throttle_timeout_secs:
+                raise ThrottledUploadError(
+                    f"throttled for {now - first_refused:.0f} s ({retry + 1} refusals), longer than "
+                    f"throttle_timeout_secs={pacer.throttle_timeout_secs:g} (last answer: {describe(exc)})"
+                ) from exc
             await pacer.backoff(min(retry, BACKOFF_DOUBLINGS))
             retry += 1
             continue
@@ -332,6 +347,6 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-__all__ = ["BACKOFF_BASE_SECS", "BACKOFF_CAP_SECS", "BACKOFF_DOUBLINGS", "MIN_RATE", "Pacer", "PacerStats",
+__all__ = ["BACKOFF_BASE_SECS", "BACKOFF_CAP_SECS", "BACKOFF_DOUBLINGS", "DEFAULT_THROTTLE_TIMEOUT_SECS", "MIN_RATE", "Pacer", "PacerStats",
            "QUIET_SECS", "RATE_CUT", "RATE_CUT_AGAIN", "RATE_DOUBLING_SECS", "RATE_FREE_SECS", "RATE_WINDOW_SECS",
            "paced"]

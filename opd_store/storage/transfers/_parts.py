@@ -24,7 +24,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ._pacing import Pacer
+from ._pacing import DEFAULT_THROTTLE_TIMEOUT_SECS, Pacer
 
 logger = logging.getLogger("opd_store.storage")
 
@@ -32,9 +32,6 @@ DEFAULT_PART_SIZE_BYTES = 16 << 20
 """Default part size: within S3's guidance of 8-16 MB parts, well above its 5 MiB minimum."""
 DEFAULT_PARTS_IN_FLIGHT = 8
 """Default parts (upload) or ranges (download) in flight per store."""
-DEFAULT_THROTTLE_RETRIES = 10
-"""Default times the part writer sends a throttled request again (:mod:`opd_store.storage.transfers._pacing`):
-its back-offs alone add up to about 30 s at most, its turns under the send rate come on top."""
 DEFAULT_THROTTLE_WARN_SHARE = 0.25
 """Default share of a save's time spent throttled above which the save logs a warning."""
 MIN_PART_SIZE_BYTES = 5 << 20
@@ -46,7 +43,7 @@ MAX_PARTS = 10_000
 @dataclasses.dataclass(frozen=True)
 class TransferSettings:
     """How a remote store moves a payload: storage options ``part_size_bytes``,
-    ``parts_in_flight``, ``throttle_retries`` and ``throttle_warn_share`` (opd_store's own; never
+    ``parts_in_flight``, ``throttle_timeout_secs`` and ``throttle_warn_share`` (opd_store's own; never
     passed to fsspec).
 
     Attributes:
@@ -56,8 +53,9 @@ class TransferSettings:
             payloads (>= 1); uploads send fewer while the store throttles
             (:mod:`opd_store.storage.transfers._pacing`). Upload memory is at most
             ``parts_in_flight x part_size_bytes``.
-        throttle_retries (int): times a part refused as throttled after the client's own retries is
-            sent again after a jittered back-off (>= 0); then the save fails like any failed part.
+        throttle_timeout_secs (float): seconds from a request's first refusal for the store's rate
+            after which a refusal fails it (>= 0; 300 by default): the save then fails like any
+            failed part (:mod:`opd_store.storage.transfers._pacing`).
         throttle_warn_share (float): a save that spent more than this share of its time throttled
             logs a warning (0 to 1).
         min_part_size_bytes (int): the server's smallest part, S3's 5 MiB; not a storage option (a
@@ -66,16 +64,19 @@ class TransferSettings:
 
     part_size_bytes: int = DEFAULT_PART_SIZE_BYTES
     parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT
-    throttle_retries: int = DEFAULT_THROTTLE_RETRIES
+    throttle_timeout_secs: float = DEFAULT_THROTTLE_TIMEOUT_SECS
     throttle_warn_share: float = DEFAULT_THROTTLE_WARN_SHARE
     min_part_size_bytes: int = MIN_PART_SIZE_BYTES
 
     def __post_init__(self) -> None:
         for name, low in (("min_part_size_bytes", 1), ("part_size_bytes", self.min_part_size_bytes),
-                          ("parts_in_flight", 1), ("throttle_retries", 0)):
+                          ("parts_in_flight", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"storage option {name} must be an integer >= {low}, got {value!r}")
+        timeout = self.throttle_timeout_secs
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+            raise ValueError(f"storage option throttle_timeout_secs must be a number of seconds >= 0, got {timeout!r}")
         share = self.throttle_warn_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
             raise ValueError(f"storage option throttle_warn_share must be a number from 0 to 1, got {share!r}")
@@ -89,13 +90,13 @@ class TransferSettings:
         configured with.
 
         Raises:
-            ValueError: a setting that is not an integer in range (the message names the option).
+            ValueError: a setting that is not a number in range (the message names the option).
         """
         block = options.get("default_block_size")
         fallback = block if isinstance(block, int) and block >= MIN_PART_SIZE_BYTES else DEFAULT_PART_SIZE_BYTES
         return cls(part_size_bytes=options.pop("part_size_bytes", fallback),
                    parts_in_flight=options.pop("parts_in_flight", DEFAULT_PARTS_IN_FLIGHT),
-                   throttle_retries=options.pop("throttle_retries", DEFAULT_THROTTLE_RETRIES),
+                   throttle_timeout_secs=options.pop("throttle_timeout_secs", DEFAULT_THROTTLE_TIMEOUT_SECS),
                    throttle_warn_share=options.pop("throttle_warn_share", DEFAULT_THROTTLE_WARN_SHARE))
 
     def part_size_for(self, size_bytes: int) -> int:
@@ -292,9 +293,9 @@ class Transfers:
         size, count = self.settings.part_size_bytes, self.settings.parts_in_flight
         self.part_pool = PartPool(size, count)
         self.read_pool = PartPool(size, count)
-        self.pacer = Pacer(count, throttle_retries=self.settings.throttle_retries)
+        self.pacer = Pacer(count, throttle_timeout_secs=self.settings.throttle_timeout_secs)
 
 
-__all__ = ["Completion", "DEFAULT_PARTS_IN_FLIGHT", "DEFAULT_PART_SIZE_BYTES", "DEFAULT_THROTTLE_RETRIES",
+__all__ = ["Completion", "DEFAULT_PARTS_IN_FLIGHT", "DEFAULT_PART_SIZE_BYTES",
            "DEFAULT_THROTTLE_WARN_SHARE", "MAX_PARTS", "MIN_PART_SIZE_BYTES", "MemoryReader", "PartPool",
            "TransferSettings", "Transfers"]
