@@ -42,6 +42,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -95,8 +96,8 @@ def _measure_reads(store, step: int) -> dict[str, float]:
 
 
 def run_save(args, moto: MotoProcess, proxy: RateLimitProxyProcess, ranks: int, scenario: str,
-             step: int, parts: int) -> dict[str, Any]:
-    bucket, root = "sim", f"n{ranks}-{scenario}-p{parts}"
+             step: int, parts: int, *, root: str | None = None) -> dict[str, Any]:
+    bucket, root = "sim", root or f"n{ranks}-{scenario}-p{parts}"
     proxy.set_limits(_limits(scenario, args, bucket, root))
     proxy.reset()
     spec = SimSpec(world_size=ranks, step=step, state_bytes=parts * args.part_kib * 1024,
@@ -112,7 +113,8 @@ def run_save(args, moto: MotoProcess, proxy: RateLimitProxyProcess, ranks: int, 
     row: dict[str, Any] = {
         "ranks": ranks, "scenario": scenario, "parts_per_rank": parts, "part_kib": args.part_kib,
         "commit_secs": result.commit_secs, "setup_secs": result.setup_secs, "wall_secs": wall,
-        "errors": len(result.errors), "first_error": next(iter(result.errors.values()), None),
+        "errors": len(result.errors), "error_by_rank": result.errors,
+        "first_error": short_error(result.errors) if result.errors else None,
         "requests": stats["requests"], "throttled": stats["throttled"], "writes": stats["writes"],
         "throttled_writes": stats["throttled_writes"], "by_op": stats["by_op"],
         "throttled_by_op": stats["throttled_by_op"], "partitions_used": len([p for p in stats["by_partition"] if p]),
@@ -133,18 +135,20 @@ def run_save(args, moto: MotoProcess, proxy: RateLimitProxyProcess, ranks: int, 
 
 
 # -- the model --------------------------------------------------------------------------------------
-
-
-def fit(rows: list[dict]) -> dict[str, float]:
-    """The model's machine constants from the ``free`` saves: ``t0`` (fixed seconds) and
-    ``capacity`` (admitted writes per second), a least-squares line of commit time against writes."""
-    free = [r for r in rows if r["scenario"] == "free" and not r["errors"]]
-    if len(free) < 2:
-        return {"t0": 0.0, "capacity": float("inf")}
-    xs, ys = [r["admitted_writes"] for r in free], [r["commit_secs"] for r in free]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return {"t0": max(0.0, mean_y - slope * mean_x), "capacity": 1.0 / slope if slope > 0 else float("inf")}
+#
+# A save's time to commit is a fixed time plus its writes at the rate it is served at:
+#
+#     T = t0 + max(W / capacity, (W - B) / (goodput x limit)),  B = limit x burst_secs
+#
+# W: the save's writes (writes_per_save); capacity: the writes per second this machine's moto,
+# proxy and ranks serve; limit: the write rate the layout reaches (one partition's rate for
+# one-prefix, the rate times the partitions for spread, capped by the bucket's; none for free,
+# where only capacity counts); B: the writes the token buckets admit at once (each partition starts
+# full, burst_secs of its rate); goodput: the share of the limit the paced ranks get (refusals and
+# back-offs cost some). Whichever of the machine and the limit is slower decides. Fitted on every committed point (median of the repeats): t0, capacity and
+# goodput, minimising the squared relative error. Assumptions: the ranks start together and the
+# save is write-bound (reads: the commit's few listings and existence probes, in t0); a rank's
+# writes are its create, parts and completion; throttling costs a constant share of the limit.
 
 
 def writes_per_save(ranks: int, parts: int) -> int:
@@ -154,28 +158,104 @@ def writes_per_save(ranks: int, parts: int) -> int:
     return ranks * per_rank + 2
 
 
-def write_rate(scenario: str, args, constants: dict[str, float], *, prefix_writes: float | None = None) -> float:
-    """Admitted writes per second a save gets: the machine's capacity, capped by the partitions it
-    writes to (``one-prefix``: 1, ``spread``: ``--prefixes``) times the per-prefix rate, and by the
-    bucket's rate."""
+def limit_of(scenario: str, args, *, prefix_writes: float | None = None) -> float | None:
+    """The write rate a scenario's layout reaches (``None``: unlimited)."""
+    if scenario == "free":
+        return None
     prefix = args.prefix_writes if prefix_writes is None else prefix_writes
-    rates = [constants["capacity"]]
-    if scenario != "free":
-        rates.append(prefix * (1 if scenario.startswith("one-prefix") else args.prefixes))
-        if args.bucket_writes:
-            rates.append(args.bucket_writes)
-    return min(rates)
+    limit = prefix * (1 if scenario.startswith("one-prefix") else args.prefixes)
+    return min(limit, args.bucket_writes) if args.bucket_writes else limit
 
 
-def predict(row: dict, args, constants: dict[str, float]) -> float:
-    return constants["t0"] + writes_per_save(row["ranks"], row["parts_per_rank"]) / write_rate(
-        row["scenario"], args, constants)
+def write_rate(scenario: str, args, constants: dict[str, float], *, prefix_writes: float | None = None) -> float:
+    """``R`` of the model: admitted writes per second a save gets."""
+    limit = limit_of(scenario, args, prefix_writes=prefix_writes)
+    return constants["capacity"] if limit is None else min(constants["capacity"], constants["goodput"] * limit)
 
 
-def largest_parts(ranks: int, budget_secs: float, rate: float, t0: float) -> int:
-    """The most parts per rank whose writes fit ``budget_secs`` at ``rate`` writes per second."""
-    room = (budget_secs - t0) * rate - 2
-    return max(0, math.floor(room / ranks) - 2) if room > 0 else 0
+def burst_of(scenario: str, args, *, prefix_writes: float | None = None) -> float:
+    """``B`` of the model: the writes the full token buckets admit at once."""
+    limit = limit_of(scenario, args, prefix_writes=prefix_writes)
+    return 0.0 if limit is None else limit * args.burst_secs
+
+
+def seconds_to_write(writes: float, scenario: str, args, constants: dict[str, float], *,
+                     prefix_writes: float | None = None) -> float:
+    """``max(W / capacity, (W - B) / (goodput x limit))`` of the model."""
+    limit = limit_of(scenario, args, prefix_writes=prefix_writes)
+    secs = writes / constants["capacity"]
+    if limit is not None:
+        burst = burst_of(scenario, args, prefix_writes=prefix_writes)
+        secs = max(secs, max(0.0, writes - burst) / (constants["goodput"] * limit))
+    return secs
+
+
+def predict(point: dict, args, constants: dict[str, float]) -> float:
+    writes = writes_per_save(point["ranks"], point["parts_per_rank"])
+    return constants["t0"] + seconds_to_write(writes, point["scenario"], args, constants)
+
+
+def points(rows: list[dict]) -> list[dict]:
+    """One point per (ranks, scenario): the median commit time of its committed repeats (``None``
+    when none committed), with the repeats' times and failures."""
+    grouped: dict[tuple[int, str], list[dict]] = {}
+    for row in rows:
+        grouped.setdefault((row["ranks"], row["scenario"]), []).append(row)
+    out = []
+    for (ranks, scenario), group in grouped.items():
+        ok = sorted(r["commit_secs"] for r in group if not r["errors"])
+        median = (ok[(len(ok) - 1) // 2] + ok[len(ok) // 2]) / 2 if ok else None
+        out.append({"ranks": ranks, "scenario": scenario, "parts_per_rank": group[0]["parts_per_rank"],
+                    "commit_secs": median, "repeats": [r["commit_secs"] for r in group],
+                    "failed": sum(1 for r in group if r["errors"]), "rows": group})
+    return out
+
+
+def fit(pts: list[dict], args) -> dict[str, float]:
+    """``t0``, ``capacity`` and ``goodput`` minimising the squared relative error over the committed
+    points of paced saves: a grid over capacity and goodput, ``t0`` in closed form for each (weighted least squares)."""
+    done = [p for p in pts if p["commit_secs"] is not None and not p["scenario"].endswith("-unpaced")]
+    best = {"t0": 0.0, "capacity": float("inf"), "goodput": 1.0, "error": float("inf")}
+    if not done:
+        return best
+    for capacity in [10 * 1.05 ** i for i in range(120)]:
+        for goodput in [g / 100 for g in range(30, 101, 2)]:
+            c = {"t0": 0.0, "capacity": capacity, "goodput": goodput}
+            xs = [predict(p, args, c) for p in done]
+            ys = [p["commit_secs"] for p in done]
+            t0 = max(0.0, sum((y - x) / y ** 2 for x, y in zip(xs, ys)) / sum(1 / y ** 2 for y in ys))
+            error = sum(((t0 + x - y) / y) ** 2 for x, y in zip(xs, ys))
+            if error < best["error"]:
+                best = {"t0": t0, "capacity": capacity, "goodput": goodput, "error": error}
+    return best
+
+
+def largest_parts(ranks: int, budget_secs: float, scenario: str, args, constants: dict[str, float], *,
+                  prefix_writes: float | None = None) -> int:
+    """The most parts per rank whose save commits within ``budget_secs`` by the model."""
+    def fits(parts: int) -> bool:
+        writes = writes_per_save(ranks, parts)
+        return constants["t0"] + seconds_to_write(writes, scenario, args, constants,
+                                                  prefix_writes=prefix_writes) <= budget_secs
+
+    if not fits(2):
+        return 0
+    low, high = 2, 4
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def short_error(errors: dict[int, str], limit: int = 200) -> str:
+    """One line for a failed save: how many ranks failed and the first failing rank's own error
+    (rank 0's message lists every rank's: only the first is kept), cut to ``limit`` characters."""
+    text = " ".join(errors[min(errors)].split())
+    found = re.search(r"rank (\d+) failed: (.*?)(?=; rank \d+ failed: |$)", text)
+    first = f"rank {found.group(1)} failed: {found.group(2)}" if found else text
+    return f"{len(errors)} ranks failed; {first[:limit]}{'...' if len(first) > limit else ''}"
 
 
 # -- bookkeeping ------------------------------------------------------------------------------------
@@ -233,8 +313,13 @@ def bookkeeping(moto: MotoProcess) -> list[dict]:
 # -- report -----------------------------------------------------------------------------------------
 
 
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def report(args, rows: list[dict], books: list[dict], machine: list[tuple[str, str]]) -> list[str]:
-    constants = fit(rows)
+    pts = points(rows)
+    constants = fit(pts, args)
     lines = ["# Simulated ranks against S3's request-rate limits", "",
              f"`python -m bench.simulation {' '.join(sys.argv[1:])}` on {_dt.date.today().isoformat()}.", "",
              "| machine | |", "|---|---|", *(f"| {k} | {v} |" for k, v in machine), "",
@@ -244,39 +329,54 @@ def report(args, rows: list[dict], books: list[dict], machine: list[tuple[str, s
              f"own. Limits: {args.prefix_writes:g} writes/s per partition (burst {args.burst_secs:g} s), "
              f"{args.prefixes} partitioned prefixes for the spread layout, reads "
              f"{'unlimited' if args.prefix_reads is None else f'{args.prefix_reads:g}/s'}, bucket "
-             f"{'unlimited' if args.bucket_writes is None else f'{args.bucket_writes:g} writes/s'}.", ""]
+             f"{'unlimited' if args.bucket_writes is None else f'{args.bucket_writes:g} writes/s'}. "
+             f"Each point of {', '.join(args.repeat_scenarios.split(','))} saved {args.repeats} times, "
+             f"interleaved (the median is the point); the others once. A warm-up save ran first.", ""]
     if rows:
-        lines += ["| ranks | scenario | parts/rank | requests (refused) | writes admitted | commit s | "
-                  "model s | throttled answers | retries | busiest partition writes | manifest KiB | "
+        lines += ["| ranks | scenario | parts/rank | requests (refused) | writes admitted | commit s (median) | "
+                  "repeats s | model s | throttled answers | retries | busiest partition writes | manifest KiB | "
                   "manifest create s | latest_step s | verify s | load |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            model = predict(r, args, constants)
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for p in pts:
+            r = p["rows"][0]  # the first repeat's counts (every repeat sends the same writes)
+            ok = next((x for x in p["rows"] if not x["errors"]), r)
+            model = predict(p, args, constants)
+            failed = [x for x in p["rows"] if x["errors"]]
+            loads = ", ".join(f"{x['load_1min_before']:.1f}" for x in p["rows"])
             lines.append(
-                f"| {r['ranks']} | {r['scenario']} | {r['parts_per_rank']} | {r['requests']} ({r['throttled']}) | "
-                f"{r['admitted_writes']} | {r['commit_secs']:.2f} | {model:.2f} | {r['throttled_answers']} | "
-                f"{r['retries']} | {r['busiest_partition_writes']} | "
-                f"{r.get('manifest_bytes', 0) / 1024:.1f} | {r.get('manifest_create_secs', float('nan')):.3f} | "
-                f"{r.get('latest_step_secs', float('nan')):.2f} | {r.get('verify_secs', float('nan')):.2f} | "
-                f"{r['load_1min_before']:.1f} |" + (f" {r['errors']} ranks failed: {r['first_error']}" if r["errors"] else ""))
-        errors = [abs(predict(r, args, constants) - r["commit_secs"]) / r["commit_secs"] for r in rows
-                  if not r["errors"]]
-        lines += ["", f"Model constants fitted on the `free` saves: t0 = {constants['t0']:.2f} s, machine capacity = "
-                  f"{constants['capacity']:.0f} admitted writes/s. Model against every measured point: median error "
-                  f"{100 * sorted(errors)[len(errors) // 2]:.0f}%, largest {100 * max(errors):.0f}%.", ""]
-        lines += ["Largest state that commits in time (parts of 16 MiB per rank; in total), by the model:", "",
+                f"| {p['ranks']} | {p['scenario']} | {p['parts_per_rank']} | {r['requests']} ({r['throttled']}) | "
+                f"{r['admitted_writes']} | {_cell(p['commit_secs'], '.2f')} | "
+                f"{', '.join(f'{t:.1f}' + ('!' if x['errors'] else '') for t, x in zip(p['repeats'], p['rows']))} | "
+                f"{model:.2f} | {r['throttled_answers']} | {r['retries']} | {r['busiest_partition_writes']} | "
+                f"{ok.get('manifest_bytes', 0) / 1024:.1f} | {_cell(ok.get('manifest_create_secs'), '.3f')} | "
+                f"{_cell(ok.get('latest_step_secs'), '.2f')} | {_cell(ok.get('verify_secs'), '.2f')} | "
+                f"{loads} |"
+                + (f" {short_error(failed[0]['error_by_rank'])}" if failed else ""))
+        errors = [(p, (predict(p, args, constants) - p["commit_secs"]) / p["commit_secs"]) for p in pts
+                  if p["commit_secs"] is not None and not p["scenario"].endswith("-unpaced")]
+        magnitudes = sorted(abs(e) for _, e in errors)
+        each = ", ".join(f"{p['ranks']} {p['scenario']} {100 * e:+.0f}%" for p, e in errors)
+        lines += ["", "`!`: that repeat failed (not in the median). Model (docs/performance.md): "
+                  "T = t0 + max(W / capacity, (W - B) / (goodput x limit)), fitted on every committed point but the unpaced ones (their goodput is not the pacer's): "
+                  f"t0 = {constants['t0']:.2f} s, capacity = {constants['capacity']:.0f} admitted writes/s, "
+                  f"goodput = {constants['goodput']:.2f} of the limit. Model against the measured points: median "
+                  f"error {100 * magnitudes[len(magnitudes) // 2]:.0f}%, largest {100 * magnitudes[-1]:.0f}% "
+                  f"({each}).", ""]
+        lines += ["Largest state that commits in time (parts of 16 MiB per rank; in total), by the model "
+                  "(S3's rates: this machine's t0 and goodput, no machine capacity):", "",
                   "| ranks | rates | layout | write rate/s | 30 s | 120 s |", "|---|---|---|---|---|---|"]
-        for ranks in sorted({r["ranks"] for r in rows}):
+        for ranks in sorted({p["ranks"] for p in pts}):
             for label, prefix_writes, capacity in (("measured here", args.prefix_writes, constants["capacity"]),
                                                    ("S3 (3,500/s per prefix)", AWS_PREFIX_WRITES, float("inf"))):
                 for scenario in ("one-prefix", "spread"):
-                    rate = write_rate(scenario, args, {**constants, "capacity": capacity}, prefix_writes=prefix_writes)
+                    c = {**constants, "capacity": capacity}
+                    rate = write_rate(scenario, args, c, prefix_writes=prefix_writes)
                     cells = []
                     for budget in BUDGETS_SECS:
-                        parts = largest_parts(ranks, budget, rate, constants["t0"])
+                        parts = largest_parts(ranks, budget, scenario, args, c, prefix_writes=prefix_writes)
                         cells.append(f"{parts} parts = {parts * REAL_PART_MIB / 1024:.2f} GiB/rank, "
-                                     f"{ranks * parts * REAL_PART_MIB / 1024:.0f} GiB")
-                    lines.append(f"| {ranks} | {label} | {scenario} | {rate:.0f} | {cells[0]} | {cells[1]} |")
+                                     f"{ranks * parts * REAL_PART_MIB / 1024:,.0f} GiB")
+                    lines.append(f"| {ranks} | {label} | {scenario} | {rate:,.0f} | {cells[0]} | {cells[1]} |")
     if books:
         lines += ["", "Requests of a save of 8 payloads beyond its payloads, `keep_last=3, keep_every=10`, after the "
                   "kept steps (saves 1-5 of one store instance; save 4 and 5 delete the step leaving the window):", "",
@@ -301,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-writes", type=float, default=None)
     parser.add_argument("--burst-secs", type=float, default=0.5)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="saves per point of --repeat-scenarios (median)")
+    parser.add_argument("--repeat-scenarios", default="free,spread")
+    parser.add_argument("--unpaced-max-ranks", type=int, default=256,
+                        help="largest N of one-prefix-unpaced (it retries until throttle_timeout_secs)")
     parser.add_argument("--bookkeeping", action="store_true", help="also measure requests per save at 10/100/1,000 kept steps")
     parser.add_argument("--bookkeeping-only", action="store_true")
     parser.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
@@ -319,16 +423,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.bookkeeping_only:
             step = 0
+            scenarios = args.scenarios.split(",")
+            repeated = set(args.repeat_scenarios.split(","))
+            log("simulation: warm-up save (not reported)")
+            run_save(args, moto, proxy, 8, "free", 0, args.parts_per_rank, root="warm-up")
             for ranks in [int(n) for n in args.ranks.split(",")]:
-                for scenario in args.scenarios.split(","):
-                    step += 1
-                    log(f"simulation: {ranks} ranks, {scenario}")
-                    row = run_save(args, moto, proxy, ranks, scenario, step, args.parts_per_rank)
-                    log(f"  commit {row['commit_secs']:.2f} s, {row['requests']} requests ({row['throttled']} refused), "
-                        f"{row['retries']} retries, errors {row['errors']}")
-                    rows.append(row)
-                    with runs_path.open("a") as handle:
-                        handle.write(json.dumps(row) + "\n")
+                # Interleaved: repeat k of every scenario, then repeat k + 1 (a passing load spike
+                # lands on different scenarios, not on all repeats of one).
+                for repeat in range(args.repeats):
+                    for scenario in scenarios:
+                        if (repeat and scenario not in repeated) or (
+                                scenario == "one-prefix-unpaced" and ranks > args.unpaced_max_ranks):
+                            continue
+                        step += 1
+                        log(f"simulation: {ranks} ranks, {scenario}, repeat {repeat + 1}, load {os.getloadavg()[0]:.1f}")
+                        row = run_save(args, moto, proxy, ranks, scenario, step, args.parts_per_rank,
+                                       root=f"n{ranks}-{scenario}-p{args.parts_per_rank}-r{repeat}")
+                        row["repeat"] = repeat
+                        log(f"  commit {row['commit_secs']:.2f} s, {row['requests']} requests ({row['throttled']} "
+                            f"refused), {row['retries']} retries"
+                            + (f", {short_error(row['error_by_rank'])}" if row["errors"] else ""))
+                        rows.append(row)
+                        with runs_path.open("a") as handle:
+                            handle.write(json.dumps(row) + "\n")
         if args.bookkeeping or args.bookkeeping_only:
             books = bookkeeping(moto)
             with runs_path.open("a") as handle:
