@@ -73,6 +73,18 @@ def _limits(scenario: str, args, bucket: str, root: str) -> RateLimits:
                       bucket_writes_per_sec=args.bucket_writes, partitions=partitions, burst_secs=args.burst_secs)
 
 
+def listen_overflows() -> int | None:
+    """The kernel's count of connections dropped for a full accept queue (Linux ``TcpExt:
+    ListenOverflows``; ``None`` elsewhere): a server that cannot accept the ranks' connections at
+    once makes them wait seconds to connect."""
+    try:
+        lines = [line.split() for line in Path("/proc/net/netstat").read_text().splitlines()
+                 if line.startswith("TcpExt:")]
+        return int(dict(zip(lines[0], lines[1]))["ListenOverflows"])
+    except (OSError, KeyError, IndexError, ValueError):
+        return None
+
+
 def _measure_reads(store, step: int) -> dict[str, float]:
     """latest_step and verify on a fresh store, and the manifest's size and create time."""
     started = time.perf_counter()
@@ -106,9 +118,11 @@ def run_save(args, moto: MotoProcess, proxy: RateLimitProxyProcess, ranks: int, 
                    processes=1 if ranks <= 16 else args.processes, pacing=not scenario.endswith("-unpaced"))
     options = dict(moto.storage_options(), endpoint_url=proxy.endpoint_url)
     load = os.getloadavg()[0]
+    overflows = listen_overflows()
     started = time.perf_counter()
     result = simulate(spec, f"s3://{bucket}/{root}", options)
     wall = time.perf_counter() - started
+    overflows_after = listen_overflows()
     stats = proxy.stats()
     row: dict[str, Any] = {
         "ranks": ranks, "scenario": scenario, "parts_per_rank": parts, "part_kib": args.part_kib,
@@ -121,7 +135,8 @@ def run_save(args, moto: MotoProcess, proxy: RateLimitProxyProcess, ranks: int, 
         "busiest_partition_writes": max(stats["by_partition"].values(), default=0),
         "throttled_answers": result.total("throttled_answers"), "retries": result.total("retries"),
         "throttled_secs_max": max(o.throttled_secs for o in result.ranks),
-        "load_1min_before": load, "limits": dataclasses.asdict(_limits(scenario, args, bucket, root)) | {
+        "load_1min_before": load, "load_1min_after": os.getloadavg()[0],
+        "listen_overflows": None if overflows is None or overflows_after is None else overflows_after - overflows, "limits": dataclasses.asdict(_limits(scenario, args, bucket, root)) | {
             "partitions": len(_limits(scenario, args, bucket, root).partitions)},
     }
     row["admitted_writes"] = row["writes"] - row["throttled_writes"]
@@ -335,13 +350,15 @@ def report(args, rows: list[dict], books: list[dict], machine: list[tuple[str, s
     if rows:
         lines += ["| ranks | scenario | parts/rank | requests (refused) | writes admitted | commit s (median) | "
                   "repeats s | model s | throttled answers | retries | busiest partition writes | manifest KiB | "
-                  "manifest create s | latest_step s | verify s | load |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "manifest create s | latest_step s | verify s | accept-queue drops | load | outcome |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in pts:
             r = p["rows"][0]  # the first repeat's counts (every repeat sends the same writes)
             ok = next((x for x in p["rows"] if not x["errors"]), r)
             model = predict(p, args, constants)
             failed = [x for x in p["rows"] if x["errors"]]
+            drops = ", ".join("-" if x.get("listen_overflows") is None else str(x["listen_overflows"])
+                              for x in p["rows"])
             loads = ", ".join(f"{x['load_1min_before']:.1f}" for x in p["rows"])
             lines.append(
                 f"| {p['ranks']} | {p['scenario']} | {p['parts_per_rank']} | {r['requests']} ({r['throttled']}) | "
@@ -349,14 +366,14 @@ def report(args, rows: list[dict], books: list[dict], machine: list[tuple[str, s
                 f"{', '.join(f'{t:.1f}' + ('!' if x['errors'] else '') for t, x in zip(p['repeats'], p['rows']))} | "
                 f"{model:.2f} | {r['throttled_answers']} | {r['retries']} | {r['busiest_partition_writes']} | "
                 f"{ok.get('manifest_bytes', 0) / 1024:.1f} | {_cell(ok.get('manifest_create_secs'), '.3f')} | "
-                f"{_cell(ok.get('latest_step_secs'), '.2f')} | {_cell(ok.get('verify_secs'), '.2f')} | "
+                f"{_cell(ok.get('latest_step_secs'), '.2f')} | {_cell(ok.get('verify_secs'), '.2f')} | {drops} | "
                 f"{loads} |"
-                + (f" {short_error(failed[0]['error_by_rank'])}" if failed else ""))
+                + (f" {short_error(failed[0]['error_by_rank']).replace('|', '/')} |" if failed else " committed |"))
         errors = [(p, (predict(p, args, constants) - p["commit_secs"]) / p["commit_secs"]) for p in pts
                   if p["commit_secs"] is not None and not p["scenario"].endswith("-unpaced")]
         magnitudes = sorted(abs(e) for _, e in errors)
         each = ", ".join(f"{p['ranks']} {p['scenario']} {100 * e:+.0f}%" for p, e in errors)
-        lines += ["", "`!`: that repeat failed (not in the median). Model (docs/performance.md): "
+        lines += ["", "`!`: that repeat failed (not in the median). Accept-queue drops: the kernel's `ListenOverflows` during the save (the whole machine's). Model (docs/performance.md): "
                   "T = t0 + max(W / capacity, (W - B) / (goodput x limit)), fitted on every committed point but the unpaced ones (their goodput is not the pacer's): "
                   f"t0 = {constants['t0']:.2f} s, capacity = {constants['capacity']:.0f} admitted writes/s, "
                   f"goodput = {constants['goodput']:.2f} of the limit. Model against the measured points: median "
