@@ -166,7 +166,7 @@ def test_a_request_refused_many_times_within_the_timeout_is_sent_until_it_lands(
     pacer = Pacer(8, throttle_timeout_secs=300, seed=1, clock=time.clock, sleep=time.sleep)
     send, sends = _refused_until(time, admitted_at_secs=240.0)
     assert asyncio.run(paced(pacer, send)) == "stored"
-    assert len(sends) > 11 and sends[-2] < 240.0 <= sends[-1] < 300.0  # > the old 10 strikes, no success between
+    assert len(sends) > 11 and sends[-2] < 240.0 <= sends[-1] < 300.0  # refused a dozen times and more, nothing of its store succeeding
     stats = pacer.stats()
     assert (stats.throttled_answers, stats.retries) == (len(sends) - 1, len(sends) - 1)
     # The back-off bound doubles per refusal up to 10 s; the turn under the send rate comes on top.
