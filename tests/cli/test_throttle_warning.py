@@ -1,6 +1,6 @@
 """``opd-store`` says when a save spent more than ``throttle_warn_share`` of its time throttled: a
 real ``opd-store cp`` process writing to S3 (moto) through a proxy that answers its payload's
-``PutObject`` with ``503 SlowDown`` three times."""
+``PutObject`` with ``503 SlowDown`` once (the pacer's retries: tests/core/test_pacing.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_cp_warns_when_its_save_was_throttled(s3_fault_proxy, tmp_path):
     source = CheckpointStore(tmp_path / "src")
     with source.begin(4) as txn:
         txn.write_bytes("model.bin", b"weights" * 100)
-    rule = proxy.add(Rule(ops=("PutObject",), match=lambda r: "/attempt-" in r.path, times=3))
+    rule = proxy.add(Rule(ops=("PutObject",), match=lambda r: "/attempt-" in r.path, times=1))
     options = backend.storage_options
     args = ["cp", tmp_path / "src", 4, backend.url, "--dst-s3-endpoint-url", options["endpoint_url"],
             *(f"--dst-storage-option={o}" for o in (
@@ -33,9 +33,9 @@ def test_cp_warns_when_its_save_was_throttled(s3_fault_proxy, tmp_path):
                             stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT)
     out, err = (stream.decode() for stream in proc.communicate(timeout=300))
     assert proc.returncode == 0, err
-    assert out == f"{backend.url}/step-000004\n" and rule.hits == 3
+    assert out == f"{backend.url}/step-000004\n" and rule.hits == 1
     warnings = [line for line in err.splitlines() if "throttled by the store" in line]
     assert len(warnings) == 1, err
     assert warnings[0].startswith(f"WARNING opd_store.commit: the save of step 4 at {backend.url}/step-000004 spent ")
-    assert "(3 throttled answers, 3 retries; warning above 1%, storage option throttle_warn_share)" in warnings[0]
+    assert "(1 throttled answers, 1 retries; warning above 1%, storage option throttle_warn_share)" in warnings[0]
     assert CheckpointStore(backend.url, storage_options=options).read(4, "model.bin") == b"weights" * 100

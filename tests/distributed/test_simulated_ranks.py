@@ -19,12 +19,13 @@ PREFIXES = 16
 
 @pytest.fixture
 def throttled_bucket(moto_s3):
-    """``(url, storage options, proxy)``: a clean bucket behind a proxy allowing 20 writes per
-    second per partition (half a second of burst), the 16 spread prefixes partitioned."""
+    """``(url, storage options, proxy)``: a clean bucket behind a proxy allowing 40 writes per
+    second per partition (a quarter of a second of burst: 10 writes at once), the 16 spread
+    prefixes partitioned."""
     moto_s3.new_backend(bucket="opd-sim")
     partitions = tuple(f"opd-sim/run/.spread/{i:02x}/" for i in range(PREFIXES))
-    proxy = RateLimitProxy(moto_s3.endpoint_url, RateLimits(prefix_writes_per_sec=20, prefix_reads_per_sec=None,
-                                                            partitions=partitions, burst_secs=0.5))
+    proxy = RateLimitProxy(moto_s3.endpoint_url, RateLimits(prefix_writes_per_sec=40, prefix_reads_per_sec=None,
+                                                            partitions=partitions, burst_secs=0.25))
     options = dict(moto_s3.storage_options(), endpoint_url=proxy.endpoint_url, session=aio_session())
     with lower_moto_min_part(PART):
         yield "s3://opd-sim/run", options, proxy
