@@ -197,6 +197,13 @@ def test_a_request_refused_past_the_timeout_fails_naming_how_long():
     assert len(sends) == 1
 
 
+@pytest.mark.parametrize("bad", [-1, "300", True, float("inf")])
+def test_a_throttle_timeout_that_is_not_a_number_of_seconds_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"storage option throttle_timeout_secs must be a number of seconds >= 0"):
+        TransferSettings.pop_from({"throttle_timeout_secs": bad})
+    assert TransferSettings.pop_from({}).throttle_timeout_secs == 300.0
+
+
 def test_paced_cuts_the_limit_and_rate_on_each_refusal_and_grows_on_success():
     time = VirtualTime()
     pacer = Pacer(8, seed=1, clock=time.clock, sleep=time.sleep)

@@ -330,7 +330,7 @@ async def paced(pacer: "Pacer | None", send: Callable[[], Awaitable[T]]) -> T:
             if now - first_refused >= pacer.throttle_timeout_secs:
                 raise ThrottledUploadError(
                     f"throttled for {now - first_refused:.0f} s ({retry + 1} refusals), longer than "
-                    f"throttle_timeout_secs={pacer.throttle_timeout_secs:g} (last answer: {describe(exc)})"
+                    f"throttle_timeout_secs={pacer.throttle_timeout_secs:g}; last answer: {describe(exc)}"
                 ) from exc
             await pacer.backoff(min(retry, BACKOFF_DOUBLINGS))
             retry += 1

@@ -79,7 +79,8 @@ def named_error(url: str, request: str, exc: BaseException) -> BaseException:
     if classify(exc) is Meaning.DENIED or is_unreachable(exc):
         return exc
     if isinstance(exc, ThrottledUploadError):  # from paced: the request and the object named here
-        named = ThrottledUploadError(f"{url}: {request} {exc}; the upload is aborted and the object not written")
+        named = ThrottledUploadError(f"{url}: {request} failed after the client's retries ({exc}); the upload is "
+                                     "aborted and the object not written")
         named.__cause__ = exc.__cause__
         return named
     named = PayloadUploadError(f"{url}: {request} failed after the client's retries ({describe(exc)}); "
