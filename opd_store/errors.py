@@ -101,6 +101,13 @@ class PayloadUploadError(OpdStoreError, OSError):
     request that failed; the backend's error is the ``__cause__``."""
 
 
+class ThrottledUploadError(PayloadUploadError):
+    """A payload's request was refused for the store's request rate (S3 ``SlowDown``, GCS ``429``)
+    for longer than the storage option ``throttle_timeout_secs`` from its first refusal: the
+    upload is aborted and the step not committed, as for any failed part. Names the object, the
+    request and how long it was throttled; the last refusal is the ``__cause__``."""
+
+
 class StoreRequestError(OpdStoreError, OSError):
     """A read failed after the client's retries with neither a missing object nor a permission refusal
     (throttling: S3 ``SlowDown``, GCS 429; a server error); names the URL, operation and answer.
@@ -217,6 +224,7 @@ __all__ = [
     "StoreRequestError",
     "StoreUnreachableError",
     "StreamTransformError",
+    "ThrottledUploadError",
     "UnsafeCheckpointError",
     "UnsupportedBackendError",
     "UploadError",

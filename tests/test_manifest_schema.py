@@ -20,6 +20,7 @@ def test_committed_schema_matches_models():
 # plus the regenerated docs/manifest-schema.json.
 SCHEMA_SHA256_BY_FORMAT_VERSION = {
     1: "d546170bb0b1652e49ac54ca85da91556cce1be29308a06bd02d1f3035509920",
+    2: "d0bb8f224f31b08484f478ad37586cf2fefb2549c2682a0004a14b6c39b52940",
 }
 
 

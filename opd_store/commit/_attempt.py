@@ -1,8 +1,11 @@
 """``Attempt``: the payloads of one save attempt, streamed under the attempt's private prefix.
 
-Every payload of a save goes to ``step-NNNNNN/<attempt_id>/<name>`` through a
-:class:`~opd_store.commit._payload_writer.PayloadWriter`, which records its size and CRC32C. Two kinds of
-attempt build on this: a :class:`~opd_store.commit._transaction.Transaction` commits the attempt with a
+Every payload of a save goes to ``step-NNNNNN/<attempt_id>/<name>`` (or, in the spread layout, to
+``.spread/XX/step-NNNNNN/<attempt_id>/<name>``: :mod:`opd_store.format._layout`, the store's
+``storage.layout``) through a :class:`~opd_store.commit._payload_writer.PayloadWriter`, which records
+its size and CRC32C. An attempt that spent more than ``throttle_warn_share`` of its time throttled
+by the store (:mod:`opd_store.storage.transfers._pacing`) logs a warning when it commits or seals,
+naming the share, the throttled answers and the retries. Two kinds of attempt build on this: a :class:`~opd_store.commit._transaction.Transaction` commits the attempt with a
 manifest; a :class:`~opd_store.commit._part_transaction.PartTransaction` (one rank of a multi-rank save)
 seals its part and hands the entries to the committing rank.
 """
@@ -11,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from ..errors import IncompleteCheckpointError, SaveAbandonedError
-from ..format import PayloadEntry, check_payload_name, step_dirname
+from ..format import PayloadEntry, check_payload_name, object_rel, step_dirname, step_rel
 from ._payload_writer import PayloadWriter
 
 if TYPE_CHECKING:
@@ -34,6 +38,7 @@ class Attempt:
         url (str): the checkpoint URL (the step prefix).
         world_size (int): ranks writing the checkpoint.
         rank (int): the writing rank.
+        layout (KeyLayout): where its payloads go (the storage's layout).
     """
 
     def __init__(self, storage: "Storage", step: int, attempt_id: str, *, world_size: int = 1, rank: int = 0) -> None:
@@ -42,6 +47,9 @@ class Attempt:
         self.attempt_id = attempt_id
         self.world_size = world_size
         self.rank = rank
+        self.layout = storage.layout
+        self._started_secs = time.monotonic()
+        self._pacer_at_start = storage.transfers.pacer.stats()
         self._step_rel = step_dirname(step)
         self.url = storage.url(self._step_rel)
         self._entries: dict[str, PayloadEntry] = {}
@@ -66,8 +74,18 @@ class Attempt:
             )
 
     # payloads -----------------------------------------------------------------------------
-    def _payload_rel(self, name: str) -> str:
-        return f"{self._step_rel}/{self.attempt_id}/{name}"
+    def _attempt_rel(self, prefix: str | None) -> str:
+        """This attempt's prefix under ``prefix`` (``None``: the step prefix itself)."""
+        return f"{step_rel(self.step, prefix)}/{self.attempt_id}"
+
+    def _attempt_rels(self) -> list[str]:
+        """Every prefix where this attempt may hold objects: under the step and, in the spread
+        layout, under each of the layout's prefixes."""
+        return [self._attempt_rel(prefix) for prefix in (None, *self.layout.prefix_names())]
+
+    def _used_prefixes(self) -> list[str | None]:
+        """The prefixes the recorded entries lie under, each once (the step prefix when none)."""
+        return list(dict.fromkeys(entry.prefix for entry in self._entries.values())) or [None]
 
     def open(self, name: str) -> PayloadWriter:
         """Open a writer for the payload ``name`` (relative, ``/``-separated).
@@ -79,10 +97,12 @@ class Attempt:
         check_payload_name(name)
         if name in self._entries or name in self._open or name in self._publishing:
             raise ValueError(f"payload {name!r} is already part of {self.url} ({self.attempt_id})")
-        rel = self._payload_rel(name)
-        writer = PayloadWriter(self.storage, name, rel, f"{self.attempt_id}/{name}", self.step,
+        prefix = self.layout.prefix_for(self.rank, name)
+        path = f"{self.attempt_id}/{name}"
+        rel = object_rel(self.step, prefix, path)
+        writer = PayloadWriter(self.storage, name, rel, path, self.step,
                                self.storage.open_write(rel), on_closed=self._record, on_failed=self._writer_failed,
-                               cancelled=self._cancelled, on_publishing=self._writer_publishing)
+                               cancelled=self._cancelled, on_publishing=self._writer_publishing, prefix=prefix)
         self._open[name] = writer
         return writer
 
@@ -184,11 +204,38 @@ class Attempt:
         self._discard_payloads()
 
     def _discard_payloads(self) -> None:
-        # Only ever this attempt's own prefix, and only when no manifest names it.
+        # Only ever this attempt's own prefixes, and only when no manifest names them.
         try:
-            self.storage.delete_tree(f"{self._step_rel}/{self.attempt_id}")
+            for rel in self._attempt_rels():
+                self.storage.delete_tree(rel)
         except Exception:  # noqa: BLE001 - leftovers are harmless; gc removes them
             logger.warning("could not delete payloads of aborted attempt %s at %s", self.attempt_id, self.url, exc_info=True)
+
+    def _sync_payloads(self) -> None:
+        """Make the recorded payloads durable (local stores fsync each attempt directory used)."""
+        for prefix in self._used_prefixes():
+            self.storage.sync_prefix(self._attempt_rel(prefix))
+
+    # throttling ---------------------------------------------------------------------------
+    def throttled_share(self) -> tuple[float, int, int]:
+        """``(share of this attempt's time so far spent throttled, throttled answers, retries)``
+        by the store's pacer (:mod:`opd_store.storage.transfers._pacing`)."""
+        now, start = self.storage.transfers.pacer.stats(), self._pacer_at_start
+        elapsed = max(time.monotonic() - self._started_secs, 1e-9)
+        return (min(1.0, (now.throttled_secs - start.throttled_secs) / elapsed),
+                now.throttled_answers - start.throttled_answers, now.retries - start.retries)
+
+    def _warn_if_throttled(self, what: str) -> None:
+        """Log a warning when more than ``throttle_warn_share`` of this attempt's time was
+        throttled (``what``: the attempt's role, as the message says it)."""
+        share, answers, retries = self.throttled_share()
+        limit = self.storage.transfers.settings.throttle_warn_share
+        if answers and share > limit:
+            logger.warning(
+                "%s of step %d at %s spent %.0f%% of its time throttled by the store (%d throttled answers, %d "
+                "retries; warning above %.0f%%, storage option throttle_warn_share): spread its keys "
+                "(key_layout=spread) or lower parts_in_flight (docs/protocol.md, \"Key layouts\")",
+                what, self.step, self.url, 100 * share, answers, retries, 100 * limit)
 
     def __enter__(self):
         return self

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from ..format import PayloadEntry
+from ..format import PayloadEntry, object_rel
 from ._attempt import Attempt
 
 logger = logging.getLogger("opd_store.commit")
@@ -48,18 +48,19 @@ class PartTransaction(Attempt):
         self._refuse_unclosed(f"rank {self.rank} payloads", "its part is discarded")
         if self._entries:
             try:
-                self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
+                self._sync_payloads()
             except BaseException:
                 self.abort()
                 raise
         self._state = "sealed"
+        self._warn_if_throttled(f"rank {self.rank}'s part")
         return self.entries
 
     def _discard_payloads(self) -> None:
         # Only this part's own payloads (the base abort calls this): never the other ranks'.
         for entry in self._entries.values():
             try:
-                self.storage.delete(f"{self._step_rel}/{entry.path}")
+                self.storage.delete(object_rel(self.step, entry.prefix, entry.path))
             except Exception:  # noqa: BLE001 - leftovers are harmless; gc removes them
                 logger.warning("could not delete payload %s of rank %d at %s", entry.path, self.rank, self.url,
                                exc_info=True)

@@ -43,6 +43,8 @@ class PayloadWriter:
         rel (str): the object's path relative to the store root.
         entry_path (str): the entry's path relative to the step prefix (``<attempt_id>/<name>``).
         step (int): the step being saved (for messages).
+        prefix (str | None): the entry's spread prefix (``None``: the step prefix itself;
+            :mod:`opd_store.format._layout`).
         on_closed (Callable[[PayloadEntry], None]): receives the entry once the object is published.
         on_failed (Callable[[str], None]): receives the name once the writer is discarded or failed.
         on_publishing (Callable[[PayloadWriter, Completion], None] | None): receives the writer and
@@ -56,11 +58,13 @@ class PayloadWriter:
     def __init__(self, storage: "Storage", name: str, rel: str, entry_path: str, step: int, handle, *,
                  on_closed: Callable[[PayloadEntry], None], on_failed: Callable[[str], None],
                  cancelled: threading.Event | None = None,
-                 on_publishing: Callable[["PayloadWriter", "Completion"], None] | None = None) -> None:
+                 on_publishing: Callable[["PayloadWriter", "Completion"], None] | None = None,
+                 prefix: str | None = None) -> None:
         self._storage = storage
         self.name = name
         self._rel = rel
         self._entry_path = entry_path
+        self._prefix = prefix
         self.step = step
         self._handle = handle
         self._on_closed = on_closed
@@ -121,7 +125,7 @@ class PayloadWriter:
         :class:`PayloadUploadError` of the storage layer (which knows the object's URL only) named
         with the payload and the step, its cause kept."""
         if isinstance(exc, PayloadUploadError) and f"of step {self.step}" not in str(exc):
-            named = PayloadUploadError(f"{exc}; payload {self.name!r} of step {self.step} is not committed")
+            named = type(exc)(f"{exc}; payload {self.name!r} of step {self.step} is not committed")
             named.__cause__ = exc.__cause__
             return named
         if isinstance(exc, OpdStoreError):
@@ -212,7 +216,7 @@ class PayloadWriter:
     def entry(self) -> PayloadEntry:
         """The manifest entry of the bytes written (size_bytes and crc32c of every byte)."""
         return PayloadEntry(name=self.name, path=self._entry_path, size_bytes=self._crc.size_bytes,
-                            crc32c=self._crc.hexdigest())
+                            crc32c=self._crc.hexdigest(), prefix=self._prefix)
 
     def settle(self, completion: "Completion") -> None:
         """Wait for a background publish started by :meth:`close` and record the entry.

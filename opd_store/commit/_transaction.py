@@ -29,7 +29,7 @@ from ..errors import (
     ManifestError,
     UnsupportedBackendError,
 )
-from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, parse_manifest
+from ..format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, PayloadEntry, Writer, object_rel, parse_manifest
 from ..runtime import kill_points
 from ..storage import Meaning, classify, is_missing
 from ._attempt import Attempt
@@ -54,6 +54,7 @@ class Transaction(Attempt):
         metadata (dict): free-form JSON stored in the manifest (trainer counters, fingerprints).
         world_size (int): recorded in the manifest.
         committed_url (str | None): set by a successful commit.
+        committed_manifest (Manifest | None): the manifest a successful commit created.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class Transaction(Attempt):
         self._before_commit: list[Callable[[], None]] = []
         self._after_commit: list[Callable[[str], None]] = []
         self.committed_url: str | None = None
+        self.committed_manifest: Manifest | None = None
 
     def on_commit(self, *, before: Callable[[], None] | None = None,
                   after: Callable[[str], None] | None = None) -> None:
@@ -93,11 +95,17 @@ class Transaction(Attempt):
         """Record a payload written by another process under this attempt (multi-rank saves).
 
         Raises:
-            ValueError: the entry is for another attempt, or its name is already recorded.
+            ValueError: the entry is for another attempt, lies under a prefix this store's layout
+                does not allow (a rank that opened the store with another ``key_layout``), or its
+                name is already recorded.
         """
         self._require_open()
         if entry.path != f"{self.attempt_id}/{entry.name}":
             raise ValueError(f"payload entry {entry.name!r} belongs to another attempt ({entry.path})")
+        if not self.layout.allows(entry.prefix):
+            raise ValueError(f"payload entry {entry.name!r} lies under prefix {entry.prefix!r}, which the "
+                             f"{self.layout.strategy} layout of {self.url} does not allow: every rank must open the "
+                             "store with the same key_layout and key_prefixes")
         if entry.name in self._entries or entry.name in self._open:
             raise ValueError(f"payload {entry.name!r} is already part of {self.url}")
         self._entries[entry.name] = entry
@@ -135,7 +143,7 @@ class Transaction(Attempt):
         self._refuse_unclosed("payloads", "nothing was committed")
         self._state = "committing"
         try:
-            self.storage.sync_prefix(f"{self._step_rel}/{self.attempt_id}")
+            self._sync_payloads()
             self._check_stored_sizes()
             manifest = Manifest(
                 step=self.step,
@@ -145,6 +153,7 @@ class Transaction(Attempt):
                 world_size=self.world_size,
                 payloads=tuple(self._entries.values()),
                 metadata=self.metadata,
+                layout=self.layout,
             )
             data = manifest.to_json_bytes()
         except BaseException:
@@ -167,6 +176,8 @@ class Transaction(Attempt):
             self._settle(manifest_rel, exc, lost_race=classify(exc) is Meaning.LOST_RACE)
         self._state = "committed"
         self.committed_url = self.url
+        self.committed_manifest = manifest
+        self._warn_if_throttled("the save")
         for hook in self._after_commit:
             hook(self.url)
         return self.url
@@ -179,19 +190,19 @@ class Transaction(Attempt):
         step incomplete forever, while the save had reported success. One listing of the attempt
         prefix, just before the manifest is created, compares every entry's ``size_bytes`` with
         what the backend holds. Cost: one LIST request per 1,000 payloads on S3/GCS (one in
-        practice), a directory walk locally; it also covers payloads other ranks wrote
-        (:meth:`Transaction.add_entry`).
+        practice; in the spread layout one per prefix used), a directory walk locally; it also
+        covers payloads other ranks wrote (:meth:`Transaction.add_entry`).
 
         Raises:
             IncompleteCheckpointError: an object is absent or of another size; names each one's
                 URL with expected and stored sizes.
         """
-        listed = self.storage.list_tree(f"{self._step_rel}/{self.attempt_id}")
+        listed = {prefix: self.storage.list_tree(self._attempt_rel(prefix)) for prefix in self._used_prefixes()}
         wrong = []
         for entry in self._entries.values():
-            stored = listed.get(entry.name)
+            stored = listed[entry.prefix].get(entry.name)
             if stored != entry.size_bytes:
-                where = self.storage.url(self._payload_rel(entry.name))
+                where = self.storage.url(object_rel(self.step, entry.prefix, entry.path))
                 wrong.append(f"{where}: wrote {entry.size_bytes} bytes, backend holds "
                              + ("no object" if stored is None else f"{stored} bytes"))
         if wrong:

@@ -12,13 +12,26 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ..errors import ManifestError
+from ._layout import KeyLayout, object_rel
 from ._names import check_attempt_id, check_payload_name
 
 MANIFEST_FORMAT = "opd_store.manifest"
-MANIFEST_FORMAT_VERSION = 1
+MANIFEST_FORMAT_VERSION = 2
+"""The newest format this opd_store reads and writes. Version 2 added the key layout (``layout``
+and each entry's ``prefix``); a manifest of the step layout is still written as version 1, byte for
+byte what earlier versions wrote, so any opd_store reads it."""
+READABLE_FORMAT_VERSIONS = (1, 2)
 MAX_MANIFEST_BYTES = 8 << 20
 """Largest manifest accepted, written or read: 8 MiB. A manifest of 10,000 payloads is about
 2 MiB; the limit keeps a hostile or damaged object from costing unbounded memory and time.
@@ -44,6 +57,9 @@ class PayloadEntry(BaseModel):
         path: path relative to the step prefix, ``<attempt_id>/<name>``.
         size_bytes: exact object size in bytes.
         crc32c: CRC32C of the object's bytes, 8 lowercase hex digits, computed while streaming.
+        prefix: the spread prefix whose step prefix holds the object (``.spread/0a``: the object is
+            ``.spread/0a/step-NNNNNN/<path>``), or ``None`` (not written) for the step prefix
+            itself (:mod:`opd_store.format._layout`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -52,6 +68,7 @@ class PayloadEntry(BaseModel):
     path: str
     size_bytes: int = Field(ge=0, strict=True)
     crc32c: str
+    prefix: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -65,20 +82,31 @@ class PayloadEntry(BaseModel):
             raise ValueError(f"crc32c must be 8 lowercase hex digits, got {value!r}")
         return value
 
+    @model_serializer(mode="wrap")
+    def _omit_step_prefix(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if self.prefix is None:
+            data.pop("prefix", None)
+        return data
+
 
 class Manifest(BaseModel):
-    """The commit record of one checkpoint (format version 1).
+    """The commit record of one checkpoint (format version 1 or 2).
 
     Attributes:
         format: always ``opd_store.manifest``.
-        format_version: 1.
+        format_version: 1 for the step layout, 2 for any other (given or not, it is the version
+            the layout needs; a version-1 manifest naming another layout is refused).
         step: the checkpoint's step; must equal the step of the prefix holding the manifest.
         attempt_id: the save attempt whose prefix holds every payload.
         writer: host, pid and rank of the committing process.
         created_at: UTC time of the commit.
         world_size: number of ranks that wrote the checkpoint.
-        payloads: every payload object, each with size and CRC32C; names unique.
+        payloads: every payload object, each with size and CRC32C; names unique; each under the
+            step prefix or, in the spread layout, under one of the layout's prefixes.
         metadata: free-form JSON (trainer counters, fingerprints) readable without torch.
+        layout: where the payloads lie (:class:`~opd_store.format._layout.KeyLayout`; not written
+            for the step layout).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -92,6 +120,20 @@ class Manifest(BaseModel):
     world_size: int = Field(default=1, ge=1, strict=True)
     payloads: tuple[PayloadEntry, ...]
     metadata: dict[str, Any] = Field(default_factory=dict)
+    layout: KeyLayout = Field(default_factory=KeyLayout)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_of_layout(cls, data: Any) -> Any:
+        # A manifest built without a version gets the one its layout needs (1 for the step layout).
+        if isinstance(data, dict) and "format_version" not in data:
+            layout = data.get("layout")
+            if isinstance(layout, dict):
+                default = layout.get("strategy", "step") == "step"
+            else:
+                default = not isinstance(layout, KeyLayout) or layout.is_default
+            data = {**data, "format_version": 1 if default else MANIFEST_FORMAT_VERSION}
+        return data
 
     @field_validator("format")
     @classmethod
@@ -103,10 +145,9 @@ class Manifest(BaseModel):
     @field_validator("format_version")
     @classmethod
     def _version(cls, value: int) -> int:
-        if value != MANIFEST_FORMAT_VERSION:
-            raise ValueError(
-                f"manifest format_version {value} is not supported (this opd_store reads {MANIFEST_FORMAT_VERSION})"
-            )
+        if value not in READABLE_FORMAT_VERSIONS:
+            raise ValueError(f"manifest format_version {value} is not supported (this opd_store reads "
+                             f"{' and '.join(map(str, READABLE_FORMAT_VERSIONS))})")
         return value
 
     @field_validator("attempt_id")
@@ -126,10 +167,33 @@ class Manifest(BaseModel):
         names = [entry.name for entry in self.payloads]
         if len(set(names)) != len(names):
             raise ValueError("payload names are not unique")
+        if self.format_version < 2 and not self.layout.is_default:
+            raise ValueError(f"the {self.layout.strategy} layout needs format_version 2, not {self.format_version}")
         for entry in self.payloads:
             if entry.path != f"{self.attempt_id}/{entry.name}":
                 raise ValueError(f"payload {entry.name!r} path {entry.path!r} is outside attempt {self.attempt_id}")
+            if not self.layout.allows(entry.prefix):
+                raise ValueError(f"payload {entry.name!r} lies under prefix {entry.prefix!r}, outside the prefixes "
+                                 f"the {self.layout.strategy} layout allows")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_step_layout(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The step layout is written as version 1 always was: no ``layout`` key.
+        data = handler(self)
+        if self.layout.is_default:
+            data.pop("layout", None)
+        return data
+
+    def object_rel(self, entry: PayloadEntry) -> str:
+        """The key of ``entry``'s object relative to the store root
+        (:func:`~opd_store.format._layout.object_rel`)."""
+        return object_rel(self.step, entry.prefix, entry.path)
+
+    def prefixes(self) -> tuple[str | None, ...]:
+        """Every prefix holding a payload, each once, in order of first use (``None``: the step
+        prefix itself)."""
+        return tuple(dict.fromkeys(entry.prefix for entry in self.payloads))
 
     def entry(self, name: str) -> PayloadEntry | None:
         """The payload entry called ``name``, or ``None``."""
@@ -168,13 +232,13 @@ def parse_manifest(data: bytes, *, url: str, expected_step: int | None = None) -
         expected_step (int | None): the step of the prefix holding it; a mismatch is refused.
 
     Every malformed input (not bytes, over :data:`MAX_MANIFEST_BYTES`, not UTF-8, not JSON, JSON
-    nested too deeply or holding integers too long to convert, not a version-1 manifest, paths
-    outside the attempt prefix) raises :class:`ManifestError`, never another exception (fuzzed in
+    nested too deeply or holding integers too long to convert, not a version-1 or -2 manifest, paths
+    outside the attempt prefix, prefixes outside the layout's) raises :class:`ManifestError`, never another exception (fuzzed in
     ``tests/reliability/test_manifest_fuzz.py``).
 
     Raises:
-        ManifestError: not UTF-8 JSON, not a valid version-1 manifest, too large, or for another
-            step.
+        ManifestError: not UTF-8 JSON, not a valid version-1 or -2 manifest, too large, or for
+            another step.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ManifestError(f"unreadable manifest at {url}: expected bytes, got {type(data).__name__}")
@@ -208,6 +272,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
+    "READABLE_FORMAT_VERSIONS",
     "Manifest",
     "PayloadEntry",
     "Writer",

@@ -2,9 +2,11 @@
 
 The decisions are made by the pure :func:`opd_store.retention._policy.plan_retention`; this module only
 gathers its input from a store (one listing, the pins, and with ``deep`` the checksums of the
-newest steps) and executes the plan. Every way to ask for retention ends here: a save's
-``retention=`` (after its commit, or after its upload on a tiered store), a tiered store's
-``bucket_retention`` and local retention, and ``opd-store gc``. Every step deletion goes through
+newest steps) and executes the plan. Every way to ask for retention ends here: ``opd-store gc``
+directly, and a save's ``retention=`` (after its commit, or after its upload on a tiered store) and
+a tiered store's ``bucket_retention`` and local retention through the bounded pass after a save
+(:mod:`opd_store.retention._after_save`), which plans with the same rules and deletes through
+:func:`execute_plan`. Every step deletion goes through
 :meth:`CheckpointStore.delete <opd_store.store._checkpoint_store.CheckpointStore.delete>` (manifest first, then
 payloads), so a crash mid-delete leaves an ``uncommitted`` step, never one that looks complete but
 is not.
@@ -17,11 +19,9 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ..errors import RetentionError
 from ..runtime import kill_points
-from ..storage import describe
 from ..store import COMPLETE, CORRUPT, CheckpointInfo, CheckpointStore, LegacyReader, pinned_steps
-from ._policy import RetentionPlan, RetentionPolicy, RunLineage, StepRecord, plan_retention
+from ._policy import RetentionPlan, RetentionPolicy, StepRecord, plan_retention
 
 if TYPE_CHECKING:
     from ._gc import Orphan, StaleUpload
@@ -182,44 +182,10 @@ def apply_retention(
     return report
 
 
-def retention_after_commit(
-    policy: RetentionPolicy, step: int, *, lineage: RunLineage | None = None, url: str | None = None
-):
-    """The after-commit retention hook of a save of ``step``: ``hook(durable_store)``, run by
-    :meth:`Durability.when_durable <opd_store.store._api.Durability.when_durable>` once the step is
-    durable (at once on a plain store, after the upload on a tiered one, against the bucket).
-
-    ``step`` (just committed) and ``lineage.parent_step`` (until the run has a second checkpoint)
-    are protected. A pass that cannot run or fails part-way raises :class:`RetentionError` (the
-    checkpoint stays committed; ``BaseException`` such as a kill propagates as it is).
-
-    Args:
-        policy (RetentionPolicy): what to keep.
-        step (int): the step just committed.
-        lineage (RunLineage | None): the saving run's id and resume parent.
-        url (str | None): the committed checkpoint's URL, named in the error.
-    """
-    current = (lineage.run_id, lineage.parent_step) if lineage is not None else None
-
-    def hook(durable_store: CheckpointStore) -> GcReport:
-        try:
-            return apply_retention(durable_store, policy, just_committed=step, current_run=current)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller as a RetentionError
-            raise RetentionError.after(
-                f"retention {policy!r} after committing step {step} at {durable_store.url} failed "
-                f"({describe(exc)}); step {step} is committed{f' at {url}' if url else ''} and nothing "
-                "committed was lost; the next pass or `opd-store gc` finishes the job",
-                url=url,
-            ) from exc
-
-    return hook
-
-
 __all__ = [
     "GcReport",
     "apply_retention",
     "execute_plan",
     "plan_store_retention",
-    "retention_after_commit",
     "step_records",
 ]

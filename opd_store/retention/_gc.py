@@ -1,7 +1,8 @@
 """Garbage collection (``opd-store gc``): retention, orphan attempts and stale multipart uploads.
 
 Retention goes through the one executor (:func:`opd_store.retention._executor.apply_retention`). What counts
-as an orphan: an ``attempt-<utc>-<hex>`` prefix under a step that no manifest names (a killed
+as an orphan: an ``attempt-<utc>-<hex>`` prefix under a step (and, in the spread layout, the same
+attempt's prefixes under the spread prefixes: one orphan) that no manifest names (a killed
 save, a lost commit race, the payloads of a step whose deletion was interrupted) and that nothing
 has written to for longer than a grace period (default 1 hour). Objects outside that layout (a
 checkpoint copied in by another tool, a seed ``COMPLETE`` directory, anything unknown) are never
@@ -57,7 +58,16 @@ import logging
 import time
 from collections.abc import Iterable
 
-from ..format import MANIFEST_NAME, attempt_created_secs, is_attempt_id, parse_step_dirname, step_dirname
+from ..format import (
+    MANIFEST_NAME,
+    attempt_created_secs,
+    is_attempt_id,
+    parse_step_dirname,
+    split_key_in_step,
+    split_step_rel,
+    step_dirname,
+    step_rel,
+)
 from ..ledger import DEFAULT_KEEP_EVENTS, prune_journal
 from ..storage import MultipartUploads
 from ..store import CheckpointStore, Durability, holds_legacy_marker
@@ -84,6 +94,9 @@ class Orphan:
         age_secs (float): seconds since anything was last written under it, on the store's clock.
         writer_clock_age_secs (float | None): the same age by the UTC time in its id (the writer's
             clock): a hint for people, never used to decide.
+        spread_rels (tuple[str, ...]): its prefixes under spread prefixes
+            (``.spread/0a/step-NNNNNN/<attempt>``), which hold more of its objects (the spread
+            layout, :mod:`opd_store.format._layout`); ``rel`` may then hold none.
     """
 
     step: int
@@ -93,6 +106,7 @@ class Orphan:
     size_bytes: int
     age_secs: float
     writer_clock_age_secs: float | None = None
+    spread_rels: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +130,7 @@ class _Attempt:
     step: int
     attempt_id: str
     size_bytes: int = 0
+    rels: set[str] = dataclasses.field(default_factory=set)  # its prefixes (spread layout: several)
     last_secs: float | None = None  # newest activity on the store's clock
     untimed: bool = False  # an object without a recorded time: never an orphan
 
@@ -127,12 +142,24 @@ class _Attempt:
 
 
 def _attempt_of(rel: str) -> tuple[int, str] | None:
-    parts = rel.split("/")
-    if len(parts) >= 3 and is_attempt_id(parts[1]):
-        step = parse_step_dirname(parts[0])
-        if step is not None:
-            return step, parts[1]
-    return None
+    """``(step, attempt id)`` of an object under an attempt prefix (under the step prefix or a
+    spread prefix), else ``None``."""
+    found = _attempt_prefix_of(rel)
+    return None if found is None else found[:2]
+
+
+def _attempt_prefix_of(rel: str) -> tuple[int, str, str] | None:
+    """``(step, attempt id, the attempt's prefix relative to the root)`` of an object under an
+    attempt prefix, else ``None``."""
+    found = split_step_rel(rel)
+    if found is None:
+        return None
+    step, key = found
+    prefix, path = split_key_in_step(key)
+    attempt_id, slash, rest = path.partition("/")
+    if not slash or not rest or not is_attempt_id(attempt_id):
+        return None
+    return step, attempt_id, f"{step_rel(step, prefix)}/{attempt_id}"
 
 
 @dataclasses.dataclass
@@ -180,25 +207,27 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
     for rel, (size, modified) in storage.list_tree_modified("").items():
         head, _, tail = rel.partition("/")
         step = parse_step_dirname(head)
-        if step is None or not tail:
-            continue
-        by_step.setdefault(step, {})[tail] = size
-        key = _attempt_of(rel)
-        if key is not None:
-            attempt = attempts.setdefault(key, _Attempt(*key))
+        if step is not None and tail:
+            by_step.setdefault(step, {})[tail] = size
+        found = _attempt_prefix_of(rel)
+        if found is not None:
+            attempt = attempts.setdefault(found[:2], _Attempt(*found[:2]))
             attempt.size_bytes += size
+            attempt.rels.add(found[2])
             attempt.saw(modified)
     uploads: list[tuple[str, str, float]] = []
     multipart = storage.multipart_uploads()
     for rel, upload_id, initiated in multipart.list() if multipart is not None else []:
         last = _upload_activity(multipart, now, older_than_secs, rel, upload_id, initiated)
         uploads.append((rel, upload_id, last))
-        key = _attempt_of(rel)
-        if key is not None:
+        found = _attempt_prefix_of(rel)
+        if found is not None:
             # An attempt may be only uploads so far (its payloads stream in parallel and none is
             # published yet): its age is still the newest activity of all of them, never one
             # upload's alone (an idle payload's upload would be aborted under a live save).
-            attempts.setdefault(key, _Attempt(*key)).saw(last)
+            attempt = attempts.setdefault(found[:2], _Attempt(*found[:2]))
+            attempt.rels.add(found[2])
+            attempt.saw(last)
 
     orphans, live = [], []
     committed = _committed_attempts(store, by_step, {key[0] for key in attempts})
@@ -209,7 +238,8 @@ def survey(store: CheckpointStore, *, older_than_secs: float = DEFAULT_ORPHAN_GR
         created = attempt_created_secs(attempt_id)
         found = Orphan(step, attempt_id, rel, storage.url(rel), attempt.size_bytes,
                        now - attempt.last_secs if attempt.last_secs is not None else 0.0,
-                       None if created is None else time.time() - created)
+                       None if created is None else time.time() - created,
+                       tuple(sorted(attempt.rels - {rel})))
         old = attempt.last_secs is not None and not attempt.untimed and found.age_secs >= older_than_secs
         (orphans if old else live).append(found)
     ages = {(o.step, o.attempt_id): o.age_secs for o in orphans + live}
@@ -282,14 +312,17 @@ def delete_orphans(store: CheckpointStore, orphans: Iterable[Orphan], *,
         if manifest is not None and manifest.attempt_id == orphan.attempt_id:
             logger.warning("gc: %s was committed meanwhile; kept", orphan.url)
             continue
+        rels = (orphan.rel, *orphan.spread_rels)
         if now is not None:
-            times = [modified for _size, modified in store.storage.list_tree_modified(orphan.rel).values()]
+            times = [modified for prefix in rels
+                     for _size, modified in store.storage.list_tree_modified(prefix).values()]
             times += [_upload_activity(multipart, now, older_than_secs, rel, upload_id, initiated)
-                      for rel, upload_id, initiated in open_uploads if rel.startswith(f"{orphan.rel}/")]
+                      for rel, upload_id, initiated in open_uploads if rel.startswith(tuple(f"{p}/" for p in rels))]
             if any(modified is None or now - modified < older_than_secs for modified in times):
                 logger.warning("gc: %s was written to meanwhile; kept", orphan.url)
                 continue
-        store.storage.delete_tree(orphan.rel)
+        for prefix in rels:
+            store.storage.delete_tree(prefix)
         deleted.append(orphan)
     return deleted
 

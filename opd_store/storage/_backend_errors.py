@@ -216,6 +216,26 @@ def classify(exc: BaseException) -> Meaning:
     return Meaning.OTHER
 
 
+def is_rate_limited(exc: BaseException) -> bool:
+    """True when ``exc`` says the store refused the request for its rate: an S3 throttling code
+    (``SlowDown``, ``Throttling``...) or GCS's ``429``. A GCS ``503`` is :attr:`Meaning.THROTTLED` too
+    (retry it later) but a backend error, not a request rate (GCS docs, "HTTP status and error
+    codes"): the pacing of uploads (:mod:`opd_store.storage.transfers._pacing`) answers only rates."""
+    code = s3_error_code(exc)
+    if code is not None:
+        return _S3_CODES.get(code) is Meaning.THROTTLED
+    return _gcs_status(exc) == 429
+
+
+def s3_answer_meaning(code: str | None, status: int | None) -> Meaning:
+    """The :class:`Meaning` of one S3 answer seen before botocore decides to retry it (its error
+    ``code`` and HTTP ``status``): a throttling code, or ``503`` without a body (a ``HEAD``), is
+    :attr:`Meaning.THROTTLED` (S3: "503 Slow Down")."""
+    if code in _S3_CODES:
+        return _S3_CODES[code]
+    return Meaning.THROTTLED if status == 503 and not code else Meaning.OTHER
+
+
 def is_missing(exc: BaseException) -> bool:
     """True when ``exc`` says the object, prefix or bucket does not exist."""
     return classify(exc) is Meaning.NOT_FOUND
@@ -354,6 +374,8 @@ __all__ = [
     "explain",
     "is_backend_failure",
     "is_missing",
+    "is_rate_limited",
     "is_unreachable",
+    "s3_answer_meaning",
     "s3_error_code",
 ]

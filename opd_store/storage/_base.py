@@ -40,6 +40,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable
 
+from ..format import KeyLayout
 from ._client_options import ClientTimeouts
 from ._request_tally import RequestTally
 from .transfers import Transfers
@@ -75,7 +76,10 @@ class Storage(abc.ABC):
         credential_sources (str | None): where the client looks for credentials, named when it
             finds none.
         transfers (Transfers): the settings (storage options ``part_size_bytes``,
-            ``parts_in_flight``) and part pools of parallel transfers (set by ``open_storage``).
+            ``parts_in_flight``...), part pools and upload pacing of parallel transfers (set by
+            ``open_storage``).
+        layout (KeyLayout): where the store's saves put their payloads (storage options
+            ``key_layout``, ``key_prefixes``; set by ``open_storage``; the step layout by default).
         requests (RequestTally): the requests this store sent, by kind
             (:mod:`opd_store.storage._request_tally`).
     """
@@ -99,6 +103,7 @@ class Storage(abc.ABC):
         self.requests = RequestTally()
         self.client_options: dict[str, Any] = {}  # the filesystem's options (set by open_storage)
         self.transfers = Transfers()
+        self.layout = KeyLayout()
         self.root = root.rstrip("/") or "/"
         stripped = url_root.rstrip("/")
         # A store at a filesystem's root ("memory:///") keeps its slashes: "memory:" is no URL.

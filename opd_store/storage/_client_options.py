@@ -1,7 +1,10 @@
-"""opd_store's own storage options, and the timeouts every backend client is built with.
+"""opd_store's own storage options: the timeouts every backend client is built with, and the key
+layout of the store's saves.
 
-These keys of ``storage_options`` belong to opd_store, not to fsspec; :func:`split_options` takes
-them out before the rest reaches the filesystem:
+These keys of ``storage_options`` belong to opd_store, not to fsspec; :func:`split_options` and
+:func:`pop_layout` take them out before the rest reaches the filesystem (the transfer options
+``part_size_bytes``, ``parts_in_flight``, ``throttle_timeout_secs`` and ``throttle_warn_share`` are
+:class:`~opd_store.storage.transfers.TransferSettings`'):
 
 =======================  =======  ===========================================================
 ``connect_timeout_secs``  15      How long opd_store waits to reach the store: the bound of the
@@ -16,6 +19,11 @@ them out before the rest reaches the filesystem:
                                   a body is handed over: 60 s covers about 70 KiB/s.
 ``retries``               2       S3 only: passes of s3fs's own retry loop (``S3FileSystem.retries``,
                                   5 by default), which wraps botocore's.
+``key_layout``            step    Where a save's payloads go (:mod:`opd_store.format._layout`):
+                                  ``step`` (under ``step-NNNNNN/``) or ``spread`` (over
+                                  ``key_prefixes`` fixed prefixes, so S3's per-prefix request
+                                  rates add up). Anything else is refused naming it.
+``key_prefixes``          16      ``spread`` only: how many prefixes (1 to 256).
 =======================  =======  ===========================================================
 
 Client libraries' defaults are not what a job on spot capacity needs: botocore waits 60 s to
@@ -31,6 +39,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+from ..format import KeyLayout
 
 DEFAULT_CONNECT_TIMEOUT_SECS = 15.0
 """Default bound of the reachability check and connect timeout of every request (seconds)."""
@@ -84,9 +94,20 @@ def split_options(storage_options: dict[str, Any] | None) -> tuple[dict[str, Any
     return options, timeouts
 
 
+def pop_layout(options: dict[str, Any]) -> KeyLayout:
+    """The key layout the storage options ``key_layout`` and ``key_prefixes`` ask for (the step
+    layout by default), removed from ``options``.
+
+    Raises:
+        ValueError: an unknown layout (named), or a prefix count out of range.
+    """
+    return KeyLayout.named(options.pop("key_layout", "step"), options.pop("key_prefixes", None))
+
+
 __all__ = [
     "ClientTimeouts",
     "DEFAULT_CONNECT_TIMEOUT_SECS",
     "DEFAULT_READ_TIMEOUT_SECS",
+    "pop_layout",
     "split_options",
 ]

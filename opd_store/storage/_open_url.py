@@ -22,7 +22,7 @@ import fsspec
 from ..errors import UnsupportedBackendError
 from ._backends import CheckThenPutStorage, LocalStorage, MemoryStorage
 from ._base import Storage
-from ._client_options import split_options
+from ._client_options import pop_layout, split_options
 from .gcs import GCSStorage
 from .s3 import S3Storage
 from .transfers import Transfers, TransferSettings
@@ -57,9 +57,10 @@ def open_storage(
             with ``allow_check_then_put`` any fsspec URL naming the store root.
         storage_options (dict | None): keyword arguments for the fsspec filesystem (``endpoint_url``,
             ``key``, ``token``, ...), which reach every request the store makes, and opd_store's
-            own ``connect_timeout_secs`` and ``read_timeout_secs``
-            (:mod:`opd_store.storage._client_options`), ``part_size_bytes`` and ``parts_in_flight``
-            (parallel transfers, :class:`~opd_store.storage.transfers._parts.TransferSettings`).
+            own ``connect_timeout_secs``, ``read_timeout_secs``, ``key_layout`` and ``key_prefixes``
+            (:mod:`opd_store.storage._client_options`), ``part_size_bytes``, ``parts_in_flight``,
+            ``throttle_timeout_secs`` and ``throttle_warn_share`` (parallel transfers,
+            :class:`~opd_store.storage.transfers._parts.TransferSettings`).
         allow_check_then_put (bool): accept a non-atomic commit on backends without a create-only
             write (see module docstring).
 
@@ -69,7 +70,7 @@ def open_storage(
             is supported), or a backend whose package is not installed.
         ValueError: the URL is empty or chained (``a::b``), an S3 or GCS URL names no bucket
             (``s3://``), a timeout option is not a positive
-            number, or a transfer setting is out of range.
+            number, a transfer setting is out of range, or ``key_layout`` names no layout.
     """
     text = os.fspath(url)
     if not text:
@@ -89,6 +90,7 @@ def open_storage(
         raise UnsupportedBackendError(f"{text}: URL scheme {scheme!r} has no create-only write; {SUPPORTED}")
     options, timeouts = split_options(storage_options)
     transfers = TransferSettings.pop_from(options)  # opd_store's own options, never fsspec's
+    layout = pop_layout(options)
     options, timeouts, configure = (cls or CheckThenPutStorage).with_client_timeouts(options, timeouts)
     # A private instance: fsspec returns one cached instance per argument set, and the store drops
     # that instance's listing caches before every decision.
@@ -115,6 +117,7 @@ def open_storage(
             storage = cls(build_client, root, url_root, timeouts=timeouts)
     storage.client_options = options
     storage.transfers = Transfers(transfers)
+    storage.layout = layout
     return storage
 
 

@@ -17,10 +17,11 @@ from typing import Any, BinaryIO
 
 from ..commit import PartTransaction, Transaction
 from ..errors import CheckpointNotFoundError, CommitConflictError, UnsupportedBackendError
-from ..format import MANIFEST_NAME, Manifest, check_attempt_id, new_attempt_id, step_dirname
+from ..format import MANIFEST_NAME, Manifest, check_attempt_id, new_attempt_id, step_dirname, step_rel
 from ..runtime import kill_points
 from ..storage import Storage, check_reachable, open_storage
 from ._api import BaseStore, DurableHook, RetentionTier
+from ._known_steps import KnownSteps
 from ._legacy import holds_legacy_marker, refuse_legacy_step
 from ._status import (
     COMPLETE,
@@ -31,6 +32,7 @@ from ._status import (
     newest_step,
     objects_by_step,
     read_manifest,
+    step_prefixes,
     step_state,
 )
 from ._verified_reads import KeepReader, open_payload, verify_step
@@ -50,8 +52,14 @@ class CheckpointStore(BaseStore):
             ``exists`` check followed by a plain put. Two writers racing inside that window can
             both "commit" and the later manifest wins; off by default.
 
+    Attributes:
+        storage (Storage): the backend (its ``layout`` is where saves put their payloads).
+        known (KnownSteps): steps this instance committed or saw complete, with their manifests
+            (:mod:`opd_store.store._known_steps`; the after-save retention pass reads it).
+
     Raises:
-        ValueError: empty or chained URL.
+        ValueError: empty or chained URL, or a storage option out of range (an unknown
+            ``key_layout`` is named).
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class CheckpointStore(BaseStore):
     ) -> None:
         self.storage = open_storage(url, storage_options, allow_check_then_put=allow_check_then_put)
         self._storage_options = dict(storage_options or {})
+        self.known = KnownSteps()
 
     @classmethod
     def from_storage(cls, storage: Storage) -> "CheckpointStore":
@@ -70,6 +79,7 @@ class CheckpointStore(BaseStore):
         store = cls.__new__(cls)
         store.storage = storage
         store._storage_options = {}
+        store.known = KnownSteps()
         return store
 
     @property
@@ -116,6 +126,11 @@ class CheckpointStore(BaseStore):
         """
         by_step = objects_by_step(self.storage.list_tree(""))
         return sorted(step for step, objects in by_step.items() if MANIFEST_NAME in objects)
+
+    def step_prefixes(self) -> list[int]:
+        """Every step with a prefix under the root, committed or not, ascending (one delimiter
+        listing of the root: a page per 1,000 steps, whatever each step holds)."""
+        return step_prefixes(self.storage)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every step prefix with its status, ascending.
@@ -264,7 +279,7 @@ class CheckpointStore(BaseStore):
         if self.storage.size(f"{prefix}/{MANIFEST_NAME}") is not None:
             raise CommitConflictError(f"checkpoint already exists: {self.step_url(step)} (step {step} is committed)")
         refuse_legacy_step(self.storage, step)
-        return Transaction(
+        txn = Transaction(
             self.storage,
             step,
             new_attempt_id() if attempt_id is None else check_attempt_id(attempt_id),
@@ -272,6 +287,9 @@ class CheckpointStore(BaseStore):
             metadata=metadata,
             rank=rank,
         )
+        # The commit listed every payload just before creating the manifest: the step is complete.
+        txn.on_commit(after=lambda _url: self.known.saw_complete(txn.committed_manifest))
+        return txn
 
     def begin_part(self, step: int, *, attempt_id: str, rank: int, world_size: int) -> PartTransaction:
         """Start one rank's part of a multi-rank save under the committing rank's attempt.
@@ -299,11 +317,16 @@ class CheckpointStore(BaseStore):
 
     def delete(self, step: int) -> None:
         """Delete ``step``: its manifest first, so it stops being complete at once, then every
-        object under its prefix. A missing step is not an error."""
+        object under its prefix and, in the spread layout, under each spread prefix of the store's
+        layout (objects under prefixes of a layout the store is no longer opened with are left to
+        ``opd-store gc``, as orphans). A missing step is not an error."""
         prefix = step_dirname(step)
+        self.known.forget(step)
         self.storage.delete(f"{prefix}/{MANIFEST_NAME}")
         kill_points.reach("step_delete", step=step)  # test-only (the soak); nothing when not armed
         self.storage.delete_tree(prefix)
+        for spread in self.storage.layout.prefix_names():
+            self.storage.delete_tree(step_rel(step, spread))
 
     # -- durability: a committed step of a plain store is durable (Durability's defaults: no
     # background work to flush, close or resume, any save retention accepted) -------------------

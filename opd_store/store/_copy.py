@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, SaveAbandonedError
-from ..format import Crc32c, step_dirname
+from ..format import Crc32c
 from ..storage import is_missing
 from ._status import COMPLETE, UNCOMMITTED
 
@@ -222,8 +222,7 @@ def copy_checkpoint(
                                         f"({'; '.join(p.detail for p in state.problems)})")
     manifest = state.manifest
     callback.set_size(manifest.total_size_bytes)
-    prefix = step_dirname(step)
-    files = [SourceFile(entry.name, f"{prefix}/{entry.path}", entry.size_bytes, entry.crc32c)
+    files = [SourceFile(entry.name, manifest.object_rel(entry), entry.size_bytes, entry.crc32c)
              for entry in manifest.payloads]
 
     def each_chunk(count: int) -> None:

@@ -22,9 +22,13 @@ from ..format import (
     MAX_MANIFEST_BYTES,
     Manifest,
     is_attempt_id,
+    key_in_step,
     parse_manifest,
     parse_step_dirname,
+    split_key_in_step,
+    split_step_rel,
     step_dirname,
+    step_rel,
 )
 from ..storage import is_missing
 
@@ -108,7 +112,8 @@ class CheckpointInfo:
             the legacy adapter).
         manifest: the parsed manifest, when there is a readable one.
         created_at: commit time (UTC) from the manifest, else ``None``.
-        total_size_bytes: bytes of every object under the step prefix.
+        total_size_bytes: bytes of every object of the step (under its step prefix and, in the
+            spread layout, under each spread prefix).
         attempts: attempt ids present under the step (committed and leftover).
         problems: why the step is not complete.
     """
@@ -129,14 +134,15 @@ class CheckpointInfo:
 
 def objects_by_step(tree: dict[str, int]) -> dict[int, dict[str, int]]:
     """Group a recursive listing of the store root (relative path -> size in bytes) by step:
-    ``{step: {path under step-NNNNNN/: size_bytes}}``; objects outside step prefixes are left out.
+    ``{step: {key in step: size_bytes}}``, the key the path under ``step-NNNNNN/`` or, for an
+    object under a spread prefix, ``<prefix>/<path under the step>``
+    (:func:`~opd_store.format._layout.split_step_rel`); objects of no step are left out.
     """
     by_step: dict[int, dict[str, int]] = {}
     for path, size in tree.items():
-        head, _, tail = path.partition("/")
-        step = parse_step_dirname(head)
-        if step is not None and tail:
-            by_step.setdefault(step, {})[tail] = size
+        found = split_step_rel(path)
+        if found is not None:
+            by_step.setdefault(found[0], {})[found[1]] = size
     return by_step
 
 
@@ -192,9 +198,9 @@ def step_state(storage: "Storage", step: int, objects: dict[str, int] | None = N
     Args:
         storage (Storage): the store's storage.
         step (int): the step.
-        objects (dict[str, int] | None): the step's listing (paths relative to the step prefix),
-            when the caller already has it; otherwise the committed attempt's prefix is listed
-            (one request).
+        objects (dict[str, int] | None): the step's listing (keys as :func:`objects_by_step`
+            makes them), when the caller already has it; otherwise the committed attempt's prefix
+            is listed (one request; in the spread layout one per prefix the manifest uses).
     """
     try:
         manifest = read_manifest(storage, step)
@@ -203,11 +209,13 @@ def step_state(storage: "Storage", step: int, objects: dict[str, int] | None = N
     if manifest is None:
         return StepState(UNCOMMITTED, None, (Problem(MANIFEST_NAME, "missing", "no manifest: the step was never committed"),))
     if objects is None:
-        listed = storage.list_tree(f"{step_dirname(step)}/{manifest.attempt_id}")
-        objects = {f"{manifest.attempt_id}/{name}": size for name, size in listed.items()}
+        objects = {}
+        for prefix in manifest.prefixes() or (None,):
+            listed = storage.list_tree(f"{step_rel(step, prefix)}/{manifest.attempt_id}")
+            objects.update({key_in_step(prefix, f"{manifest.attempt_id}/{name}"): size for name, size in listed.items()})
     problems = []
     for entry in manifest.payloads:
-        actual = objects.get(entry.path)
+        actual = objects.get(key_in_step(entry.prefix, entry.path))
         if actual is None:
             problems.append(Problem(entry.name, "missing", f"{entry.path} is listed in the manifest but absent"))
         elif actual != entry.size_bytes:
@@ -219,7 +227,8 @@ def step_state(storage: "Storage", step: int, objects: dict[str, int] | None = N
 
 def checkpoint_info(storage: "Storage", step: int, objects: dict[str, int]) -> CheckpointInfo:
     """The :class:`CheckpointInfo` of ``step`` from its listing (paths under the step prefix)."""
-    attempts = tuple(sorted({p.split("/", 1)[0] for p in objects if is_attempt_id(p.split("/", 1)[0])}))
+    heads = {split_key_in_step(key)[1].split("/", 1)[0] for key in objects}
+    attempts = tuple(sorted(head for head in heads if is_attempt_id(head)))
     state = step_state(storage, step, objects)
     return CheckpointInfo(
         step=step,

@@ -40,7 +40,7 @@ def open_payload(storage: "Storage", step: int, name: str, manifest: Manifest) -
     entry = manifest.entry(name)
     if entry is None:
         raise CheckpointNotFoundError(f"step {step} at {storage.url(step_dirname(step))} has no payload {name!r}")
-    rel = f"{step_dirname(step)}/{entry.path}"
+    rel = manifest.object_rel(entry)
     url = storage.url(rel)
     try:
         reader, size_bytes, crc = storage.open_checked(rel, size_bytes=entry.size_bytes)
@@ -70,12 +70,11 @@ def verify_step(storage: "Storage", step: int, state: StepState, *, deep: bool =
     status, manifest, problems = state.status, state.manifest, list(state.problems)
     checked = len(manifest.payloads) if manifest else 0
     if deep and manifest is not None:
-        prefix = step_dirname(step)
         for entry in manifest.payloads:
             if any(p.name == entry.name for p in problems):
                 continue
             try:
-                reader, _size, actual = storage.open_checked(f"{prefix}/{entry.path}", size_bytes=entry.size_bytes)
+                reader, _size, actual = storage.open_checked(manifest.object_rel(entry), size_bytes=entry.size_bytes)
             except Exception as exc:  # noqa: BLE001 - a vanished payload is a problem; anything else propagates
                 if not is_missing(exc):
                     raise

@@ -4,7 +4,7 @@ Each locally committed step is one save of the store's :class:`~opd_store.pipeli
 (the one owner of background saves), in commit order: :func:`opd_store.store._copy.copy_checkpoint` runs the commit protocol on the bucket
 (payloads under a new attempt, each checked against the local manifest's size and CRC32C, the
 bucket's manifest created only if absent, last), then the tier's retention runs through the one
-executor (:func:`opd_store.retention._executor.apply_retention`): the bucket's own policy, then the local
+executor's bounded pass after a save (:func:`opd_store.retention._after_save.apply_retention_after_save`): the bucket's own policy, then the local
 tier's, with every local step that is not durable yet protected. Work that must wait for a step
 to be durable (a save's retention, :meth:`TierUploads.when_durable`) is queued behind its upload.
 A failure is raised by the tiered store at its next save, ``flush`` or ``close`` (and at
@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ..errors import RetentionError, UploadError
 from ..pipeline import EXIT_STAGE_UPLOADS, BackgroundSaves, BackgroundTask
-from ..retention import RetentionPolicy, apply_retention
+from ..retention import RetentionPolicy, apply_retention_after_save
 from ..storage import describe
 from ..store import CheckpointStore, DurableHook, copy_checkpoint
 
@@ -117,8 +117,8 @@ class TierUploads:
                 continue
             try:
                 protected = self.local_protected() if not_durable is None else not_durable
-                apply_retention(tier, policy, just_committed=step if tier is self.bucket else None,
-                                not_durable=protected)
+                apply_retention_after_save(tier, policy, just_committed=step if tier is self.bucket else None,
+                                           not_durable=protected)
             except Exception as exc:  # noqa: BLE001 - raised below, after the other tier's pass
                 failures.append(RetentionError.after(
                     f"retention {policy!r} on {tier.url} after the upload of step {step} failed ({describe(exc)})",

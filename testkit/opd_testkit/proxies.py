@@ -136,6 +136,11 @@ class _ProxyServer(http.server.ThreadingHTTPServer):
     dropped) is what the tests do on purpose, so it prints no traceback; anything else still does."""
 
     daemon_threads = True
+    # socketserver listens with a backlog of 5: hundreds of clients connecting at once overflow it,
+    # the kernel drops their SYNs and each waits 1 s, 3 s, 7 s... to connect (a latency no object
+    # store has, which made an unthrottled 64-rank save slower than a throttled one). The kernel
+    # caps it at net.core.somaxconn.
+    request_queue_size = 4096
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):

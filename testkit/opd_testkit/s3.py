@@ -328,6 +328,7 @@ def serve() -> None:
     _exit_with_parent()
     app = CountingMiddleware(DomainDispatcherApplication(create_backend_app))
     server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
+    server.socket.listen(4096)  # werkzeug's backlog of 128 drops the SYNs of hundreds of clients at once
     print(f"PORT {server.server_address[1]}", flush=True)
     try:
         server.serve_forever()

@@ -3,7 +3,8 @@ path raises a typed error that names what failed, with the backend's error chain
 "Errors"; the failures are translated once, in ``opd_store/storage/_backend_errors.py``).
 
 The failures, injected by the S3 fault proxy in front of moto (:mod:`opd_testkit.proxies`), each on
-its own step (a client with one retry and 2 s timeouts, so a failure past its retries is quick):
+its own step (a client with one retry, 2 s timeouts and ``throttle_timeout_secs=0``, so a failure
+past its retries is quick):
 
 ==============  =====================================================  =================================
 failure         injected                                               raised
@@ -11,8 +12,9 @@ failure         injected                                               raised
 denied          ``PutObject`` of the step's payloads: 403 AccessDenied  ``StoragePermissionError`` (a
                                                                        ``PermissionError``) naming
                                                                        ``PutObject`` and the payload
-throttled       ``PutObject``: 503 SlowDown past the retries           ``PayloadUploadError`` naming the
-                                                                       payload
+throttled       ``PutObject``: 503 SlowDown past the retries           ``ThrottledUploadError`` (a
+                                                                       ``PayloadUploadError``) naming
+                                                                       the payload
 refused part    ``UploadPart`` of a multipart payload: 500 past them   ``PayloadUploadError`` naming
                                                                        ``UploadPart``
 ambiguous       the manifest ``PutObject`` lands and its reply is      ``AmbiguousCommitError`` (it may
@@ -56,7 +58,7 @@ from opd_store.store import copy_checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 FAST = dict(retries=1, config_kwargs={"retries": {"total_max_attempts": 2, "mode": "standard"}},
-            connect_timeout_secs=2, read_timeout_secs=2, default_block_size=5 << 20)
+            connect_timeout_secs=2, read_timeout_secs=2, default_block_size=5 << 20, throttle_timeout_secs=0)
 # failure -> (step, the error raised, a word of its message)
 FAILURES = {
     "denied": (11, StoragePermissionError, "PutObject"),
@@ -193,7 +195,7 @@ def test_a_multi_rank_save_keeps_each_failures_meaning_on_every_rank(fast_proxy,
     expected = {
         # failure: (the class every rank raises, the failing rank, its error, what it is also)
         "denied": (DistributedPermissionError, 1, "StoragePermissionError", PermissionError),
-        "throttled": (DistributedSaveError, 1, "PayloadUploadError", OSError),
+        "throttled": (DistributedSaveError, 1, "ThrottledUploadError", OSError),  # a PayloadUploadError
         "refused part": (DistributedSaveError, 0, "PayloadUploadError", OSError),
         "ambiguous": (DistributedAmbiguousCommitError, 0, "AmbiguousCommitError", AmbiguousCommitError),
         "unreachable": (DistributedUnreachableError, 0, "StoreUnreachableError", StoreUnreachableError),

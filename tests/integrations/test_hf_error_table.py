@@ -25,6 +25,7 @@ from opd_store.errors import (
     PayloadUploadError,
     StoragePermissionError,
     StoreUnreachableError,
+    ThrottledUploadError,
 )
 from opd_store.integrations.transformers import StoreCallback
 from opd_store.job._machines import torch_threads
@@ -61,7 +62,7 @@ FAILURES = {
                     StoreUnreachableError, ["cannot write payload 'big.bin' of step 1", "step 1 is not committed"]),
     "throttled": (lambda: Rule(ops=("PutObject",), match=lambda r: not _manifest(r), fault="status", status=503,
                                code="SlowDown", times=None),
-                  PayloadUploadError, ["PutObject failed after the client's retries", "SlowDown"]),
+                  ThrottledUploadError, ["PutObject failed after the client's retries", "SlowDown"]),
     "refused-part": (lambda: Rule(ops=("UploadPart",), fault="status", status=500, code="InternalError", times=None),
                      PayloadUploadError, ["big.bin", "UploadPart 1 failed after the client's retries"]),
     "ambiguous-commit": (_ambiguous_create, AmbiguousCommitError, ["manifest create", "may or may not be committed"]),
@@ -84,7 +85,7 @@ def saved(tmp_path_factory):
 def test_a_backend_failure_reaches_the_caller_typed_and_named(saved, s3_fault_proxy, failure, async_upload):
     backend, proxy = s3_fault_proxy
     rule, expected, named = FAILURES[failure]
-    options = dict(backend.storage_options, part_size_bytes=8 << 20, retries=1,
+    options = dict(backend.storage_options, part_size_bytes=8 << 20, retries=1, throttle_timeout_secs=0,
                    config_kwargs={"retries": {"total_max_attempts": 2, "mode": "standard"}})
     callback = StoreCallback(backend.url, storage_options=options, async_upload=async_upload)
     callback.on_train_begin(saved.args, saved.state, TrainerControl(), model=saved.model)

@@ -19,8 +19,10 @@ from opd_store.errors import AmbiguousCommitError, PayloadUploadError, StoragePe
 
 pytestmark = pytest.mark.timeout(300)
 
-FAST_FAILURES = {"retries": 1, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
-"""One attempt per request (s3fs's own loop and botocore's): a fault past retries at once."""
+FAST_FAILURES = {"retries": 1, "config_kwargs": {"retries": {"total_max_attempts": 1}},
+                 "throttle_timeout_secs": 0}
+"""One attempt per request (s3fs's own loop and botocore's; a throttled one not sent again by the
+pacer): a fault past retries at once."""
 
 
 def _payload(op: str, **rule):

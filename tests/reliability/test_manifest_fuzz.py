@@ -103,7 +103,7 @@ def test_nested_fields_replaced_by_any_json(section, field, value):
         assert all(e.path == f"{result.attempt_id}/{e.name}" for e in result.payloads)
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, 10**30, "1", 1.5, None, True])
+@pytest.mark.parametrize("version", [0, 3, -1, 10**30, "1", 1.5, None, True])
 def test_wrong_version_or_format(version):
     with pytest.raises(ManifestError):
         parse_manifest(json.dumps(_valid(format_version=version)).encode(), url=URL)

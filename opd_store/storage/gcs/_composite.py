@@ -44,7 +44,7 @@ import secrets
 from typing import Any
 from urllib.parse import quote
 
-from ..transfers import PartBody, named_error
+from ..transfers import Pacer, PartBody, named_error, paced
 
 logger = logging.getLogger("opd_store.storage")
 
@@ -99,15 +99,19 @@ class GCSComposite:
         url (str): the object's URL (for messages).
         send_timeout_secs (float | None): the longest wait for a connection to take one chunk of a
             body (the store's ``read_timeout_secs``).
+        pacer (Pacer | None): the store's pacing of upload requests (``transfers.pacer``): uploads
+            and composes wait for a slot, and a throttled one is sent again after a back-off.
 
     Attributes:
         temporary (list[str]): keys of every temporary object this upload may have created (its
             parts and intermediate composites), in the order they were started.
     """
 
-    def __init__(self, fs, bucket: str, key: str, url: str, *, send_timeout_secs: float | None = None) -> None:
+    def __init__(self, fs, bucket: str, key: str, url: str, *, send_timeout_secs: float | None = None,
+                 pacer: Pacer | None = None) -> None:
         self._fs = fs
         self._send_timeout_secs = send_timeout_secs
+        self._pacer = pacer
         self._bucket = bucket
         self._key = key
         self.url = url
@@ -125,16 +129,21 @@ class GCSComposite:
 
     async def _media_upload(self, request: str, key: str, body: bytearray | memoryview) -> dict[str, Any]:
         """One single-request upload (``uploadType=media``) of ``body`` as ``key``; its JSON answer."""
-        reader = PartBody(body, send_timeout_secs=self._send_timeout_secs)
+
+        async def send() -> dict[str, Any]:
+            reader = PartBody(body, send_timeout_secs=self._send_timeout_secs)
+            try:
+                return await self._fs._call(
+                    "POST", upload_url(self._fs, self._bucket),
+                    uploadType="media", name=key, data=reader, json_out=True,
+                    headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(body))})
+            finally:
+                reader.close()
+
         try:
-            return await self._fs._call(
-                "POST", upload_url(self._fs, self._bucket),
-                uploadType="media", name=key, data=reader, json_out=True,
-                headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(body))})
+            return await paced(self._pacer, send)
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, request, exc)  # noqa: B904 - the cause is set by named_error
-        finally:
-            reader.close()
 
     async def put(self, body: bytearray | memoryview) -> None:
         await self._media_upload("upload", self._key, body)
@@ -146,12 +155,12 @@ class GCSComposite:
 
     async def _compose(self, sources: list[str], destination: str) -> None:
         try:
-            await self._fs._call(
+            await paced(self._pacer, lambda: self._fs._call(
                 "POST", "b/{}/o/{}/compose", self._bucket, destination,
                 json={"kind": "storage#composeRequest", "sourceObjects": [{"name": s} for s in sources],
                       "destination": {"name": destination, "bucket": self._bucket,
                                       "contentType": "application/octet-stream"}},
-                headers={"Content-Type": "application/json"}, json_out=True)
+                headers={"Content-Type": "application/json"}, json_out=True))
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, f"compose of {len(sources)} objects into {destination.rpartition('/')[2]}",
                               exc)  # noqa: B904 - the cause is set by named_error

@@ -71,7 +71,8 @@ class GCSStorage(BucketStorage):
         from ._composite import GCSComposite
 
         bucket, _, key = self.path(rel).partition("/")
-        upload = GCSComposite(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
+        upload = GCSComposite(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs,
+                              pacer=self.transfers.pacer)
         return PartWriter(upload, self.transfers.part_pool)  # type: ignore[return-value]
 
     def open_read_stream(self, rel: str, size_bytes: int) -> BinaryIO:

@@ -19,6 +19,14 @@ the body to compute one of its own (a client configured with
 :class:`~opd_store.storage.transfers._upload_bodies.PartBody` over the part buffer: sent as views of the
 buffer, each taken by the connection within the store's ``read_timeout_secs`` (an endpoint that
 stops reading a body fails the attempt instead of holding the save).
+
+Every request that writes (create, parts, complete, a one-request ``PutObject``) goes through the
+store's :class:`~opd_store.storage.transfers._pacing.Pacer`: it waits for a slot, and one the
+client's retries gave up on as throttled is sent again after a jittered back-off. The pacer also
+hears of each throttled answer as it arrives (botocore's ``response-received`` event on the
+client), and botocore leaves the retry of a throttled payload write to it
+(:func:`watch_throttling`), so the store's concurrency halves at the first ``503 SlowDown`` and
+every new attempt waits for the pacer.
 """
 
 from __future__ import annotations
@@ -29,8 +37,50 @@ import logging
 from typing import Any
 
 from ...format import crc32c_base64
-from .._backend_errors import Meaning, classify
-from ..transfers import PartBody, named_error
+from .._backend_errors import Meaning, classify, s3_answer_meaning
+from ..transfers import Pacer, PartBody, named_error, paced
+
+_WATCHED_OPERATIONS = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload")
+
+
+def _throttled(parsed_response: Any, status: Any) -> bool:
+    error = parsed_response.get("Error") if isinstance(parsed_response, dict) else None
+    code = error.get("Code") if isinstance(error, dict) else None
+    return s3_answer_meaning(code, status) is Meaning.THROTTLED
+
+
+def watch_throttling(client: Any, pacer: Pacer) -> None:
+    """Report every throttled answer to a write of ``client`` to ``pacer`` as it arrives, and
+    leave the retry of a throttled payload write to the pacer (once per client and pacer).
+
+    botocore's ``response-received`` event fires for each HTTP attempt. Its retry handler would
+    send a throttled write again after its own short back-off, outside the pacer's slots and
+    spacing, twice per pass of s3fs's loop: the retries of hundreds of ranks would then arrive
+    together whatever the pacer does. A ``needs-retry`` handler ahead of botocore's declines the
+    retry of a throttled answer to a payload write (a key under an attempt prefix; the manifest's
+    create keeps botocore's retries), so the write comes back to :func:`paced` at once.
+    """
+
+    def heard(parsed_response: Any = None, response_dict: Any = None, **_kwargs: Any) -> None:
+        if isinstance(response_dict, dict) and _throttled(parsed_response, response_dict.get("status_code")):
+            pacer.throttled()
+
+    def no_retry(response: Any = None, request_dict: Any = None, **_kwargs: Any) -> bool | None:
+        if not (isinstance(response, tuple) and len(response) == 2 and isinstance(request_dict, dict)):
+            return None
+        http_response, parsed = response
+        if "/attempt-" in str(request_dict.get("url_path", "")) and _throttled(
+                parsed, getattr(http_response, "status_code", None)):
+            return False  # the first answer that is not None decides: no retry by botocore
+        return None
+
+    for operation in _WATCHED_OPERATIONS:
+        client.meta.events.register(f"response-received.s3.{operation}", heard,
+                                    unique_id=f"opd-store-pacer-{id(pacer)}-{operation}")
+        if pacer.adaptive:
+            client.meta.events.register_first(f"needs-retry.s3.{operation}", no_retry,
+                                              unique_id=f"opd-store-pacer-retry-{id(pacer)}-{operation}")
+    pacer.watches_answers = True
 
 logger = logging.getLogger("opd_store.storage")
 
@@ -44,11 +94,14 @@ class S3Multipart:
         url (str): the object's URL (for messages).
         send_timeout_secs (float | None): the longest wait for a connection to take one chunk of a
             body (the store's ``read_timeout_secs``).
+        pacer (Pacer | None): the store's pacing of upload requests (module docstring).
     """
 
-    def __init__(self, fs, bucket: str, key: str, url: str, *, send_timeout_secs: float | None = None) -> None:
+    def __init__(self, fs, bucket: str, key: str, url: str, *, send_timeout_secs: float | None = None,
+                 pacer: Pacer | None = None) -> None:
         self._fs = fs
         self._send_timeout_secs = send_timeout_secs
+        self._pacer = pacer
         self._bucket = bucket
         self._key = key
         self.url = url
@@ -72,8 +125,8 @@ class S3Multipart:
         of them is this writer's."""
         algorithm = {"ChecksumAlgorithm": "CRC32C"} if await self._send_checksums() else {}
         try:
-            answer = await self._fs._call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                             **algorithm)
+            answer = await paced(self._pacer, lambda: self._fs._call_s3(
+                "create_multipart_upload", Bucket=self._bucket, Key=self._key, **algorithm))
         except Exception as exc:  # noqa: BLE001 - named below
             await self._abort_others(None)
             raise named_error(self.url, "CreateMultipartUpload", exc)  # noqa: B904 - the cause is set
@@ -89,6 +142,8 @@ class S3Multipart:
             client = await self._fs.set_session()
             setting = getattr(client.meta.config, "request_checksum_calculation", None)
             self._checksums = setting != "when_required"
+            if self._pacer is not None:
+                watch_throttling(client, self._pacer)
         return self._checksums
 
     async def _checksum(self, body: bytearray | memoryview) -> dict[str, str]:
@@ -107,13 +162,17 @@ class S3Multipart:
             logger.warning("could not abort the duplicate uploads of %s", self.url, exc_info=True)
 
     async def _send(self, request: str, operation: str, body: bytearray | memoryview, **kwargs: Any) -> dict:
-        reader = PartBody(body, send_timeout_secs=self._send_timeout_secs)
+        async def send() -> dict:
+            reader = PartBody(body, send_timeout_secs=self._send_timeout_secs)
+            try:
+                return await self._fs._call_s3(operation, Bucket=self._bucket, Key=self._key, Body=reader, **kwargs)
+            finally:
+                reader.close()
+
         try:
-            return await self._fs._call_s3(operation, Bucket=self._bucket, Key=self._key, Body=reader, **kwargs)
+            return await paced(self._pacer, send)
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, request, exc)  # noqa: B904 - the cause is set by named_error
-        finally:
-            reader.close()
 
     async def put(self, body: bytearray | memoryview) -> None:
         await self._send("PutObject", "put_object", body, **await self._checksum(body))
@@ -128,8 +187,9 @@ class S3Multipart:
     async def complete(self, parts: list[Any]) -> None:
         upload_id = await asyncio.wrap_future(self._upload_id)
         try:
-            await self._fs._call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key,
-                                    UploadId=upload_id, MultipartUpload={"Parts": parts})
+            await paced(self._pacer, lambda: self._fs._call_s3(
+                "complete_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload_id,
+                MultipartUpload={"Parts": parts}))
         except Exception as exc:  # noqa: BLE001 - named below
             raise named_error(self.url, "CompleteMultipartUpload", exc)  # noqa: B904 - the cause is set
         if self._created_again:
@@ -151,4 +211,4 @@ class S3Multipart:
             await self._abort_others(upload_id)
 
 
-__all__ = ["S3Multipart"]
+__all__ = ["S3Multipart", "watch_throttling"]

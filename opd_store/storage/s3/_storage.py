@@ -98,7 +98,8 @@ class S3Storage(BucketStorage):
         from ._multipart import S3Multipart
 
         bucket, key = self._bucket_and_key(rel)
-        upload = S3Multipart(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs)
+        upload = S3Multipart(self.fs, bucket, key, self.url(rel), send_timeout_secs=self.timeouts.read_timeout_secs,
+                             pacer=self.transfers.pacer)
         return PartWriter(upload, self.transfers.part_pool)  # type: ignore[return-value]
 
     def open_checked(self, rel: str, *, size_bytes: int | None = None) -> tuple[BinaryIO, int, str]:

@@ -25,7 +25,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...errors import PayloadUploadError
+from ...errors import PayloadUploadError, ThrottledUploadError
 from .._backend_errors import Meaning, classify, describe, is_unreachable
 from ._parts import Completion, PartPool
 
@@ -74,9 +74,15 @@ def named_error(url: str, request: str, exc: BaseException) -> BaseException:
     backend's error as its cause. A refusal (403) and a failure to reach the store (a refused or
     closed connection, a timeout) stay as they are: the payload writer reports them as a permission
     error naming the operation or as a :class:`~opd_store.errors.StoreUnreachableError` naming the
-    payload, the step and the endpoint."""
+    payload, the step and the endpoint. A :class:`ThrottledUploadError` (throttled past
+    ``throttle_timeout_secs``) keeps its type."""
     if classify(exc) is Meaning.DENIED or is_unreachable(exc):
         return exc
+    if isinstance(exc, ThrottledUploadError):  # from paced: the request and the object named here
+        named = ThrottledUploadError(f"{url}: {request} failed after the client's retries ({exc}); the upload is "
+                                     "aborted and the object not written")
+        named.__cause__ = exc.__cause__
+        return named
     named = PayloadUploadError(f"{url}: {request} failed after the client's retries ({describe(exc)}); "
                                "the upload is aborted and the object not written")
     named.__cause__ = exc

@@ -24,12 +24,16 @@ import logging
 import threading
 from typing import Any, Callable
 
+from ._pacing import DEFAULT_THROTTLE_TIMEOUT_SECS, Pacer
+
 logger = logging.getLogger("opd_store.storage")
 
 DEFAULT_PART_SIZE_BYTES = 16 << 20
 """Default part size: within S3's guidance of 8-16 MB parts, well above its 5 MiB minimum."""
 DEFAULT_PARTS_IN_FLIGHT = 8
 """Default parts (upload) or ranges (download) in flight per store."""
+DEFAULT_THROTTLE_WARN_SHARE = 0.25
+"""Default share of a save's time spent throttled above which the save logs a warning."""
 MIN_PART_SIZE_BYTES = 5 << 20
 """S3's smallest part (every part of a multipart upload but the last; ``EntityTooSmall`` below it)."""
 MAX_PARTS = 10_000
@@ -38,24 +42,44 @@ MAX_PARTS = 10_000
 
 @dataclasses.dataclass(frozen=True)
 class TransferSettings:
-    """How a remote store moves a payload: storage options ``part_size_bytes`` and
-    ``parts_in_flight`` (opd_store's own; never passed to fsspec).
+    """How a remote store moves a payload: storage options ``part_size_bytes``,
+    ``parts_in_flight``, ``throttle_timeout_secs`` and ``throttle_warn_share`` (opd_store's own; never
+    passed to fsspec).
 
     Attributes:
         part_size_bytes (int): bytes per multipart part and per ranged GET (>= 5 MiB). A payload of
             at most one part goes up in one request.
-        parts_in_flight (int): parts (or ranges) moving at once per store, across its payloads
-            (>= 1). Upload memory is at most ``parts_in_flight x part_size_bytes``.
+        parts_in_flight (int): the most parts (or ranges) moving at once per store, across its
+            payloads (>= 1); uploads send fewer while the store throttles
+            (:mod:`opd_store.storage.transfers._pacing`). Upload memory is at most
+            ``parts_in_flight x part_size_bytes``.
+        throttle_timeout_secs (float): seconds from a request's first refusal for the store's rate
+            after which a refusal fails it (>= 0; 300 by default): the save then fails like any
+            failed part (:mod:`opd_store.storage.transfers._pacing`).
+        throttle_warn_share (float): a save that spent more than this share of its time throttled
+            logs a warning (0 to 1).
+        min_part_size_bytes (int): the server's smallest part, S3's 5 MiB; not a storage option (a
+            simulation against a server configured with a smaller one lowers it, ``bench/``).
     """
 
     part_size_bytes: int = DEFAULT_PART_SIZE_BYTES
     parts_in_flight: int = DEFAULT_PARTS_IN_FLIGHT
+    throttle_timeout_secs: float = DEFAULT_THROTTLE_TIMEOUT_SECS
+    throttle_warn_share: float = DEFAULT_THROTTLE_WARN_SHARE
+    min_part_size_bytes: int = MIN_PART_SIZE_BYTES
 
     def __post_init__(self) -> None:
-        for name, low in (("part_size_bytes", MIN_PART_SIZE_BYTES), ("parts_in_flight", 1)):
+        for name, low in (("min_part_size_bytes", 1), ("part_size_bytes", self.min_part_size_bytes),
+                          ("parts_in_flight", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"storage option {name} must be an integer >= {low}, got {value!r}")
+        timeout = self.throttle_timeout_secs
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+            raise ValueError(f"storage option throttle_timeout_secs must be a number of seconds >= 0, got {timeout!r}")
+        share = self.throttle_warn_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"storage option throttle_warn_share must be a number from 0 to 1, got {share!r}")
 
     @classmethod
     def pop_from(cls, options: dict[str, Any]) -> "TransferSettings":
@@ -66,12 +90,14 @@ class TransferSettings:
         configured with.
 
         Raises:
-            ValueError: a setting that is not an integer in range (the message names the option).
+            ValueError: a setting that is not a number in range (the message names the option).
         """
         block = options.get("default_block_size")
         fallback = block if isinstance(block, int) and block >= MIN_PART_SIZE_BYTES else DEFAULT_PART_SIZE_BYTES
         return cls(part_size_bytes=options.pop("part_size_bytes", fallback),
-                   parts_in_flight=options.pop("parts_in_flight", DEFAULT_PARTS_IN_FLIGHT))
+                   parts_in_flight=options.pop("parts_in_flight", DEFAULT_PARTS_IN_FLIGHT),
+                   throttle_timeout_secs=options.pop("throttle_timeout_secs", DEFAULT_THROTTLE_TIMEOUT_SECS),
+                   throttle_warn_share=options.pop("throttle_warn_share", DEFAULT_THROTTLE_WARN_SHARE))
 
     def part_size_for(self, size_bytes: int) -> int:
         """The part size for an object of ``size_bytes``: the setting, grown so that the object
@@ -247,17 +273,19 @@ class Completion:
 
 
 class Transfers:
-    """How one store moves payloads: its :class:`TransferSettings` and its two pools of
+    """How one store moves payloads: its :class:`TransferSettings`, its two pools of
     ``parts_in_flight`` buffers of ``part_size_bytes`` (allocated on first use), one for uploads and
-    one for copy readers (``Storage.open_read_stream``), so a reader never waits for an upload.
+    one for copy readers (``Storage.open_read_stream``), so a reader never waits for an upload, and
+    the pacing of its uploads under throttling.
 
     A :class:`~opd_store.storage.Storage` holds one (``storage.transfers``); ``open_storage`` gives
     it the settings of the storage options before the first transfer.
 
     Attributes:
-        settings (TransferSettings): part size and parts in flight.
+        settings (TransferSettings): part size, parts in flight, throttling settings.
         part_pool (PartPool): the upload part buffers (the bound on upload memory).
         read_pool (PartPool): the copy readers' buffers.
+        pacer (Pacer): how many upload requests fly at once, and the back-off of throttled ones.
     """
 
     def __init__(self, settings: TransferSettings | None = None) -> None:
@@ -265,7 +293,9 @@ class Transfers:
         size, count = self.settings.part_size_bytes, self.settings.parts_in_flight
         self.part_pool = PartPool(size, count)
         self.read_pool = PartPool(size, count)
+        self.pacer = Pacer(count, throttle_timeout_secs=self.settings.throttle_timeout_secs)
 
 
-__all__ = ["Completion", "DEFAULT_PARTS_IN_FLIGHT", "DEFAULT_PART_SIZE_BYTES", "MAX_PARTS", "MIN_PART_SIZE_BYTES",
-           "MemoryReader", "PartPool", "TransferSettings", "Transfers"]
+__all__ = ["Completion", "DEFAULT_PARTS_IN_FLIGHT", "DEFAULT_PART_SIZE_BYTES",
+           "DEFAULT_THROTTLE_WARN_SHARE", "MAX_PARTS", "MIN_PART_SIZE_BYTES", "MemoryReader", "PartPool",
+           "TransferSettings", "Transfers"]
