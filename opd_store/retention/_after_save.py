@@ -13,19 +13,19 @@ recursive listing alone is a page per step). The pass after a save instead makes
   window (newest first, until ``keep_last`` complete steps were found);
 * below the window, reads only where a decision needs them: a step there can be deleted only if it
   is no ``keep_every`` milestone, not pinned and not otherwise protected, and deciding it needs
-  every step newer than it (one may name it as a run's resume parent). Steps older than the oldest
+  every step newer than it (one may name it as a run's resume parent or best step). Steps older than the oldest
   such candidate are not read at all (milestones and pins are kept whatever they hold); of the
   others, at most :data:`READS_PER_PASS` the instance has not seen, newest first;
 * a fresh read of each step the plan deletes, just before deleting it (a step found damaged is kept,
   as every pass keeps damaged steps), the pins read again, and the deletes.
 
 A step the pass did not read is ``unread``: kept, and so is every step older than the newest unread
-one, because a manifest not read may name it as a run's resume parent
-(:func:`~opd_store.retention._policy.protected_parents`). The next pass reads further (an instance
-that saves again reads each step once), and ``opd-store gc`` decides them all. What is protected is
-what the full pass protects: pins (read twice), the resume parent, steps not durable yet, the step
-just committed and the newest complete one; steps this pass did not read count toward no parent's
-release.
+one, because a manifest not read may name it as a run's resume parent or best step
+(:mod:`~opd_store.retention._policy`). The next pass reads further (an instance that saves again
+reads each step once), and ``opd-store gc`` decides them all. What is protected is what the full
+pass protects: pins (read twice), the resume parent, the best step a kept step names, steps not
+durable yet, the step just committed and the newest complete one; steps this pass did not read
+count toward no parent's release.
 """
 
 from __future__ import annotations
@@ -47,12 +47,6 @@ READS_PER_PASS = 16
 seen complete (each a manifest read and a listing)."""
 UNREAD = "unread"
 """Status of a step the pass did not read (kept, as every step that is not complete)."""
-
-
-def _lineage(metadata: dict) -> tuple[str | None, int | None]:
-    run_id, parent = metadata.get("run_id"), metadata.get("parent_step")
-    return (run_id if isinstance(run_id, str) else None,
-            parent if isinstance(parent, int) and not isinstance(parent, bool) else None)
 
 
 def step_records_after_save(store: CheckpointStore, policy: RetentionPolicy, protected: Iterable[int] = ()
@@ -79,12 +73,12 @@ def step_records_after_save(store: CheckpointStore, policy: RetentionPolicy, pro
         if known is None:
             state = store.step_state(step)
             if state.status != COMPLETE:
-                lineage = _lineage(state.manifest.metadata) if state.manifest is not None else (None, None)
-                records[step] = StepRecord(step, state.status, 0, *lineage)
+                metadata = state.manifest.metadata if state.manifest is not None else None
+                records[step] = StepRecord.from_metadata(step, state.status, 0, metadata)
                 return
             store.known.saw_complete(state.manifest)
             known = store.known.get(step)
-        records[step] = StepRecord(step, COMPLETE, known.size_bytes, *_lineage(known.manifest.metadata))
+        records[step] = StepRecord.from_metadata(step, COMPLETE, known.size_bytes, known.manifest.metadata)
 
     older = list(reversed(steps))
     complete_seen = 0

@@ -69,15 +69,7 @@ class GcReport:
 
 def step_records(infos: Iterable[CheckpointInfo]) -> list[StepRecord]:
     """Retention input from :meth:`CheckpointStore.checkpoints` output (no I/O)."""
-    records = []
-    for info in infos:
-        metadata = info.metadata
-        run_id, parent, best = metadata.get("run_id"), metadata.get("parent_step"), metadata.get("best_step")
-        run_id = run_id if isinstance(run_id, str) else None
-        parent = parent if isinstance(parent, int) and not isinstance(parent, bool) else None
-        best = best if isinstance(best, int) and not isinstance(best, bool) else None
-        records.append(StepRecord(info.step, info.status, info.total_size_bytes, run_id, parent, best))
-    return records
+    return [StepRecord.from_metadata(info.step, info.status, info.total_size_bytes, info.metadata) for info in infos]
 
 
 def _deep_checked(store: CheckpointStore, records: list[StepRecord], policy: RetentionPolicy) -> list[StepRecord]:

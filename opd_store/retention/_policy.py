@@ -128,6 +128,19 @@ class StepRecord:
     parent_step: int | None = None
     best_step: int | None = None
 
+    @classmethod
+    def from_metadata(cls, step: int, status: str, size_bytes: int, metadata: dict | None) -> "StepRecord":
+        """The record of a step whose manifest has ``metadata`` (``None``: no readable manifest);
+        a value of the wrong type reads as absent (a hand-edited manifest protects nothing)."""
+        metadata = metadata or {}
+
+        def step_or_none(value):
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        run_id = metadata.get("run_id")
+        return cls(step, status, size_bytes, run_id if isinstance(run_id, str) else None,
+                   step_or_none(metadata.get("parent_step")), step_or_none(metadata.get("best_step")))
+
 
 @dataclasses.dataclass(frozen=True)
 class RetentionPlan:

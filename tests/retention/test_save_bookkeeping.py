@@ -117,11 +117,12 @@ def test_requests_beyond_the_payloads_do_not_grow_with_kept_steps(history):
 
 
 def test_the_pass_after_a_save_protects_what_the_full_pass_protects(history):
-    # A history longer than one pass reads: a resume parent (step 5) named only by the resumed
-    # run's one checkpoint (20, a milestone), a pinned step (7), and one nothing protects (9).
+    # A history longer than one pass reads: a resume parent (step 5) and a best step (6, the
+    # Trainer's best checkpoint) named only by the resumed run's one checkpoint (20, a milestone),
+    # a pinned step (7), and one nothing protects (9).
     run = RunLineage.new(parent_step=5)
-    backend = history([5, 7, 9])
-    history([20], metadata=run.as_metadata())
+    backend = history([5, 6, 7, 9])
+    history([20], metadata={**run.as_metadata(), "best_step": 6})
     history(range(30, 30 + 10 * (READS_PER_PASS + 3), 10))
     store = open_store(backend)
     pin(store, 7)
@@ -129,13 +130,13 @@ def test_the_pass_after_a_save_protects_what_the_full_pass_protects(history):
     _save(store, newest + 1, Requests(store))
     # The pass read its window and READS_PER_PASS older steps: 9 lies below what it read, so is
     # kept for now, as are the parent and the pin.
-    assert {5, 7, 9, 20} <= set(store.steps())
-    # Another instance's full pass reads everything: 9 goes, the parent and the pin stay.
+    assert {5, 6, 7, 9, 20} <= set(store.steps())
+    # Another instance's full pass reads everything: 9 goes, the parent, the best and the pin stay.
     report = collect_garbage(open_store(backend), POLICY, dry_run=False)
     assert report.deleted_steps == [9]
     # Later passes of the first instance read further back and decide as the full pass does:
-    # step 3 (no milestone, nothing protects it) goes, the parent and the pin stay.
+    # step 3 (no milestone, nothing protects it) goes, the parent, the best and the pin stay.
     history([3])
     for k in (2, 3):
         _save(store, newest + k, Requests(store))
-    assert 3 not in store.steps() and {5, 7, 20} <= set(store.steps())
+    assert 3 not in store.steps() and {5, 6, 7, 20} <= set(store.steps())
