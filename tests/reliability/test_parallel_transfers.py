@@ -284,8 +284,10 @@ def test_an_endpoint_that_stops_reading_a_body_fails_the_attempt_within_the_read
                                                                                         gcsfs_backoff, stalls):
     """An endpoint that takes a request's headers and never reads its body (a peer whose receive
     window stays shut): aiohttp's read timeout starts only once a body is sent, so each attempt is
-    bounded by the body's send timeout (``read_timeout_secs``, 0.5 s here) once the socket buffers
-    are full. The payload (24 MiB, one request under a 32 MiB part) is larger than the socket
+    bounded by the body's send timeout (``read_timeout_secs``) once the socket buffers are full.
+    Every time: 0.5 s, so the attempts fail fast. Once: 2 s, because the same timeout also bounds
+    the wait for the server's answer to the good attempt, and a server on a loaded 2-core machine
+    took more than 0.5 s to take in 24 MiB (the test failed under load). The payload (24 MiB, one request under a 32 MiB part) is larger than the socket
     buffers on loopback (4 MiB sent at most).
 
     Once: the next attempt sends the whole body again and the step commits bit-exact. On S3 that
@@ -296,7 +298,8 @@ def test_an_endpoint_that_stops_reading_a_body_fails_the_attempt_within_the_read
     untouched."""
     backend, proxy = faulty
     payload = _data(24 << 20)
-    store = open_store(through_proxy(backend, proxy, part_size_bytes=32 << 20, read_timeout_secs=0.5,
+    store = open_store(through_proxy(backend, proxy, part_size_bytes=32 << 20,
+                                     read_timeout_secs=0.5 if stalls is None else 2.0,
                                      config_kwargs={"retries": {"total_max_attempts": 1}}))
     save(store, 1, {"prev.bin": SMALL})
     dialect = dialect_of(backend)
