@@ -25,6 +25,7 @@ from opd_store.ledger import (
     load_price_file,
     parse_event,
     read_journal,
+    report_store,
 )
 from opd_store.retention import RetentionPolicy, collect_garbage, survey
 
@@ -109,7 +110,7 @@ def test_a_save_costs_one_request_more_with_the_journal(s3_backend):
     assert store.storage.requests.snapshot()["put"] == before["put"] + 3
 
 
-def test_the_reader_skips_malformed_oversized_and_newer_events_with_a_warning(memory_backend, caplog):
+def test_the_reader_skips_malformed_oversized_newer_and_out_of_bounds_events_with_a_warning(memory_backend, caplog):
     store = open_store(memory_backend)
     journal = Journal(store)
     _run(journal, 1_800_000_000.0, [2, 4])
@@ -117,11 +118,17 @@ def test_the_reader_skips_malformed_oversized_and_newer_events_with_a_warning(me
     stamp = f"20270115T090000.000000Z-{'ab' * 8}"
     future = json.loads(store.storage.read_bytes(names[2].rel))
     future["schema_version"] = SCHEMA_VERSION + 1
+    saved = {**json.loads(store.storage.read_bytes(names[2].rel)), "start_id": "ab" * 8}
+    exit_ = {**json.loads(store.storage.read_bytes(names[-1].rel)), "start_id": "ab" * 8, "seq": 4}
     bad = {
         f"{stamp}-000000-save-s000006.json": json.dumps(future).encode(),
         f"{stamp}-000001-save-s000008.json": b"{not json",
         f"{stamp}-000002-progress-s000009.json": b"{" + b" " * MAX_EVENT_BYTES + b"}",
         f"{stamp}-000003-progress-s000009.json": json.dumps({"kind": "progress", "step": -1}).encode(),
+        # numbers json.dumps writes but no event holds: they must not overflow the report's sums
+        f"{stamp}-000004-exit-s000004.json": json.dumps({**exit_, "time_secs": float("inf")}).encode(),
+        f"{stamp}-000005-save-s000004.json": json.dumps({**saved, "blocking_secs": 1e308}).encode(),
+        f"{stamp}-000006-save-s000004.json": json.dumps({**saved, "size_bytes": 10 ** 400}).encode(),
         "notes.txt": b"hello",
     }
     for name, data in bad.items():
@@ -138,9 +145,16 @@ def test_the_reader_skips_malformed_oversized_and_newer_events_with_a_warning(me
         f"{url}/{stamp}-000002-progress-s000009.json: journal event of {MAX_EVENT_BYTES + 2} bytes is over "
         f"{MAX_EVENT_BYTES} bytes",
         f"{url}/{stamp}-000003-progress-s000009.json: journal event field progress.time_secs: Field required",
+        f"{url}/{stamp}-000004-exit-s000004.json: journal event field exit.time_secs: Input should be a finite number",
+        f"{url}/{stamp}-000005-save-s000004.json: journal event field save.blocking_secs: Input should be less than "
+        "or equal to 1000000000",
+        f"{url}/{stamp}-000006-save-s000004.json: journal event field save.size_bytes: Input should be less than or "
+        f"equal to {1 << 60}",
         f"{url}/notes.txt: not a journal event name",
     ])
     assert sorted(r.getMessage() for r in caplog.records) == sorted(f"run journal: skipped {s}" for s in contents.skipped)
+    report = report_store(store)  # what was skipped is named, the rest reported
+    assert report.skipped == contents.skipped and report.saves == 2 and report.blocking_secs_total == 1.0
     with pytest.raises(JournalEventError, match="^u: journal event is not a JSON object$"):
         parse_event(b"[1]", "u")
     assert isinstance(JournalEventError("x"), ValueError)
