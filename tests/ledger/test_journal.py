@@ -167,7 +167,13 @@ def test_gc_bounds_the_journal_oldest_starts_first_whole(local_backend, capsys):
         _run(journal, 1_800_000_000.0 + 100 * index, [2 * index + 2])
     report = collect_garbage(store, RetentionPolicy(), journal_keep_events=5)
     assert report.dry_run and len(report.journal_events) == 8  # two whole starts: 12 - 8 = 4 <= 5
-    assert len(list_journal(store)[0]) == 12
+    sizes = {n.rel: n.size_bytes for n in list_journal(store)[0]}
+    assert len(sizes) == 12 and report.journal_bytes == sum(sizes[rel] for rel in report.journal_events) > 0
+    assert report.freed_bytes == report.journal_bytes  # no step or orphan to delete: the events' bytes
+    assert main(["gc", store.url, "--journal-keep", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        f"would delete 12 run-journal events ({sum(sizes.values())} bytes) beyond the journal's bound (oldest starts "
+        "first)", f"would free {sum(sizes.values())} bytes (dry run: pass --yes to delete)"]
     assert main(["gc", store.url, "--journal-keep", "5", "--yes", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["journal_events"]) == 8 and all(rel.startswith(f"{JOURNAL_PREFIX}/") for rel in out["journal_events"])
@@ -176,7 +182,7 @@ def test_gc_bounds_the_journal_oldest_starts_first_whole(local_backend, capsys):
     assert capsys.readouterr().err.strip() == "opd-store gc: error: --journal-keep must be >= 0, got -1"
 
 
-def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, caplog):
+def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, caplog, capsys):
     from opd_store import CheckpointStore
 
     blocker = tmp_path / "store"
@@ -189,6 +195,13 @@ def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, c
     (record,) = caplog.records
     assert record.getMessage().startswith(f"run journal: could not write {blocker}/{JOURNAL_PREFIX}/")
     assert record.getMessage().endswith("training goes on without it")
+    # what reads it says so, rather than reporting an empty journal; --html naming a directory is refused
+    report = report_store(journal_store := CheckpointStore(blocker))
+    assert (report.starts, report.skipped) == ([], [f"{journal_store.storage.url(JOURNAL_PREFIX)}: an object where the "
+                                                    "journal's folder should be (no event can be written or read under it)"])
+    assert main(["report", str(blocker), "--html", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"opd-store report: error: --html {tmp_path}: is a directory (name the page's file)"]
 
 
 @pytest.mark.parametrize("text, message", [
