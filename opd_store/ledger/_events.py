@@ -105,7 +105,7 @@ class NoticeEvent(_Event):
     kind: Literal["notice"] = "notice"
     source: str = Field(max_length=64)
     detail: str = Field(max_length=512)
-    deadline_secs: float | None = Field(default=None, ge=-MAX_SECS, le=MAX_SECS)  # < 0: passed
+    deadline_secs: float | None = None  # < 0: passed; finite, unbounded (a platform's notice names it)
     step: Count
     last_committed_step: Count | None = None
     decision: Literal["save", "skip", "already_committed"]

@@ -27,7 +27,7 @@ from ..errors import JournalEventError
 from ..format import JOURNAL_PREFIX
 from ..runtime import route_background_random
 from ..store import BaseStore, CheckpointStore
-from ._events import MAX_EVENT_BYTES, encode_event, event_for, parse_event
+from ._events import MAX_COUNT, MAX_EVENT_BYTES, encode_event, event_for, parse_event
 
 logger = logging.getLogger("opd_store.ledger")
 
@@ -70,9 +70,12 @@ def event_rel(time_secs: float, start_id: str, seq: int, kind: str, step: int | 
 
 
 def parse_event_name(name: str, size_bytes: int = 0) -> EventName | None:
-    """The :class:`EventName` of an object name under the journal prefix, ``None`` for any other name."""
+    """The :class:`EventName` of an object name under the journal prefix, ``None`` for any other name
+    (one whose step or sequence number is over ``MAX_COUNT``, which no event holds, included)."""
     match = _NAME.fullmatch(name)
-    if match is None:
+    if match is None or len(match["seq"]) > 16 or len(match["step"]) > 16:
+        return None
+    if int(match["seq"]) > MAX_COUNT or (match["step"] != "-" and int(match["step"]) > MAX_COUNT):
         return None
     import calendar
 

@@ -129,6 +129,7 @@ def test_the_reader_skips_malformed_oversized_newer_and_out_of_bounds_events_wit
         f"{stamp}-000004-exit-s000004.json": json.dumps({**exit_, "time_secs": float("inf")}).encode(),
         f"{stamp}-000005-save-s000004.json": json.dumps({**saved, "blocking_secs": 1e308}).encode(),
         f"{stamp}-000006-save-s000004.json": json.dumps({**saved, "size_bytes": 10 ** 400}).encode(),
+        f"{stamp}-000007-save-s{10 ** 17}.json": json.dumps({**saved, "step": 10 ** 17}).encode(),  # its name too
         "notes.txt": b"hello",
     }
     for name, data in bad.items():
@@ -150,6 +151,7 @@ def test_the_reader_skips_malformed_oversized_newer_and_out_of_bounds_events_wit
         "or equal to 1000000000",
         f"{url}/{stamp}-000006-save-s000004.json: journal event field save.size_bytes: Input should be less than or "
         f"equal to {1 << 60}",
+        f"{url}/{stamp}-000007-save-s{10 ** 17}.json: not a journal event name",
         f"{url}/notes.txt: not a journal event name",
     ])
     assert sorted(r.getMessage() for r in caplog.records) == sorted(f"run journal: skipped {s}" for s in contents.skipped)
@@ -212,6 +214,9 @@ def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, c
     ("name: mine\nstorage_per_gib_month: 0.02\nrequests_per_1000: {put: cheap}\n",
      "field requests_per_1000.put: Input should be a valid number, unable to parse string as a number"),
     ("storage_per_gib_month: 0.02\n", "field name: Field required"),
+    ("name: mine\nstorage_per_gib_month: .inf\n", "field storage_per_gib_month: Input should be a finite number"),
+    ("name: mine\nstorage_per_gib_month: 0\nrequests_per_1000: {put: .nan}\n",
+     "field requests_per_1000.put: Input should be a finite number"),
     ("{name: [", "does not parse as JSON or YAML at line 1"),
 ])
 def test_a_price_file_that_does_not_parse_is_refused_naming_file_and_field(tmp_path, capsys, text, message):
