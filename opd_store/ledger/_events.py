@@ -172,6 +172,7 @@ def parse_event(data: bytes, url: str) -> BaseModel:
 
 
 __all__ = [
-    "KINDS", "MAX_COUNT", "MAX_EVENT_BYTES", "MAX_SECS", "MAX_SIZE_BYTES", "MAX_TIME_SECS", "SCHEMA_VERSION", "ExitEvent", "FirstUpdateEvent", "JournalEvent", "NoticeEvent",
-    "ProgressEvent", "ResumeEvent", "SaveEvent", "StartEvent", "encode_event", "event_for", "parse_event",
+    "KINDS", "MAX_COUNT", "MAX_EVENT_BYTES", "MAX_SECS", "MAX_SIZE_BYTES", "MAX_TIME_SECS", "SCHEMA_VERSION",
+    "ExitEvent", "FirstUpdateEvent", "JournalEvent", "NoticeEvent", "ProgressEvent", "ResumeEvent", "SaveEvent",
+    "StartEvent", "encode_event", "event_for", "parse_event",
 ]

@@ -226,5 +226,6 @@ def test_ls_of_a_root_whose_names_hold_the_steps_says_how_to_list_them(tmp_path,
     code, out, _ = run(capsys, "ls", root)
     assert code == 0 and out.splitlines() == [
         f"no checkpoints in {root} itself; the stores one level below hold them (a Lightning plugin's root: a store "
-        "per checkpoint name), listed by:", f"  opd-store ls {root}/epoch=0-step=4.ckpt", f"  opd-store ls {root}/last.ckpt"]
+        "per checkpoint name), listed by:",
+        f"  opd-store ls {root}/epoch=0-step=4.ckpt", f"  opd-store ls {root}/last.ckpt"]
     assert run(capsys, "ls", root / "notes")[:2] == (0, f"no checkpoints in {root / 'notes'}\n")

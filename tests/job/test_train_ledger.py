@@ -196,7 +196,8 @@ def test_auto_continues_a_journaled_interval_only_within_its_bound(capsys, caplo
             [f"run journal: the save event of step 6 names an interval of {journaled} updates, over the bound of "
              f"{MAX_AUTO_EVERY} (a damaged journal); ignored: every 3 updates"])
         assert ledger.estimator.estimate(64) == 0.6  # the rest of the event is still read
-    assert main(["train", "--store", store.url, "--updates", "4", "--checkpoint-every", f"auto:{MAX_AUTO_EVERY + 1}"]) == 2
+    too_far = f"auto:{MAX_AUTO_EVERY + 1}"
+    assert main(["train", "--store", store.url, "--updates", "4", "--checkpoint-every", too_far]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"opd-store train: error: argument --checkpoint-every: auto:K keeps the interval within 1 and 100,000 updates, "
         f"got 'auto:{MAX_AUTO_EVERY + 1}'")

@@ -199,8 +199,9 @@ def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, c
     assert record.getMessage().endswith("training goes on without it")
     # what reads it says so, rather than reporting an empty journal; --html naming a directory is refused
     report = report_store(journal_store := CheckpointStore(blocker))
-    assert (report.starts, report.skipped) == ([], [f"{journal_store.storage.url(JOURNAL_PREFIX)}: an object where the "
-                                                    "journal's folder should be (no event can be written or read under it)"])
+    assert (report.starts, report.skipped) == ([], [
+        f"{journal_store.storage.url(JOURNAL_PREFIX)}: an object where the journal's folder should be (no event can be "
+        "written or read under it)"])
     assert main(["report", str(blocker), "--html", str(tmp_path)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"opd-store report: error: --html {tmp_path}: is a directory (name the page's file)"]
