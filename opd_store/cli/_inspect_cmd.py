@@ -65,6 +65,17 @@ def _iso(value) -> str | None:
     return value.isoformat().replace("+00:00", "Z") if value is not None else None
 
 
+def _stores_below(store) -> list[str]:
+    """The names one level below ``store`` that hold step prefixes (a Lightning plugin's root: a store
+    per checkpoint name, ``<root>/<name>/step-NNNNNN``): one listing of the root, one per name."""
+    from ..format import parse_step_dirname
+
+    prefixes, _objects = store.storage.list_children("")
+    names = [p.rstrip("/") for p in prefixes if not p.startswith(".") and parse_step_dirname(p.rstrip("/")) is None]
+    return [name for name in names
+            if any(parse_step_dirname(p.rstrip("/")) is not None for p in store.storage.list_children(name)[0])]
+
+
 def run_ls(args: argparse.Namespace) -> int:
     """``opd-store ls``: one row per step (exit 0; 2 when the store is unreachable)."""
     from ..retention import survey
@@ -104,7 +115,15 @@ def run_ls(args: argparse.Namespace) -> int:
         print_json({"url": store.url, "steps": rows})
         return EXIT_OK
     if not rows:
-        print(f"no checkpoints in {store.url}")
+        below = _stores_below(store)
+        if below:
+            root = store.url.rstrip("/")
+            print(f"no checkpoints in {store.url} itself; the stores one level below hold them (a Lightning "
+                  "plugin's root: a store per checkpoint name), listed by:")
+            for name in below:
+                print(f"  opd-store ls {root}/{name}")
+        else:
+            print(f"no checkpoints in {store.url}")
         return EXIT_OK
     header = f"{'STEP':>8}  {'STATUS':<11} {'CREATED_AT':<27} {'SIZE_BYTES':>12}  {'SUCCESSFUL':>10} {'ATTEMPTED':>9}  PIN"
     print(header)

@@ -38,10 +38,15 @@ def run(args: argparse.Namespace) -> int:
             raise CliError("--html needs plotly: pip install 'opd_store[html]'")
         if not Path(args.html).resolve().parent.is_dir():
             raise CliError(f"--html {args.html}: its directory does not exist")
+        if Path(args.html).is_dir():
+            raise CliError(f"--html {args.html}: is a directory (name the page's file)")
     store = open_store(args.url, args)
     report = report_store(store, prices=prices)
     if args.html is not None:
-        Path(args.html).write_text(render_html(report), encoding="utf-8")
+        try:
+            Path(args.html).write_text(render_html(report), encoding="utf-8")
+        except OSError as exc:  # refused before any request where it can be (above); a race or permissions here
+            raise CliError(f"--html {args.html}: {exc.strerror or exc}") from None
     if args.json:
         print_json(report_json(report))
     else:

@@ -238,8 +238,8 @@ def _print_gc(report) -> None:
         print(f"{'would abort' if report.dry_run else 'aborted'} multipart upload {upload.rel} "
               f"(upload id {upload.upload_id}, age {upload.age_secs:.0f} s)")
     if report.journal_events:
-        print(f"{verb} {len(report.journal_events)} run-journal events beyond the journal's bound "
-              f"(oldest starts first)")
+        print(f"{verb} {len(report.journal_events)} run-journal events ({report.journal_bytes} bytes) beyond the "
+              f"journal's bound (oldest starts first)")
     if report.dry_run:
         print(f"would free {report.freed_bytes} bytes (dry run: pass --yes to delete)")
     else:

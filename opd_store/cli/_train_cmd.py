@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from ..ledger import MAX_AUTO_EVERY
 from ..opd import RESUME_MODES
 from ..runtime import AWS_METADATA_ENDPOINT, GCE_METADATA_ENDPOINT, SIGNAL_NAMES, PreemptionWatcher
 from ._common import (
@@ -25,8 +26,8 @@ from ._common import (
 
 
 def checkpoint_interval(text: str) -> tuple[int, bool]:
-    """argparse type of ``--checkpoint-every``: ``K`` (an int >= 1), ``auto`` (from 2) or ``auto:K``;
-    returns ``(K, auto)``.
+    """argparse type of ``--checkpoint-every``: ``K`` (an int >= 1), ``auto`` (from 2) or ``auto:K``
+    (K up to ``MAX_AUTO_EVERY``, the bound auto keeps); returns ``(K, auto)``.
 
     Raises:
         argparse.ArgumentTypeError: anything else.
@@ -36,6 +37,9 @@ def checkpoint_interval(text: str) -> tuple[int, bool]:
     number = tail if auto and sep else ("2" if auto else text)
     if (sep and not auto) or not number.isdigit() or int(number) < 1:
         raise argparse.ArgumentTypeError(f"expected K >= 1, auto or auto:K, got {text!r}")
+    if auto and int(number) > MAX_AUTO_EVERY:
+        raise argparse.ArgumentTypeError(f"auto:K keeps the interval within 1 and {MAX_AUTO_EVERY:,} updates, "
+                                         f"got {text!r}")
     return int(number), auto
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._version import __version__
 from ..ledger import (
+    MAX_AUTO_EVERY,
     AutoInterval,
     FinalSavePlan,
     Journal,
@@ -101,7 +102,8 @@ class JobLedger:
 
     def _read_journal(self, resumed_step: int | None) -> tuple[int, float | None, float | None, list]:
         """(interval, MTBF, first event time, measured saves) from the journal; the user's interval
-        and nothing else when it cannot be read."""
+        and nothing else when it cannot be read, the user's interval when the journaled one is over
+        ``MAX_AUTO_EVERY`` (the bound ``AutoInterval`` keeps: only a damaged journal holds more)."""
         every, mtbf, first, seeds = self.every, None, None, []
         try:
             self._names, _strangers = list_journal(self.store)
@@ -124,8 +126,13 @@ class JobLedger:
                     storage = self.store.durable_store().storage
                     event = parse_event(storage.read_bytes(saved[-1].rel, small=True), storage.url(saved[-1].rel))
                     seeds.append((event.size_bytes, event.commit_secs, event.blocking_secs))
-                    if self.auto_mode and event.next_checkpoint_every is not None:
-                        every = event.next_checkpoint_every
+                    journaled = event.next_checkpoint_every
+                    if self.auto_mode and journaled is not None and journaled > MAX_AUTO_EVERY:
+                        logger.warning("run journal: the save event of step %d names an interval of %d updates, "
+                                       "over the bound of %d (a damaged journal); ignored: every %d updates",
+                                       resumed_step, journaled, MAX_AUTO_EVERY, every)
+                    elif self.auto_mode and journaled is not None:
+                        every = journaled
                 except Exception as exc:  # noqa: BLE001 - a damaged event: the user's interval
                     logger.warning("run journal: the save event of step %d could not be read (%s)", resumed_step, exc)
         return every, mtbf, first, seeds

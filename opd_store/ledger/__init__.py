@@ -49,7 +49,7 @@ from ._planning import (
     young_daly_secs,
 )
 from ._prices import BUILT_IN, PriceTable, load_price_file, table_for_url
-from ._report import ASSUMPTIONS, LedgerReport, build_report, report_json, report_lines, report_store
+from ._report import ASSUMPTIONS, Commit, LedgerReport, build_report, report_json, report_lines, report_store
 
 if TYPE_CHECKING:
     from ._metrics import PrometheusExporter
@@ -60,8 +60,8 @@ __getattr__ = lazy_exports(__name__, {"PrometheusExporter": "._metrics", "render
 
 __all__ = [
     "ASSUMPTIONS", "BUILT_IN", "DEFAULT_KEEP_EVENTS", "KINDS", "MAX_AUTO_EVERY", "MAX_EVENT_BYTES", "SAFETY_FACTOR",
-    "SAFETY_SECS", "SCHEMA_VERSION", "AutoInterval", "EventName", "ExitEvent", "FinalSavePlan", "FirstUpdateEvent",
-    "Journal", "JournalContents", "LedgerReport", "NoticeEvent", "PriceTable", "ProgressEvent",
+    "SAFETY_SECS", "SCHEMA_VERSION", "AutoInterval", "Commit", "EventName", "ExitEvent", "FinalSavePlan",
+    "FirstUpdateEvent", "Journal", "JournalContents", "LedgerReport", "NoticeEvent", "PriceTable", "ProgressEvent",
     "PrometheusExporter", "ResumeEvent", "SaveEstimator", "SaveEvent", "StartEvent", "StartSummary", "build_report",
     "encode_event", "event_rel", "list_journal", "load_price_file", "parse_event", "parse_event_name",
     "plan_final_save", "previous_start", "process_started_secs", "prune_journal", "read_journal", "render_html",

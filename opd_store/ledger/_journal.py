@@ -27,7 +27,7 @@ from ..errors import JournalEventError
 from ..format import JOURNAL_PREFIX
 from ..runtime import route_background_random
 from ..store import BaseStore, CheckpointStore
-from ._events import MAX_EVENT_BYTES, encode_event, event_for, parse_event
+from ._events import MAX_COUNT, MAX_EVENT_BYTES, encode_event, event_for, parse_event
 
 logger = logging.getLogger("opd_store.ledger")
 
@@ -70,9 +70,12 @@ def event_rel(time_secs: float, start_id: str, seq: int, kind: str, step: int | 
 
 
 def parse_event_name(name: str, size_bytes: int = 0) -> EventName | None:
-    """The :class:`EventName` of an object name under the journal prefix, ``None`` for any other name."""
+    """The :class:`EventName` of an object name under the journal prefix, ``None`` for any other name
+    (one whose step or sequence number is over ``MAX_COUNT``, which no event holds, included)."""
     match = _NAME.fullmatch(name)
-    if match is None:
+    if match is None or len(match["seq"]) > 16 or len(match["step"]) > 16:
+        return None
+    if int(match["seq"]) > MAX_COUNT or (match["step"] != "-" and int(match["step"]) > MAX_COUNT):
         return None
     import calendar
 
@@ -231,7 +234,8 @@ class JournalContents:
 def read_journal(store: BaseStore, *, max_workers: int = 8) -> JournalContents:
     """Every readable event of ``store``'s journal: one listing, then one GET per event in
     ``max_workers`` threads. Oversized, malformed, newer-schema or name-disagreeing objects are
-    skipped with a warning naming the URL.
+    skipped with a warning naming the URL; so is an object in the journal folder's place (a local
+    store then writes no event), found by a listing of the root when the journal lists empty.
 
     Raises:
         OSError: the listing failed.
@@ -239,6 +243,9 @@ def read_journal(store: BaseStore, *, max_workers: int = 8) -> JournalContents:
     names, strangers = list_journal(store)
     storage = store.durable_store().storage
     skipped = [f"{storage.url(rel)}: not a journal event name" for rel in strangers]
+    if not names and not strangers and JOURNAL_PREFIX in storage.list_children("")[1]:
+        skipped.append(f"{storage.url(JOURNAL_PREFIX)}: an object where the journal's folder should be "
+                       "(no event can be written or read under it)")
     size_bytes = sum(n.size_bytes for n in names)
 
     def load(name: EventName):
@@ -299,12 +306,13 @@ def previous_start(names: list[EventName], own_start_id: str) -> StartSummary | 
 
 
 def prune_journal(store: CheckpointStore, *, keep_events: int = DEFAULT_KEEP_EVENTS,
-                  dry_run: bool = True) -> list[str]:
+                  dry_run: bool = True) -> list[EventName]:
     """Bound ``store``'s journal: delete the oldest starts' events, a whole start at a time, until at
     most ``keep_events`` are left; objects that are no event's are left alone.
 
     Returns:
-        list[str]: the paths deleted (or that would be with ``dry_run``).
+        list[EventName]: the events deleted (or that would be with ``dry_run``), with their paths
+            and sizes from the listing.
 
     Raises:
         ValueError: ``keep_events`` < 0.
@@ -319,14 +327,14 @@ def prune_journal(store: CheckpointStore, *, keep_events: int = DEFAULT_KEEP_EVE
     by_start: dict[str, list[EventName]] = {}
     for name in names:  # time order: the first start seen is the oldest
         by_start.setdefault(name.start_id, []).append(name)
-    doomed: list[str] = []
+    doomed: list[EventName] = []
     for events in by_start.values():
         if len(doomed) >= excess:
             break
-        doomed += [n.rel for n in events]
+        doomed += events
     if not dry_run:
-        for rel in doomed:
-            store.storage.delete(rel)
+        for name in doomed:
+            store.storage.delete(name.rel)
     return doomed
 
 

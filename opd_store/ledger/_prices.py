@@ -26,10 +26,11 @@ class PriceTable(BaseModel):
         requests_per_1000 (dict[str, float]): 1,000 requests of each kind; a kind left out is free.
 
     Raises:
-        ValueError: an unknown request kind or a negative price.
+        ValueError: an unknown request kind, a negative or a non-finite price (YAML's ``.inf`` would
+            make the report's costs ``inf``, which ``--json`` cannot write as JSON).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=200)
     currency: str = Field(default="USD", min_length=1, max_length=8)

@@ -59,6 +59,18 @@ class PreemptionRow(BaseModel):
     notice_outcome: str | None  # committed in time / committed late / skipped / already committed / killed
 
 
+class Commit(BaseModel):
+    """One complete checkpoint, from its manifest: the trainer's step (a Lightning name's
+    ``global_step``, else the store's step), its bytes, the committing process (``writer``) and the
+    commit time (``created_at``, seconds since the epoch)."""
+
+    step: int
+    size_bytes: int
+    host: str
+    pid: int
+    created_secs: float
+
+
 class TimelineItem(BaseModel):
     """One mark of the timeline (seconds since the epoch)."""
 
@@ -90,7 +102,9 @@ class LedgerReport(BaseModel):
     """What ``opd-store report`` says (module docstring): seconds (``*_secs``), bytes (``*bytes*``),
     shares as fractions (``goodput``, ``checkpoint_share``), requests by kind, the recommended
     interval in seconds and in updates (``None`` until a preemption was measured), and the
-    journal objects skipped (one line each)."""
+    journal objects skipped (one line each). ``saves`` counts the journal's save events and the
+    complete checkpoints whose event was lost (``saves_without_event``: a kill right after the commit;
+    their seconds are unknown)."""
 
     url: str
     starts: list[StartRow]
@@ -104,6 +118,7 @@ class LedgerReport(BaseModel):
     blocking_secs_per_save: float | None
     blocking_secs_total: float
     checkpoint_share: float | None
+    saves_without_event: int = 0
     bytes_stored: int
     journal_bytes: int
     requests: dict[str, int]
@@ -137,7 +152,8 @@ def _update_secs_at(events: list, step: int, floor_step: int | None) -> float:
 
 
 def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes: int = 0,
-                 prices: PriceTable | None = None, skipped: list[str] | None = None) -> LedgerReport:
+                 prices: PriceTable | None = None, skipped: list[str] | None = None,
+                 commits: list[Commit] | None = None) -> LedgerReport:
     """The report of one store's journal (docs/ledger.md for every rule).
 
     Args:
@@ -147,28 +163,44 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
         journal_bytes (int): bytes of the journal.
         prices (PriceTable | None): the cost table; no cost without one.
         skipped (list[str] | None): events the reader skipped (carried into the report).
+        commits (list[Commit] | None): the complete checkpoints: a start reached at least the steps it
+            committed and the step the next start resumed from (its events may end earlier: a kill
+            loses what it had not journaled), and a commit whose save event is missing counts as a save.
     """
     by_start: dict[str, list] = {}
     for event in events:
         by_start.setdefault(event.start_id, []).append(event)
     groups = list(by_start.values())
+    resumes = [next((e.resumed_step for e in group if e.kind == "resume"), None) for group in groups]
+    committed = _commits_by_start(groups, commits or [])
     starts: list[StartRow] = []
     timeline: list[TimelineItem] = []
+    journaled_steps: list[int | None] = []  # the highest step of each start's events with update seconds
+    unjournaled = 0
     for index, group in enumerate(groups):
         kinds = {e.kind: e for e in group}
-        start, resume, exit_ = kinds.get("start"), kinds.get("resume"), kinds.get("exit")
+        start, exit_ = kinds.get("start"), kinds.get("exit")
         stepped = [e for e in group if getattr(e, "step", None) is not None]
         with_secs = [e for e in group if hasattr(e, "update_secs")]
         outcome = exit_.outcome if exit_ else ("killed" if index < len(groups) - 1 else "running")
         first = kinds.get("first_update")
+        journaled_steps.append(max((e.step for e in with_secs if hasattr(e, "step")), default=resumes[index]))
+        next_resumed = resumes[index + 1] if index + 1 < len(groups) else None
+        reached = [e.step for e in stepped] + [c.step for c in committed[index]] + [
+            s for s in (resumes[index], next_resumed) if s is not None]
+        lost_events = _without_event(group, committed[index])
+        unjournaled += len(lost_events)
         starts.append(StartRow(
             index=index, start_id=group[0].start_id, host=group[0].host, world_size=group[0].world_size,
-            process_started_secs=start.process_started_secs if start else None, ended_secs=group[-1].time_secs,
-            resumed_step=resume.resumed_step if resume else None,
-            last_step=max((e.step for e in stepped), default=resume.resumed_step if resume else None), outcome=outcome,
+            process_started_secs=start.process_started_secs if start else None,
+            ended_secs=max([group[-1].time_secs] + [c.created_secs for c in committed[index]]),
+            resumed_step=resumes[index], last_step=max(reached, default=None), outcome=outcome,
             first_update_secs=first.secs_from_process_start if first else None,
             update_secs=max((e.update_secs for e in with_secs), default=0.0),
-            saves=sum(1 for e in group if e.kind == "save")))
+            saves=sum(1 for e in group if e.kind == "save") + len(lost_events)))
+        for commit in lost_events:
+            timeline.append(TimelineItem(kind="save", time_secs=commit.created_secs, start_index=index,
+                                         label=f"save of step {commit.step} (committed; its journal event lost)"))
         for event in group:
             if event.kind == "start":
                 timeline.append(TimelineItem(kind="start", time_secs=event.time_secs, start_index=index,
@@ -183,7 +215,7 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
                 timeline.append(TimelineItem(kind="exit", time_secs=event.time_secs, start_index=index,
                                              label=f"exit: {event.outcome} at step {event.step}"))
         if outcome == "killed":
-            timeline.append(TimelineItem(kind="kill", time_secs=group[-1].time_secs, start_index=index,
+            timeline.append(TimelineItem(kind="kill", time_secs=starts[-1].ended_secs, start_index=index,
                                          label=f"killed after step {starts[-1].last_step}"))
 
     preemptions: list[PreemptionRow] = []
@@ -238,7 +270,7 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
             for kind, value in count.items():
                 requests[kind] = requests.get(kind, 0) + value
     update_secs_total = sum(r.update_secs for r in starts)
-    updates_done = sum(max(0, (r.last_step or 0) - (r.resumed_step or 0)) for r in starts)
+    updates_done = sum(max(0, (step or 0) - (r.resumed_step or 0)) for r, step in zip(starts, journaled_steps))
     mean_update = update_secs_total / updates_done if updates_done else None
     interval = None
     if preemptions and blocking and wall > 0:
@@ -252,7 +284,8 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
         goodput=kept / wall if wall > 0 else None,
         restart_secs_median=statistics.median(restarts) if restarts else None,
         restart_secs_worst=max(restarts) if restarts else None,
-        saves=len(saves), blocking_secs_per_save=statistics.fmean(blocking) if blocking else None,
+        saves=len(saves) + unjournaled, saves_without_event=unjournaled,
+        blocking_secs_per_save=statistics.fmean(blocking) if blocking else None,
         blocking_secs_total=sum(blocking), checkpoint_share=sum(blocking) / wall if wall > 0 else None,
         bytes_stored=bytes_stored, journal_bytes=journal_bytes, requests=requests, costs=costs,
         mean_update_secs=mean_update, recommended_interval_secs=interval,
@@ -260,6 +293,34 @@ def build_report(events: list, *, url: str, bytes_stored: int = 0, journal_bytes
                                    else None),
         assumptions=ASSUMPTIONS, timeline=sorted(timeline, key=lambda t: t.time_secs), lost_work=lost_work,
         skipped=list(skipped or []))
+
+
+def _commits_by_start(groups: list[list], commits: list[Commit]) -> list[list[Commit]]:
+    """Each start's commits: a commit belongs to the newest start begun (first event) before it among
+    those of its writer's host and pid (all starts when none is the writer's: another rank committed)."""
+    out: list[list[Commit]] = [[] for _ in groups]
+    for commit in commits:
+        writers = [i for i, g in enumerate(groups) if (g[0].host, g[0].pid) == (commit.host, commit.pid)]
+        began = [i for i in (writers or range(len(groups))) if groups[i][0].time_secs <= commit.created_secs]
+        if began:
+            out[began[-1]].append(commit)
+    return out
+
+
+def _without_event(group: list, commits: list[Commit]) -> list[Commit]:
+    """The commits of a start beyond its save events of the same step (a kill right after a commit
+    loses the event written in the background; Lightning commits one step under several names)."""
+    journaled: dict[int, int] = {}
+    for event in group:
+        if event.kind == "save":
+            journaled[event.step] = journaled.get(event.step, 0) + 1
+    lost = []
+    for commit in sorted(commits, key=lambda c: c.created_secs):
+        if journaled.get(commit.step, 0) > 0:
+            journaled[commit.step] -= 1
+        else:
+            lost.append(commit)
+    return lost
 
 
 def report_store(store: BaseStore, *, prices: PriceTable | None = None, use_default_prices: bool = True
@@ -276,24 +337,32 @@ def report_store(store: BaseStore, *, prices: PriceTable | None = None, use_defa
     """
     durable = store.durable_store()
     contents = read_journal(durable)
-    stored = _bytes_stored(durable)
+    commits = _commits(durable)
     if prices is None and use_default_prices:
         prices = table_for_url(durable.url)
-    return build_report(contents.events, url=durable.url, bytes_stored=stored, journal_bytes=contents.size_bytes,
-                        prices=prices, skipped=contents.skipped)
+    return build_report(contents.events, url=durable.url, bytes_stored=sum(c.size_bytes for c in commits),
+                        journal_bytes=contents.size_bytes, prices=prices, skipped=contents.skipped, commits=commits)
 
 
-def _bytes_stored(store: CheckpointStore, *, nested: bool = True) -> int:
-    """Bytes of ``store``'s complete checkpoints; with ``nested``, a store with no step of its own
-    counts the stores one level below (the Lightning plugin's root: a store per name).
+def _commits(store: CheckpointStore, *, nested: bool = True) -> list[Commit]:
+    """``store``'s complete checkpoints (one manifest read each); with ``nested``, a store with no step
+    of its own lists the stores one level below (the Lightning plugin's root: a store per name).
     """
     infos = store.checkpoints()
     if not infos and nested:
         prefixes, _objects = store.storage.list_children("")
         names = [prefix.rstrip("/") for prefix in prefixes if prefix.rstrip("/") != JOURNAL_PREFIX]
-        return sum(_bytes_stored(CheckpointStore(f"{store.url.rstrip('/')}/{name}", storage_options=store.storage_options),
-                                 nested=False) for name in names)
-    return sum(store.manifest(info.step).total_size_bytes for info in infos if info.status == "complete")
+        return [commit for name in names for commit in _commits(
+            CheckpointStore(f"{store.url.rstrip('/')}/{name}", storage_options=store.storage_options), nested=False)]
+    out = []
+    for info in infos:
+        if info.status == "complete":
+            manifest = store.manifest(info.step)
+            trainer_step = manifest.metadata.get("global_step")
+            out.append(Commit(step=trainer_step if type(trainer_step) is int and trainer_step >= 0 else manifest.step,
+                              size_bytes=manifest.total_size_bytes, host=manifest.writer.host, pid=manifest.writer.pid,
+                              created_secs=manifest.created_at.timestamp()))
+    return out
 
 
 def report_lines(report: LedgerReport) -> list[str]:
@@ -315,8 +384,11 @@ def report_lines(report: LedgerReport) -> list[str]:
     lines.append(f"restart to first update: median {secs(report.restart_secs_median)}, "
                  f"worst {secs(report.restart_secs_worst)}")
     share = "-" if report.checkpoint_share is None else f"{report.checkpoint_share:.1%} of the wall time"
-    lines.append(f"checkpoint overhead: {report.saves} saves, {secs(report.blocking_secs_per_save)} blocking per "
-                 f"save, {report.blocking_secs_total:.2f} s in all ({share})")
+    lost = report.saves_without_event
+    lost_events = f" ({lost} save{'s' if lost != 1 else ''} without {'its' if lost == 1 else 'their'} journal event)"
+    lines.append(f"checkpoint overhead: {report.saves} saves{lost_events if lost else ''}, "
+                 f"{secs(report.blocking_secs_per_save)} blocking per save, {report.blocking_secs_total:.2f} s in all "
+                 f"({share})")
     requests = ", ".join(f"{kind} {count}" for kind, count in sorted(report.requests.items()) if count) or "none"
     lines.append(f"stored: {report.bytes_stored} bytes in checkpoints, {report.journal_bytes} bytes of journal; "
                  f"requests: {requests}")
@@ -340,4 +412,4 @@ def report_json(report: LedgerReport) -> dict[str, Any]:
     return report.model_dump(mode="json")
 
 
-__all__ = ["ASSUMPTIONS", "LedgerReport", "build_report", "report_json", "report_lines", "report_store"]
+__all__ = ["ASSUMPTIONS", "Commit", "LedgerReport", "build_report", "report_json", "report_lines", "report_store"]

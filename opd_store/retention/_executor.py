@@ -41,6 +41,7 @@ class GcReport:
         deleted_steps (list[int]): steps actually deleted.
         journal_events (list[str]): run-journal events beyond the journal's bound (paths relative
             to the store root; :func:`opd_store.ledger.prune_journal`), deleted unless ``dry_run``.
+        journal_bytes (int): their bytes (from the listing).
         dry_run (bool): nothing was deleted.
         store (CheckpointStore | None): the store the pass ran on.
         policy (RetentionPolicy | None): the policy it applied.
@@ -52,6 +53,7 @@ class GcReport:
     uploads: "list[StaleUpload]" = dataclasses.field(default_factory=list)
     deleted_steps: list[int] = dataclasses.field(default_factory=list)
     journal_events: list[str] = dataclasses.field(default_factory=list)
+    journal_bytes: int = 0
     dry_run: bool = True
     store: CheckpointStore | None = dataclasses.field(default=None, repr=False)
     policy: RetentionPolicy | None = None
@@ -63,8 +65,8 @@ class GcReport:
 
     @property
     def freed_bytes(self) -> int:
-        """Bytes the steps and orphans to delete occupy (multipart parts are not counted)."""
-        return self.plan.freed_bytes + sum(orphan.size_bytes for orphan in self.orphans)
+        """Bytes the steps, orphans and journal events to delete occupy (multipart parts are not counted)."""
+        return self.plan.freed_bytes + sum(orphan.size_bytes for orphan in self.orphans) + self.journal_bytes
 
 
 def step_records(infos: Iterable[CheckpointInfo]) -> list[StepRecord]:

@@ -388,7 +388,9 @@ def collect_garbage_tiers(
         report = _collect_tier(tier.store, tier.policy, tier.not_durable, orphans_older_than_secs, deep, dry_run,
                                now_secs)
         if index == 0:
-            report.journal_events = prune_journal(tier.store, keep_events=journal_keep_events, dry_run=dry_run)
+            pruned = prune_journal(tier.store, keep_events=journal_keep_events, dry_run=dry_run)
+            report.journal_events = [name.rel for name in pruned]
+            report.journal_bytes = sum(name.size_bytes for name in pruned)
         reports.append(report)
     return reports
 

@@ -214,3 +214,18 @@ def test_ls_of_a_url_without_a_bucket_says_so_exit_2(capsys):
     assert main(["ls", "s3://"]) == 2
     assert capsys.readouterr().err == (
         "opd-store ls: error: s3://: the URL names no bucket (expected s3://BUCKET or s3://BUCKET/PREFIX)\n")
+
+
+def test_ls_of_a_root_whose_names_hold_the_steps_says_how_to_list_them(tmp_path, capsys):
+    """A Lightning plugin's root holds a store per checkpoint name (``<root>/<name>/step-NNNNNN``):
+    ``ls`` of the root names the commands that list them rather than saying there are none."""
+    root = tmp_path / "root"
+    for name in ("last.ckpt", "epoch=0-step=4.ckpt"):
+        commit(CheckpointStore(root / name), 1)
+    (root / "notes").mkdir()  # a folder without steps is no store
+    code, out, _ = run(capsys, "ls", root)
+    assert code == 0 and out.splitlines() == [
+        f"no checkpoints in {root} itself; the stores one level below hold them (a Lightning plugin's root: a store "
+        "per checkpoint name), listed by:",
+        f"  opd-store ls {root}/epoch=0-step=4.ckpt", f"  opd-store ls {root}/last.ckpt"]
+    assert run(capsys, "ls", root / "notes")[:2] == (0, f"no checkpoints in {root / 'notes'}\n")

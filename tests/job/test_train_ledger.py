@@ -168,3 +168,36 @@ def test_notices_are_planned_against_their_deadline_on_a_bandwidth_capped_s3(cap
     assert float(samples["opd_store_saves_total"]) == 1 and float(samples["opd_store_last_committed_step"]) == final.step
     assert float(samples["opd_store_saved_bytes_total"]) == final.size_bytes
     assert float(samples["opd_store_lost_updates_total"]) == skipped["step"] - 2  # redone after the resume
+
+
+def test_auto_continues_a_journaled_interval_only_within_its_bound(capsys, caplog):
+    """``--checkpoint-every auto`` resumes with the interval journaled beside the step it resumed
+    from; one over ``MAX_AUTO_EVERY`` (only a damaged journal holds one) is ignored with a warning
+    and the schedule starts again from K; ``auto:K`` over the bound is a usage error."""
+    import logging
+
+    from opd_store.cli import main
+    from opd_store.job._ledger import JobLedger
+    from opd_store.ledger import MAX_AUTO_EVERY, Journal
+
+    from opd_store import CheckpointStore
+
+    store = CheckpointStore("memory://opd-test/runs/auto-bound")
+    for journaled, expected in ((MAX_AUTO_EVERY, MAX_AUTO_EVERY), (MAX_AUTO_EVERY + 1, 3), (10 ** 12, 3)):
+        Journal(store).record("save", step=6, reason="periodic", size_bytes=64, blocking_secs=0.5, commit_secs=0.6,
+                              next_checkpoint_every=journaled)
+        ledger = JobLedger(store, group=None, updates=12, checkpoint_every=3, auto=True)
+        with caplog.at_level(logging.WARNING, logger="opd_store.job"):
+            caplog.clear()
+            ledger.start(6)
+        assert (ledger.every, ledger.next_save_step) == (expected, 6 + expected)
+        assert [r.getMessage() for r in caplog.records if "over the bound" in r.getMessage()] == (
+            [] if expected == journaled else
+            [f"run journal: the save event of step 6 names an interval of {journaled} updates, over the bound of "
+             f"{MAX_AUTO_EVERY} (a damaged journal); ignored: every 3 updates"])
+        assert ledger.estimator.estimate(64) == 0.6  # the rest of the event is still read
+    too_far = f"auto:{MAX_AUTO_EVERY + 1}"
+    assert main(["train", "--store", store.url, "--updates", "4", "--checkpoint-every", too_far]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"opd-store train: error: argument --checkpoint-every: auto:K keeps the interval within 1 and 100,000 updates, "
+        f"got 'auto:{MAX_AUTO_EVERY + 1}'")

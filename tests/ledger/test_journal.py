@@ -25,6 +25,7 @@ from opd_store.ledger import (
     load_price_file,
     parse_event,
     read_journal,
+    report_store,
 )
 from opd_store.retention import RetentionPolicy, collect_garbage, survey
 
@@ -109,7 +110,7 @@ def test_a_save_costs_one_request_more_with_the_journal(s3_backend):
     assert store.storage.requests.snapshot()["put"] == before["put"] + 3
 
 
-def test_the_reader_skips_malformed_oversized_and_newer_events_with_a_warning(memory_backend, caplog):
+def test_the_reader_skips_malformed_oversized_newer_and_out_of_bounds_events_with_a_warning(memory_backend, caplog):
     store = open_store(memory_backend)
     journal = Journal(store)
     _run(journal, 1_800_000_000.0, [2, 4])
@@ -117,11 +118,18 @@ def test_the_reader_skips_malformed_oversized_and_newer_events_with_a_warning(me
     stamp = f"20270115T090000.000000Z-{'ab' * 8}"
     future = json.loads(store.storage.read_bytes(names[2].rel))
     future["schema_version"] = SCHEMA_VERSION + 1
+    saved = {**json.loads(store.storage.read_bytes(names[2].rel)), "start_id": "ab" * 8}
+    exit_ = {**json.loads(store.storage.read_bytes(names[-1].rel)), "start_id": "ab" * 8, "seq": 4}
     bad = {
         f"{stamp}-000000-save-s000006.json": json.dumps(future).encode(),
         f"{stamp}-000001-save-s000008.json": b"{not json",
         f"{stamp}-000002-progress-s000009.json": b"{" + b" " * MAX_EVENT_BYTES + b"}",
         f"{stamp}-000003-progress-s000009.json": json.dumps({"kind": "progress", "step": -1}).encode(),
+        # numbers json.dumps writes but no event holds: they must not overflow the report's sums
+        f"{stamp}-000004-exit-s000004.json": json.dumps({**exit_, "time_secs": float("inf")}).encode(),
+        f"{stamp}-000005-save-s000004.json": json.dumps({**saved, "blocking_secs": 1e308}).encode(),
+        f"{stamp}-000006-save-s000004.json": json.dumps({**saved, "size_bytes": 10 ** 400}).encode(),
+        f"{stamp}-000007-save-s{10 ** 17}.json": json.dumps({**saved, "step": 10 ** 17}).encode(),  # its name too
         "notes.txt": b"hello",
     }
     for name, data in bad.items():
@@ -138,9 +146,17 @@ def test_the_reader_skips_malformed_oversized_and_newer_events_with_a_warning(me
         f"{url}/{stamp}-000002-progress-s000009.json: journal event of {MAX_EVENT_BYTES + 2} bytes is over "
         f"{MAX_EVENT_BYTES} bytes",
         f"{url}/{stamp}-000003-progress-s000009.json: journal event field progress.time_secs: Field required",
+        f"{url}/{stamp}-000004-exit-s000004.json: journal event field exit.time_secs: Input should be a finite number",
+        f"{url}/{stamp}-000005-save-s000004.json: journal event field save.blocking_secs: Input should be less than "
+        "or equal to 1000000000",
+        f"{url}/{stamp}-000006-save-s000004.json: journal event field save.size_bytes: Input should be less than or "
+        f"equal to {1 << 60}",
+        f"{url}/{stamp}-000007-save-s{10 ** 17}.json: not a journal event name",
         f"{url}/notes.txt: not a journal event name",
     ])
     assert sorted(r.getMessage() for r in caplog.records) == sorted(f"run journal: skipped {s}" for s in contents.skipped)
+    report = report_store(store)  # what was skipped is named, the rest reported
+    assert report.skipped == contents.skipped and report.saves == 2 and report.blocking_secs_total == 1.0
     with pytest.raises(JournalEventError, match="^u: journal event is not a JSON object$"):
         parse_event(b"[1]", "u")
     assert isinstance(JournalEventError("x"), ValueError)
@@ -153,7 +169,13 @@ def test_gc_bounds_the_journal_oldest_starts_first_whole(local_backend, capsys):
         _run(journal, 1_800_000_000.0 + 100 * index, [2 * index + 2])
     report = collect_garbage(store, RetentionPolicy(), journal_keep_events=5)
     assert report.dry_run and len(report.journal_events) == 8  # two whole starts: 12 - 8 = 4 <= 5
-    assert len(list_journal(store)[0]) == 12
+    sizes = {n.rel: n.size_bytes for n in list_journal(store)[0]}
+    assert len(sizes) == 12 and report.journal_bytes == sum(sizes[rel] for rel in report.journal_events) > 0
+    assert report.freed_bytes == report.journal_bytes  # no step or orphan to delete: the events' bytes
+    assert main(["gc", store.url, "--journal-keep", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        f"would delete 12 run-journal events ({sum(sizes.values())} bytes) beyond the journal's bound (oldest starts "
+        "first)", f"would free {sum(sizes.values())} bytes (dry run: pass --yes to delete)"]
     assert main(["gc", store.url, "--journal-keep", "5", "--yes", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["journal_events"]) == 8 and all(rel.startswith(f"{JOURNAL_PREFIX}/") for rel in out["journal_events"])
@@ -162,7 +184,7 @@ def test_gc_bounds_the_journal_oldest_starts_first_whole(local_backend, capsys):
     assert capsys.readouterr().err.strip() == "opd-store gc: error: --journal-keep must be >= 0, got -1"
 
 
-def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, caplog):
+def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, caplog, capsys):
     from opd_store import CheckpointStore
 
     blocker = tmp_path / "store"
@@ -175,6 +197,14 @@ def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, c
     (record,) = caplog.records
     assert record.getMessage().startswith(f"run journal: could not write {blocker}/{JOURNAL_PREFIX}/")
     assert record.getMessage().endswith("training goes on without it")
+    # what reads it says so, rather than reporting an empty journal; --html naming a directory is refused
+    report = report_store(journal_store := CheckpointStore(blocker))
+    assert (report.starts, report.skipped) == ([], [
+        f"{journal_store.storage.url(JOURNAL_PREFIX)}: an object where the journal's folder should be (no event can be "
+        "written or read under it)"])
+    assert main(["report", str(blocker), "--html", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"opd-store report: error: --html {tmp_path}: is a directory (name the page's file)"]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -185,6 +215,9 @@ def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, c
     ("name: mine\nstorage_per_gib_month: 0.02\nrequests_per_1000: {put: cheap}\n",
      "field requests_per_1000.put: Input should be a valid number, unable to parse string as a number"),
     ("storage_per_gib_month: 0.02\n", "field name: Field required"),
+    ("name: mine\nstorage_per_gib_month: .inf\n", "field storage_per_gib_month: Input should be a finite number"),
+    ("name: mine\nstorage_per_gib_month: 0\nrequests_per_1000: {put: .nan}\n",
+     "field requests_per_1000.put: Input should be a finite number"),
     ("{name: [", "does not parse as JSON or YAML at line 1"),
 ])
 def test_a_price_file_that_does_not_parse_is_refused_naming_file_and_field(tmp_path, capsys, text, message):

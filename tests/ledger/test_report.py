@@ -28,7 +28,7 @@ from opd_store.ledger import (
 )
 from opd_store.runtime import PreemptionNotice
 
-from ledger_events import EVENTS, progress_event, start_events  # noqa: I001 - tests/ledger's helpers
+from ledger_events import EVENTS, progress_event, save_event, start_events  # noqa: I001 - tests/ledger's helpers
 
 
 def test_the_report_of_a_chosen_journal():
@@ -68,6 +68,37 @@ def test_a_start_with_progress_events_apart_counts_its_lost_updates_as_a_bound()
     (row,) = report.preemptions
     assert (row.updates_lost, row.exact, row.seconds_lost) == (1, False, 1.0)  # 3.0 s at step 3, 2.0 kept (linear)
     assert "at least 1 updates and 1.00 s lost" in report_lines(report)[3]
+
+
+def test_a_kill_right_after_a_commit_is_bounded_by_the_manifests_and_the_next_resume():
+    """A start killed right after committing step 4 lost that save's event (written in the background)
+    and its progress past step 2: the manifests (writer host and pid, commit time) and the next
+    start's resumed step say it reached step 4, and the save is counted without its event."""
+    from opd_store.ledger import Commit
+
+    def run(next_resumed):
+        events = start_events(0.0, [(2.0, "resume", dict(resumed_step=None, checkpoint_every=2)),
+                                    progress_event(3.0, 2, 2.0), save_event(4.0, 2, 0.5, 2.0)])
+        return events + start_events(10.0, [(12.0, "resume", dict(resumed_step=next_resumed, checkpoint_every=2)),
+                                            progress_event(13.0, 6, 2.0), save_event(14.0, 6, 0.5, 2.0)])
+
+    commits = [Commit(step=step, size_bytes=100, host="h", pid=1, created_secs=t) for step, t in ((2, 4.5), (4, 8.0),
+                                                                                                (6, 14.5))]
+    report = build_report(run(4), url="u", commits=commits)
+    assert [(s.last_step, s.saves) for s in report.starts] == [(4, 2), (6, 1)]
+    assert [(p.last_step, p.resumed_step, p.updates_lost) for p in report.preemptions] == [(4, 4, 0)]
+    assert (report.saves, report.saves_without_event, report.blocking_secs_total) == (3, 1, 1.0)
+    assert report.mean_update_secs == 1.0  # 4 journaled update seconds over the 4 updates they timed
+    assert [(t.time_secs, t.label) for t in report.timeline if t.kind in ("save", "kill")] == [
+        (4.0, "save of step 2 (0.50 s blocking)"), (8.0, "save of step 4 (committed; its journal event lost)"),
+        (8.0, "killed after step 4"), (14.0, "save of step 6 (0.50 s blocking)")]
+    assert report_lines(report)[5].startswith("checkpoint overhead: 3 saves (1 save without its journal event), "
+                                              "0.50 s blocking per save")
+    # without the manifests (retention deleted them) the next start's resumed step still bounds it
+    assert [(p.last_step, p.updates_lost) for p in build_report(run(4), url="u").preemptions] == [(4, 0)]
+    # a next start that began again from scratch lost what the killed one committed
+    (row,) = build_report(run(None), url="u", commits=commits).preemptions
+    assert (row.last_step, row.resumed_step, row.updates_lost) == (4, None, 4)
 
 
 def test_the_final_save_is_planned_against_the_deadline():
