@@ -158,14 +158,18 @@ class Journal:
 
     def record(self, kind: str, *, clock: Callable[[], float] = time.time, background: bool = False,
                **fields: Any):
-        """Write one event of ``kind`` with ``fields``, or queue it (``background``); return it. A failed
-        write is a warning, never raised; its requests leave the caller's random stream untouched.
-
-        Raises:
-            pydantic.ValidationError: ``fields`` are not an event of ``kind`` (a bug of the caller).
+        """Write one event of ``kind`` with ``fields``, or queue it (``background``); return it, or
+        ``None`` when ``fields`` are out of the event schema's bounds (a clock past 2100, a
+        non-finite time): a warning, as a failed write is, never raised (the journal never stops
+        training, docs/ledger.md). Its requests leave the caller's random stream untouched.
         """
-        event = event_for(kind, time_secs=clock(), start_id=self.start_id, seq=self._seq, host=self.host,
-                          pid=self.pid, world_size=self.world_size, **fields)
+        try:
+            event = event_for(kind, time_secs=clock(), start_id=self.start_id, seq=self._seq, host=self.host,
+                              pid=self.pid, world_size=self.world_size, **fields)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            logger.warning("run journal: a %s event out of the schema's bounds was not written: %s", kind,
+                           " ".join(str(exc).split())[:300])
+            return None
         self._seq += 1
         for sink in self.sinks:
             try:

@@ -197,6 +197,13 @@ def test_a_journal_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, c
     (record,) = caplog.records
     assert record.getMessage().startswith(f"run journal: could not write {blocker}/{JOURNAL_PREFIX}/")
     assert record.getMessage().endswith("training goes on without it")
+    # an event out of the schema's bounds (a clock set past 2100) is a warning too, never raised
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opd_store.ledger"):
+        assert journal.record("progress", clock=lambda: 5e9, step=4, attempted_updates=4, update_secs=1.0) is None
+    (record,) = caplog.records
+    assert record.getMessage().startswith("run journal: a progress event out of the schema's bounds was not written")
+    assert (journal.written, journal.failed) == (0, 1)
     # what reads it says so, rather than reporting an empty journal; --html naming a directory is refused
     report = report_store(journal_store := CheckpointStore(blocker))
     assert (report.starts, report.skipped) == ([], [
