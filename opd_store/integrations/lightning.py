@@ -195,6 +195,24 @@ class StoreCheckpointIO(CheckpointIO):
         names.discard(JOURNAL_PREFIX)
         return sorted(names)
 
+    def upload_pending(self) -> dict[str, list[int]]:
+        """A tiered root: queue the upload of each name's local versions its bucket lacks (an earlier
+        process committed them locally and died before their uploads;
+        :meth:`~opd_store.tiered.TieredStore.upload_pending`, as the main job at start, docs/tiered.md);
+        a plain root: nothing. Returns the versions queued by name.
+        """
+        if not isinstance(self.root, TieredStore):
+            return {}
+        prefixes, _objects = self.root.local.storage.list_children("")
+        queued = {}
+        for name in sorted(prefix.rstrip("/") for prefix in prefixes):
+            if name != JOURNAL_PREFIX:
+                with self._name_lock(name):
+                    versions = self.store_of(self.path_of(name)).upload_pending()
+                if versions:
+                    queued[name] = versions
+        return queued
+
     def requests(self) -> dict[str, int]:
         """Requests the root and every name's store sent so far (durable tiers), by kind."""
         with self._lock:
@@ -482,7 +500,8 @@ class StoreModelCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Refuse a strategy that bypasses the ``CheckpointIO``, then ``ModelCheckpoint.setup`` with the
-        store answering.
+        store answering; a fit on a tiered root queues the uploads an earlier process left
+        (:meth:`StoreCheckpointIO.upload_pending`, global rank 0).
 
         Raises:
             ValueError: the strategy is one of :data:`BYPASSING_STRATEGIES` (naming it and why).
@@ -494,6 +513,10 @@ class StoreModelCheckpoint(ModelCheckpoint):
                                  f"so its checkpoints would not (all) reach {self.checkpoint_io.url}; use DDP "
                                  "or a single device")
         self.dirpath = trainer.strategy.broadcast(self.dirpath)
+        if trainer.is_global_zero and stage == "fit":  # global rank 0 saves, so it uploads
+            queued = self.checkpoint_io.upload_pending()
+            if queued:
+                logger.info("%s: queued the upload of local versions %s", self.checkpoint_io.url, queued)
         if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0:
             names = self.checkpoint_io.listed_names()  # one listing: this is only said
             if names:
