@@ -3,9 +3,10 @@
 ``ckpt_path="last"`` reads the newest ``last*.ckpt`` commit, or, when it is damaged or no
 ``last*.ckpt`` name holds a commit (deleted as the damage's remedy says, or a kill before the first
 ``last.ckpt`` commit), the newest intact version of any name with a warning (a new save commits
-above every listed version, so no collision; never a silent fresh start); an explicit path reads its newest version or fails naming the damage; a path outside
-the root is another store or a plain file read unchecked. The rule: docs/resume.md, "A damaged
-checkpoint"; in Lightning's terms: docs/integrations.md, "Lightning".
+above every listed version, so no collision; never a silent fresh start); an explicit path reads
+its newest version or fails naming the damage; a path outside the root is another store or a plain
+file read unchecked. The rule: docs/resume.md, "A damaged checkpoint"; in Lightning's terms:
+docs/integrations.md, "Lightning".
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_a_restart_on_a_tiered_root_queues_the_local_versions_the_bucket_lacks(t
     assert committed == {"epoch=0-step=4.ckpt": [1], "last.ckpt": [1]}
     bucket_url = f"memory://lightning-tier-restart-{tmp_path.name}/ckpts"
     root = TieredStore(local, bucket_url)
-    again, model, train, val, plugin, _c = lightning_child.build(root, {}, max_epochs=1)
+    again, model, train, val, _p, _c = lightning_child.build(root, {}, max_epochs=1)
     again.fit(model, train, val, ckpt_path="last")
     assert again.global_step == 4
     assert _layout(bucket_url, {}) == committed

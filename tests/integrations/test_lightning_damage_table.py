@@ -189,8 +189,8 @@ def test_last_without_a_last_version_resumes_from_the_newest_intact_checkpoint(h
     assert all(torch.equal(weights[name], tensor) for name, tensor in states[resumed]["state_dict"].items())
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and r.name == "opd_store.integrations.lightning"]
-    assert warnings == [f"{url}: ckpt_path=\"last\" found no committed last*.ckpt checkpoint; resumes from "
-                        f"{url}/{resumed} version 1 (global_step {step})"]
+    assert warnings == [(f"{url}: ckpt_path=\"last\" found no committed last*.ckpt checkpoint; resumes from "
+                         f"{url}/{resumed} version 1 (global_step {step})")]
     assert trainer.global_step == 12
     # save_top_k=2 names, all tracked: no name of the first run beside them, no -v1 name
     names = set(plugin.names())
