@@ -1,10 +1,12 @@
 """Which Lightning checkpoint a load reads, and its bytes read once, verified.
 
-``ckpt_path="last"`` reads the newest ``last*.ckpt`` commit, or, when damaged, the newest intact
-version of any name with a warning (a new save commits above every listed version, so no
-collision); an explicit path reads its newest version or fails naming the damage; a path outside
-the root is another store or a plain file read unchecked. The rule: docs/resume.md, "A damaged
-checkpoint"; in Lightning's terms: docs/integrations.md, "Lightning".
+``ckpt_path="last"`` reads the newest ``last*.ckpt`` commit, or, when it is damaged or no
+``last*.ckpt`` name holds a commit (deleted as the damage's remedy says, or a kill before the first
+``last.ckpt`` commit), the newest intact version of any name with a warning (a new save commits
+above every listed version, so no collision; never a silent fresh start); an explicit path reads
+its newest version or fails naming the damage; a path outside the root is another store or a plain
+file read unchecked. The rule: docs/resume.md, "A damaged checkpoint"; in Lightning's terms:
+docs/integrations.md, "Lightning".
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def is_last_name(name: str, pattern: re.Pattern) -> bool:
 
 def open_last(root_url: str, names: dict[str, BaseStore], pattern: re.Pattern) -> tuple[Version, BinaryIO]:
     """What ``ckpt_path="last"`` loads: the newest commit among names matching ``pattern``, else (it is
-    damaged) the newest intact version of any name, with one warning naming the skipped versions.
+    damaged, or no such name holds a commit) the newest intact version of any name, with one warning
+    naming the version loaded and the skipped ones.
 
     Args:
         root_url (str): the plugin's root (for messages).
@@ -117,26 +120,28 @@ def open_last(root_url: str, names: dict[str, BaseStore], pattern: re.Pattern) -
         pattern (re.Pattern): the ``last*.ckpt`` names.
 
     Raises:
-        CheckpointNotFoundError: no ``last*.ckpt`` name holds a committed version.
+        CheckpointNotFoundError: no name under the root holds a committed version.
         IntegrityError, IncompleteCheckpointError, ManifestError: no committed version is intact
             (one line naming each and the remedy).
     """
-    versions = [version for name, store in names.items() for version in committed_versions(name, store)]
+    versions = sorted((version for name, store in names.items() for version in committed_versions(name, store)),
+                      key=Version.order, reverse=True)
+    if not versions:
+        raise CheckpointNotFoundError(f"{root_url}: no committed checkpoint")
     lasts = [version for version in versions if is_last_name(version.name, pattern)]
-    if not lasts:
-        raise CheckpointNotFoundError(f"{root_url}: no committed last*.ckpt checkpoint")
-    primary = max(lasts, key=Version.order)
-    others = sorted((v for v in versions if v is not primary), key=Version.order, reverse=True)
+    ordered = [lasts[0], *(v for v in versions if v is not lasts[0])] if lasts else versions
     skipped: list[tuple[Version, Exception]] = []
-    for version in [primary, *others]:
+    for version in ordered:
         try:
             reader = version.open()
         except DAMAGE as exc:
             skipped.append((version, exc))
             continue
-        if skipped:
-            logger.warning("%s: ckpt_path=\"last\" resumes from %s; skipped the damaged %s", root_url,
-                           version.describe(), "; ".join(f"{v.describe()} ({exc})" for v, exc in skipped))
+        if skipped or not lasts:
+            logger.warning("%s: ckpt_path=\"last\" %sresumes from %s%s", root_url,
+                           "" if lasts else "found no committed last*.ckpt checkpoint; ", version.describe(),
+                           "; skipped the damaged " + "; ".join(f"{v.describe()} ({exc})" for v, exc in skipped)
+                           if skipped else "")
         return version, reader
     error = skipped[0][1]
     raise type(error)(

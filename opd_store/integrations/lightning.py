@@ -46,7 +46,7 @@ from ..retention import RetentionPolicy
 from ..runtime import route_background_random
 from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointStore, as_store
 from ..tiered import TieredStore
-from ._lightning_resume import PAYLOAD_NAME, committed_versions, is_last_name, open_last, open_newest, open_plain
+from ._lightning_resume import PAYLOAD_NAME, committed_versions, open_last, open_newest, open_plain
 from ._trainer_journal import DEFAULT_PROGRESS_EVERY_SECS, TrainerJournal
 
 logger = logging.getLogger("opd_store.integrations.lightning")
@@ -130,7 +130,6 @@ class StoreCheckpointIO(CheckpointIO):
         self._bare_root = self.url.split("://", 1)[-1].rstrip("/")  # as Lightning normalises a URL
         self._local_cache_dir = local_cache_dir
         self._placeholders: dict[Path, re.Pattern] = {}
-        self._resumed: dict[Path, str] = {}
         self._saving: dict[str, threading.Lock] = {}
         self._stores: dict[str, BaseStore] = {}
         self._closed_requests: dict[str, int] = {}  # requests of the names' stores removed since
@@ -195,6 +194,24 @@ class StoreCheckpointIO(CheckpointIO):
             names.update(prefix.rstrip("/") for prefix in prefixes)
         names.discard(JOURNAL_PREFIX)
         return sorted(names)
+
+    def upload_pending(self) -> dict[str, list[int]]:
+        """A tiered root: queue the upload of each name's local versions its bucket lacks (an earlier
+        process committed them locally and died before their uploads;
+        :meth:`~opd_store.tiered.TieredStore.upload_pending`, as the main job at start, docs/tiered.md);
+        a plain root: nothing. Returns the versions queued by name.
+        """
+        if not isinstance(self.root, TieredStore):
+            return {}
+        prefixes, _objects = self.root.local.storage.list_children("")
+        queued = {}
+        for name in sorted(prefix.rstrip("/") for prefix in prefixes):
+            if name != JOURNAL_PREFIX:
+                with self._name_lock(name):
+                    versions = self.store_of(self.path_of(name)).upload_pending()
+                if versions:
+                    queued[name] = versions
+        return queued
 
     def requests(self) -> dict[str, int]:
         """Requests the root and every name's store sent so far (durable tiers), by kind."""
@@ -364,10 +381,10 @@ class StoreCheckpointIO(CheckpointIO):
             raise failures[0]
 
     # -- "last" ------------------------------------------------------------------------------
-    def holds_last(self, pattern: re.Pattern) -> bool:
-        """Whether a name matching ``pattern`` holds a committed version, intact or damaged."""
-        return any(is_last_name(name, pattern) and committed_versions(name, self.store_of(self.path_of(name)))
-                   for name in self.listed_names())
+    def holds_committed(self) -> bool:
+        """Whether any name under the root holds a committed version, intact or damaged (what
+        ``ckpt_path="last"`` may resume from: :func:`~opd_store.integrations._lightning_resume.open_last`)."""
+        return any(committed_versions(name, self.store_of(self.path_of(name))) for name in self.listed_names())
 
     def last_placeholder(self, pattern: re.Pattern) -> str:
         """An empty local file in a new private directory that stands for ``ckpt_path="last"`` until
@@ -386,14 +403,13 @@ class StoreCheckpointIO(CheckpointIO):
         return Path(os.fspath(path)) in self._placeholders
 
     def resumed_name(self, path: str | os.PathLike | None) -> str | None:
-        """The name a run resumed from ``path`` loaded (a placeholder's resolved version, or a path under
-        the root's name); ``None`` otherwise.
+        """The name of an explicit resume path under the root (Lightning keeps the file a run resumed
+        from); ``None`` otherwise, a ``"last"`` placeholder too: the top-k name ``"last"`` fell back to is
+        in the ``best_k_models`` its checkpoint restored and is evicted by them, else it would stay
+        beside ``save_top_k`` newer names for good.
         """
         if path is None:
             return None
-        resolved = self._resumed.get(Path(os.fspath(path)))
-        if resolved is not None:
-            return resolved
         return self.name_of(path) if self.is_under_root(path) else None
 
     def _load_last(self, placeholder: Path, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
@@ -422,7 +438,6 @@ class StoreCheckpointIO(CheckpointIO):
             self._drop_placeholders()
             if "reader" in kept:
                 kept.pop("reader").close()
-        self._resumed[placeholder] = name
         logger.info("ckpt_path=\"last\": loaded %s version %d", self.path_of(name), step)
         return checkpoint
 
@@ -485,7 +500,8 @@ class StoreModelCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Refuse a strategy that bypasses the ``CheckpointIO``, then ``ModelCheckpoint.setup`` with the
-        store answering.
+        store answering; a fit on a tiered root queues the uploads an earlier process left
+        (:meth:`StoreCheckpointIO.upload_pending`, global rank 0).
 
         Raises:
             ValueError: the strategy is one of :data:`BYPASSING_STRATEGIES` (naming it and why).
@@ -497,6 +513,10 @@ class StoreModelCheckpoint(ModelCheckpoint):
                                  f"so its checkpoints would not (all) reach {self.checkpoint_io.url}; use DDP "
                                  "or a single device")
         self.dirpath = trainer.strategy.broadcast(self.dirpath)
+        if trainer.is_global_zero and stage == "fit":  # global rank 0 saves, so it uploads
+            queued = self.checkpoint_io.upload_pending()
+            if queued:
+                logger.info("%s: queued the upload of local versions %s", self.checkpoint_io.url, queued)
         if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0:
             names = self.checkpoint_io.listed_names()  # one listing: this is only said
             if names:
@@ -507,17 +527,19 @@ class StoreModelCheckpoint(ModelCheckpoint):
         return trainer.strategy.reduce_boolean_decision(exists, all=False)
 
     def _find_last_checkpoints(self, trainer) -> set[str]:
-        """A placeholder for ``"last"`` when a ``last*.ckpt`` name holds a committed version (the load
-        decides which), else nothing. Lightning asks on every rank before the group exists.
+        """A placeholder for ``"last"`` when any name under the root holds a committed version (the load
+        picks a ``last*.ckpt`` one, else the newest intact one: never a silent fresh start over committed
+        checkpoints, docs/resume.md), else nothing. Lightning asks on every rank before the group exists.
         """
         pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-v?\d+)?{re.escape(self.FILE_EXTENSION)}$")
-        if not self.checkpoint_io.holds_last(pattern):
+        if not self.checkpoint_io.holds_committed():
             return set()
         return {self.checkpoint_io.last_placeholder(pattern)}
 
     def _should_remove_checkpoint(self, trainer, previous: str, current: str) -> bool:
         """Lightning's local-directory rules for the store's names: a name saved again, one outside the
-        root and the one the run resumed from are kept (Lightning deems every remote path removable).
+        root and the one an explicit ``ckpt_path`` resumed from are kept (Lightning deems every remote
+        path removable).
         """
         if previous == current or not self.checkpoint_io.is_under_root(previous):
             return False

@@ -116,9 +116,10 @@ class StoreCallback(TrainerCallback):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Check that this run may write the store, record its lineage, and clear what a killed process
-        left in the output directory (staging links, an unfinished just-in-time save). Nothing has been
-        trained when it raises.
+        """Check that this run may write the store, record its lineage, clear what a killed process
+        left in the output directory (staging links, an unfinished just-in-time save) and, on a tiered
+        store, queue the upload of local steps the bucket lacks (``upload_pending``, rank 0). Nothing
+        has been trained when it raises.
 
         Raises:
             ValueError: a DeepSpeed run: its ZeRO files are per-rank shards this callback cannot
@@ -164,6 +165,11 @@ class StoreCallback(TrainerCallback):
             # hard links a killed process left (a background upload that never finished): they
             # would keep deleted checkpoints' bytes on disk; nothing of this process is in flight
             shutil.rmtree(Path(args.output_dir) / STAGING_DIRNAME, ignore_errors=True)
+            # a tiered store: steps an earlier process committed locally and never uploaded (as the
+            # main job at start, docs/tiered.md), else a restart's bucket lags for good
+            queued = self.store.upload_pending()
+            if queued:
+                logger.info("%s: queued the upload of local steps %s", self.store.url, queued)
         _remove_unfinished_jit_saves(Path(args.output_dir), after_step=resumed)
         self.journal = TrainerJournal(self.store, rank=args.process_index, world_size=args.world_size,
                                       progress_every_secs=self.journal_progress_secs)

@@ -149,6 +149,30 @@ def test_a_tiered_store_commits_each_checkpoint_locally_and_is_durable_when_trai
     store.close()
 
 
+@RUN_A
+def test_a_restart_on_a_tiered_store_queues_the_local_steps_the_bucket_lacks(run_a, tmp_path):
+    """A process killed after its local commits, before their uploads: the same machine restarts (same
+    local tier, same bucket) and resumes the local step 4; training begins by queuing the uploads of
+    local steps 2 and 4 (``upload_pending``, as the main job does), so the bucket holds them, intact,
+    when training ends (it used to keep lacking them for good: a new machine redid every step)."""
+    shutil.copytree(run_a.store, tmp_path / "local")  # run A's commits, none uploaded
+    bucket_url = f"memory://hf-tier-restart-{tmp_path.name}/run"
+    store = TieredStore(tmp_path / "local", bucket_url)
+    callback = StoreCallback(store)
+    trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4), callbacks=[callback])
+    checkpoint = store_checkpoint(store, trainer=trainer)
+    assert checkpoint.endswith("checkpoint-4")
+    trainer.train(resume_from_checkpoint=checkpoint)
+    bucket = CheckpointStore(bucket_url)
+    # run A's steps 2 and 4, then what this start committed (the Trainer's own step after the resume)
+    assert bucket.steps() == [2, 4, *callback.committed_steps] and callback.committed_steps[0] > 4
+    assert all(bucket.verify(step, deep=True).ok for step in bucket.steps())
+    local = CheckpointStore(run_a.store)
+    assert bucket.read(4, "adapter_model.safetensors") == local.read(4, "adapter_model.safetensors")
+    assert store.pending_uploads() == []
+    store.close()
+
+
 def test_store_retention_is_independent_of_save_total_limit(tmp_path):
     store_url = str(tmp_path / "store")
     trainer = build_trainer(str(tmp_path / "out"), GKDSpec(max_steps=4, save_steps=1, save_total_limit=1),

@@ -169,6 +169,29 @@ def test_a_tiered_root_commits_each_name_locally_and_a_new_machine_resumes_from_
     fresh.close()
 
 
+def test_a_restart_on_a_tiered_root_queues_the_local_versions_the_bucket_lacks(tmp_path):
+    """A process that committed on the local tier and died before any upload: the same machine
+    restarts with the same local tier and bucket, and ``fit`` begins by queuing the upload of every
+    name's local version (``upload_pending``, as the main job does); ``teardown`` waits for them, so
+    the bucket then holds each name's version, byte for byte (it used to stay empty for good)."""
+    local = tmp_path / "local"
+    first, model, train, val, _p, _c = lightning_child.build(CheckpointStore(local), {}, max_epochs=1)
+    first.fit(model, train, val)  # the local commits alone: their uploads never happened
+    committed = _layout(str(local), {})
+    assert committed == {"epoch=0-step=4.ckpt": [1], "last.ckpt": [1]}
+    bucket_url = f"memory://lightning-tier-restart-{tmp_path.name}/ckpts"
+    root = TieredStore(local, bucket_url)
+    again, model, train, val, _p, _c = lightning_child.build(root, {}, max_epochs=1)
+    again.fit(model, train, val, ckpt_path="last")
+    assert again.global_step == 4
+    assert _layout(bucket_url, {}) == committed
+    for name in committed:
+        bucket, tier = CheckpointStore(f"{bucket_url}/{name}"), CheckpointStore(local / name)
+        assert bucket.verify(1, deep=True).ok
+        assert bucket.read(1, "checkpoint.ckpt") == tier.read(1, "checkpoint.ckpt")
+    root.close()
+
+
 def test_unreachable_store_fails_at_construction(monkeypatch):
     from opd_store.integrations.lightning import StoreCheckpointIO
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 from opd_testkit.damage import DAMAGE_KINDS, damage_payload
 
+from opd_store.cli import main as cli_main
 from opd_store.errors import IncompleteCheckpointError, IntegrityError
 from opd_store.job._machines import torch_threads
 
@@ -116,12 +117,13 @@ def test_a_damaged_last_ckpt_resumes_from_the_newest_intact_one_or_stops_before_
         assert _payload_get_bytes(proxy, until_first_put=True) == expected
         assert trainer.global_step == 4 * epochs
         if epochs == 3:
-            # trained on, and top-k names evicted as in a run without a store: the best two remain,
-            # with the checkpoint the run resumed from (Lightning keeps it); the run used to start
-            # from step 0 and leave four top-k names
+            # trained on, and top-k names evicted as in a run without a store: the best two remain
+            # (the checkpoint "last" fell back to among them, tracked as any top-k name); the run used
+            # to start from step 0 and leave four top-k names
             names = set(plugin.names()) - {"last.ckpt"}
             assert len(checkpoint.best_k_models) == 2
-            assert names == {plugin.name_of(path) for path in checkpoint.best_k_models} | {FALLBACK}
+            assert names == {plugin.name_of(path) for path in checkpoint.best_k_models}
+            assert FALLBACK in names
             newest = plugin.store_of(plugin.path_of("last.ckpt")).checkpoints()[-1]
             assert (newest.step, newest.metadata["global_step"]) == (3, 12)  # a version above the damaged one
             # the best model of the resumed run, as Lightning refers to it, loads from the store
@@ -153,3 +155,45 @@ def test_an_explicit_path_resume_downloads_its_payload_once(template, s3_fault_p
     assert step == trainer.global_step == 8
     assert all(torch.equal(weights[name], tensor) for name, tensor in states[FALLBACK]["state_dict"].items())
     assert _payload_get_bytes(proxy) == {FALLBACK: _payload_size(objects, FALLBACK)}
+
+
+@pytest.mark.parametrize("how", ["remedy_followed", "killed_before_last"])
+def test_last_without_a_last_version_resumes_from_the_newest_intact_checkpoint(how, template, moto_s3, caplog):
+    """``fit(ckpt_path="last")`` when no ``last*.ckpt`` name holds a commit but top-k names do: after the
+    damage message's remedy (``opd-store delete <url>/last.ckpt 2`` of the damaged version), or after a
+    kill between the first top-k commit and the first ``last.ckpt`` commit. The run resumes from the
+    newest intact checkpoint with one warning naming it, and its top-k names are evicted by the
+    ``best_k_models`` that checkpoint restored (it used to start from step 0 silently and leave the
+    earlier names beside ``-v1`` ones for good)."""
+    objects, states = template
+    backend = moto_s3.new_backend()
+    options = backend.storage_options
+    if how == "remedy_followed":
+        url = lightning_child.upload(objects, backend)
+        damage_payload(dataclasses.replace(backend, url=f"{url}/last.ckpt"), 2, "checkpoint.ckpt", "flip")
+        assert cli_main(["delete", f"{url}/last.ckpt", "2", "--s3-endpoint-url", options["endpoint_url"],
+                         "--storage-option", f"key={options['key']}", "--storage-option",
+                         f"secret={options['secret']}"]) == 0
+        resumed = FALLBACK
+    else:  # the first run's only commit: epoch 0's top-k checkpoint
+        resumed = "epoch=0-step=4.ckpt"
+        url = lightning_child.upload({rel: data for rel, data in objects.items() if rel.startswith(resumed + "/")},
+                                     backend)
+    trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, max_epochs=3)
+    restored = []
+    trainer.callbacks.append(lightning_child.loaded_states(restored))
+    with caplog.at_level(logging.WARNING, logger="opd_store.integrations.lightning"):
+        trainer.fit(model, train, val, ckpt_path="last")
+    (step, weights), = restored
+    assert step == states[resumed]["global_step"]
+    assert all(torch.equal(weights[name], tensor) for name, tensor in states[resumed]["state_dict"].items())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name == "opd_store.integrations.lightning"]
+    assert warnings == [(f"{url}: ckpt_path=\"last\" found no committed last*.ckpt checkpoint; resumes from "
+                         f"{url}/{resumed} version 1 (global_step {step})")]
+    assert trainer.global_step == 12
+    # save_top_k=2 names, all tracked: no name of the first run beside them, no -v1 name
+    names = set(plugin.names())
+    assert names == {plugin.name_of(path) for path in checkpoint.best_k_models} | {"last.ckpt"}
+    assert len(checkpoint.best_k_models) == 2 and not any("-v" in name for name in names)
+    assert plugin.load_checkpoint(plugin.path_of("last.ckpt"))["global_step"] == 12
