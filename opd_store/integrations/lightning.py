@@ -44,6 +44,7 @@ from ..opd import current_group, decide_on_rank0, load_collective
 from ..pipeline import AfterCommit, SaveRequest, run_save
 from ..retention import RetentionPolicy
 from ..runtime import route_background_random
+from ..storage import refuse_mistyped_url
 from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointStore, as_store
 from ..tiered import TieredStore
 from ._lightning_resume import PAYLOAD_NAME, committed_versions, is_last_name, open_last, open_newest, open_plain
@@ -310,6 +311,7 @@ class StoreCheckpointIO(CheckpointIO):
             store, name = self.store_of(path), self.name_of(path)
         else:
             text = os.fspath(path)
+            refuse_mistyped_url(text)
             store, name = CheckpointStore(text if "://" in text else os.path.abspath(text),
                                           storage_options=self.storage_options), text
         opened = open_newest(name, store)

@@ -214,3 +214,21 @@ def test_ls_of_a_url_without_a_bucket_says_so_exit_2(capsys):
     assert main(["ls", "s3://"]) == 2
     assert capsys.readouterr().err == (
         "opd-store ls: error: s3://: the URL names no bucket (expected s3://BUCKET or s3://BUCKET/PREFIX)\n")
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("s3:/bkt/run", "s3://bkt/run"), ("s3:bkt/run", "s3://bkt/run"),
+                                             ("gs:/bkt/run", "gs://bkt/run"), ("s3//bkt/run", "s3://bkt/run")])
+def test_a_mistyped_bucket_url_is_a_usage_error_not_a_local_directory(tmp_path, monkeypatch, capsys, typo, meant):
+    """Before, ``s3:/bkt/run`` was a relative directory named ``s3:``: train checkpointed onto the
+    machine's disk and exited 0."""
+    monkeypatch.chdir(tmp_path)
+
+    def refusal(command, text, url):
+        return (f"opd-store {command}: error: {text}: looks like a mistyped store URL, not a local path "
+                f"(did you mean {url}?); write ./{text} for a local directory of that name\n")
+
+    assert run(capsys, "train", "--store", typo, "--updates", 1, "--checkpoint-every", 1) == (
+        2, "", refusal("train", typo, meant))
+    assert run(capsys, "verify", f"{typo}/step-000001") == (
+        2, "", refusal("verify", f"{typo}/step-000001", f"{meant}/step-000001"))
+    assert list(tmp_path.iterdir()) == []
