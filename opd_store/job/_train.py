@@ -36,7 +36,7 @@ from ..opd import (
     save_opd_checkpoint,
     save_sharded_opd_checkpoint,
 )
-from ..retention import RetentionPolicy, RunLineage
+from ..retention import RetentionPolicy, RunLineage, check_retention
 from ..runtime import PreemptionWatcher, kill_points
 from ..store import BaseStore, ReadableStore, ResumePoint, find_resume_point
 from ._checkpoint_kind import check_checkpoint_kind
@@ -213,10 +213,11 @@ def train(
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
         ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, or ``retention``
             for a store that applies its own.
+        TypeError: ``retention`` is not a ``RetentionPolicy`` or ``None`` (before any work).
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
-    retention = None if retention is None or retention.keeps_all else retention
+    retention = None if check_retention(retention) is None or retention.keeps_all else retention
     if retention is not None:
         store.check_save_retention(retention)  # before anything is built or written
     store.check_reachable()

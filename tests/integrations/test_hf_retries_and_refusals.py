@@ -79,6 +79,19 @@ def test_elastic_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "store").exists() and not (tmp_path / "out").exists()  # refused before any I/O
 
 
+def test_a_retention_that_is_not_a_policy_is_refused_at_construction(tmp_path):
+    """Before, ``retention=3`` was accepted and ``train()`` died at the first save, after its commit,
+    with ``AttributeError: 'int' object has no attribute 'keeps_all'``."""
+    store_url = str(tmp_path / "store")
+    with pytest.raises(TypeError) as raised:
+        StoreCallback(store_url, retention=3)
+    assert str(raised.value) == ("retention takes a RetentionPolicy or None, got 3 (int) "
+                                 "(for the newest 3 steps: retention=RetentionPolicy(keep_last=3))")
+    with pytest.raises(TypeError, match=r"^retention takes a RetentionPolicy or None, got 'last' \(str\)$"):
+        StoreCallback(store_url, retention="last")
+    assert not (tmp_path / "store").exists()  # refused before any I/O
+
+
 def test_deepspeed_is_refused_when_training_begins(tmp_path):
     """DeepSpeed's ZeRO files are per-rank shards (``global_step*/zero_pp_rank_*``) the callback
     cannot attribute to their ranks: refused at ``on_train_begin``, before the first step."""
