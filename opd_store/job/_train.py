@@ -37,7 +37,7 @@ from ..opd import (
     save_sharded_opd_checkpoint,
 )
 from ..retention import RetentionPolicy, RunLineage, check_retention
-from ..runtime import PreemptionWatcher, kill_points
+from ..runtime import PreemptionWatcher, check_secs, kill_points
 from ..store import BaseStore, ReadableStore, ResumePoint, find_resume_point
 from ._checkpoint_kind import check_checkpoint_kind
 from ._corpus import CORPUS, prompts_at
@@ -211,12 +211,17 @@ def train(
         ResumeMismatchError: another config, provenance or world size, or the other ``shard`` setting.
         UploadError: a tiered store's background upload (or retention after one) failed.
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
-        ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, or ``retention``
-            for a store that applies its own.
+        ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, a ``*_secs`` that is
+            NaN, infinite or negative (``rank_timeout_secs``, ``notice_deadline_secs``: or 0), or
+            ``retention`` for a store that applies its own.
         TypeError: ``retention`` is not a ``RetentionPolicy`` or ``None`` (before any work).
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
+    rank_timeout_secs = check_secs(rank_timeout_secs, "rank_timeout_secs", positive=True)
+    progress_every_secs = check_secs(progress_every_secs, "progress_every_secs")
+    if notice_deadline_secs is not None:
+        notice_deadline_secs = check_secs(notice_deadline_secs, "notice_deadline_secs", positive=True)
     retention = None if check_retention(retention) is None or retention.keeps_all else retention
     if retention is not None:
         store.check_save_retention(retention)  # before anything is built or written

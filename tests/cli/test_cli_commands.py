@@ -236,3 +236,22 @@ def test_a_mistyped_bucket_url_is_a_usage_error_not_a_local_directory(tmp_path, 
     assert run(capsys, "verify", f"{typo}/step-000001") == (
         2, "", refusal("verify", f"{typo}/step-000001", f"{meant}/step-000001"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("option", "value", "line"), [
+    ("--metrics-port", "99999", "must be a port from 0 (one the OS picks) to 65535, got 99999"),
+    ("--metrics-port", "-1", "must be a port from 0 (one the OS picks) to 65535, got -1"),
+    ("--metrics-textfile", "{tmp}/no/m.prom", "{tmp}/no/m.prom: its directory does not exist"),
+    ("--rank-timeout-secs", "nan", "must be a finite number of seconds > 0, got 'nan'"),
+    ("--journal-progress-secs", "inf", "must be a finite number of seconds >= 0, got 'inf'"),
+    ("--notice-poll-secs", "-1", "must be a finite number of seconds > 0, got '-1'"),
+    ("--dist-timeout-secs", "0", "must be a finite number of seconds > 0, got '0'"),
+    ("--connect-timeout-secs", "nan", "must be a finite number of seconds > 0, got 'nan'"),
+])
+def test_a_bad_metrics_or_seconds_option_is_a_usage_error_naming_it(tmp_path, capsys, option, value, line):
+    """Before, --metrics-port 99999 exited 1 (an OverflowError from bind()), -1 named neither option
+    nor value, a textfile in a missing directory named a temporary file, and NaN seconds passed."""
+    value, line = value.format(tmp=tmp_path), line.format(tmp=tmp_path)
+    code, out, err = run(capsys, "train", "--store", tmp_path / "store", "--updates", 1, option, value)
+    assert (code, out, err.splitlines()[-1]) == (2, "", f"opd-store train: error: argument {option}: {line}")
+    assert not (tmp_path / "store").exists()
