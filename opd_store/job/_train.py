@@ -230,7 +230,8 @@ def train(
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
     # Fails before models are built; on rank 0 (or alone) the resumed step's payloads are kept as the
     # guard read them, so the load below reads each byte once (docs/resume.md, "One download per resume").
-    resumed_from, point = _resume_target(store, resume, updates, group, keep=_loaded_here(rank, world_size))
+    resumed_from, point = _resume_target(store, resume, updates, group, keep=_loaded_here(rank, world_size),
+                                         every=None if checkpoint_every_auto else checkpoint_every)
     target_step = None if resumed_from is None else parse_step_dirname(resumed_from.rstrip("/").rpartition("/")[2])
     try:
         saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
@@ -412,7 +413,7 @@ def _run(*, store: BaseStore, updates: int, seed: int, log: TextIO, events: Text
 
 
 def _resume_target(store: ReadableStore, resume: str, updates: int, group=None, *,
-                   keep: Callable[[str], bool] | None = None) -> tuple[str | None, ResumePoint]:
+                   keep: Callable[[str], bool] | None = None, every: int | None = None) -> tuple[str | None, ResumePoint]:
     """The checkpoint to resume (``auto``: the newest step that verifies deeply, damaged newer steps
     skipped with a warning), after refusing a run that would save a step already committed
     (:mod:`opd_store.job._resume_check`); with a process group, one decision (rank 0's) for every rank.
@@ -433,7 +434,7 @@ def _resume_target(store: ReadableStore, resume: str, updates: int, group=None, 
         elif resume != "never":
             point = ResumePoint(_complete_step(store, int(resume)))
         try:
-            check_steps_ahead(store, point.step, updates, known=point.skipped)
+            check_steps_ahead(store, point.step, updates, every=every, known=point.skipped)
         except BaseException:
             point.release()
             raise
