@@ -28,8 +28,8 @@ Rules (docs/cli.md, "Retention rules"):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from ..store import COMPLETE as _COMPLETE
 
@@ -264,7 +264,6 @@ def plan_retention(
 
 
 __all__ = [
-    "check_retention",
     "KEEP_ALL",
     "KEEP_BEST",
     "KEEP_EVERY",
@@ -278,6 +277,7 @@ __all__ = [
     "RetentionPolicy",
     "RunLineage",
     "StepRecord",
+    "check_retention",
     "plan_retention",
     "protected_parents",
 ]

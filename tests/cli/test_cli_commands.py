@@ -96,9 +96,9 @@ def test_not_found_corrupt_and_usage_exit_codes(local_backend, tmp_path, capsys)
     code, _, err = run(capsys, "show", url, 5)
     assert code == 4 and "unreadable manifest" in err
     raw_put(local_backend, "step-000005/manifest.json", b'{"a": 1}')  # JSON, but not a manifest: one line
-    assert run(capsys, "show", url, 5) == (4, "", f"opd-store show: error: unreadable manifest at {url}/step-000005/"
-                                                   "manifest.json: not a manifest: step: Field required (and 5 more "
-                                                   "problems)\n")
+    line = (f"opd-store show: error: unreadable manifest at {url}/step-000005/manifest.json: not a manifest: "
+            "step: Field required (and 5 more problems)\n")
+    assert run(capsys, "show", url, 5) == (4, "", line)
     assert run(capsys, "verify", url)[0] == 4
     assert run(capsys, "gc", url, "--keep-last", "0")[0] == 2
     assert run(capsys, "gc", url, "--orphans-older-than", "soon")[0] == 2
