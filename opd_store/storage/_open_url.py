@@ -53,8 +53,10 @@ drive ``C:`` has one letter)."""
 
 
 def refuse_mistyped_url(text: str) -> None:
-    """Refuse a local path (a ``text`` without ``://``) whose first component is a known scheme and ``:`` (``s3:/b/r``,
-    ``gs:b/r``, ``file:/x``) or that starts ``s3//`` (a store URL missing a ``/`` or ``:``).
+    """Refuse a local path (a ``text`` without ``://``) that starts with a known scheme (opd_store's
+    or any fsspec protocol) and ``:`` (``s3:/b/r``, ``gs:b/r``, ``file:/x``) or ``//`` (``s3//b/r``):
+    a store URL missing a ``/`` or the ``:``. Every entry point that makes a path absolute before
+    opening it calls this first (``os.path.abspath("s3:/b")`` is a local path).
 
     Raises:
         UnsupportedBackendError: naming the path and the URL it most likely meant.
