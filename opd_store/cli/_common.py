@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..errors import (
@@ -29,6 +30,7 @@ from ..errors import (
     ManifestError,
     ResumeMismatchError,
 )
+from ..runtime import secs_problem
 
 EXIT_OK = 0
 EXIT_UNEXPECTED = 1
@@ -97,15 +99,44 @@ def parse_storage_options(pairs: list[str] | None, s3_endpoint_url: str | None) 
     return options
 
 
-def positive_secs(text: str) -> float:
-    """argparse type: a number of seconds > 0."""
+def _secs(text: str, *, positive: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    problem = secs_problem(value, positive=positive)
+    if problem is not None:  # the one rule of every *_secs option (opd_store.runtime.check_secs)
+        raise argparse.ArgumentTypeError(problem.replace(repr(value), repr(text)))
     return value
+
+
+def positive_secs(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 (``nan``, ``inf``, 0 and below refused)."""
+    return _secs(text, positive=True)
+
+
+def nonnegative_secs(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0 (``nan``, ``inf`` and below 0 refused)."""
+    return _secs(text, positive=False)
+
+
+def port_arg(text: str) -> int:
+    """argparse type: a TCP port, 0 (one the OS picks) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 (one the OS picks) to 65535, got {value}")
+    return value
+
+
+def file_in_existing_dir(text: str) -> str:
+    """argparse type: a file to write whose directory exists (else the write fails after the work,
+    naming a temporary file)."""
+    if not Path(text).resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its directory does not exist")
+    return text
 
 
 def add_store_options(parser: argparse.ArgumentParser) -> None:
@@ -228,8 +259,8 @@ def parse_duration(text: str) -> float:
         seconds = float(number) * _DURATION_UNITS[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 30m, 1h, 2d)") from None
-    if seconds < 0 or seconds != seconds:
-        raise argparse.ArgumentTypeError(f"duration must be >= 0: {text!r}")
+    if secs_problem(seconds) is not None:
+        raise argparse.ArgumentTypeError(f"duration must be finite and >= 0: {text!r}")
     return seconds
 
 
@@ -303,5 +334,8 @@ __all__ = [
     "progress_callback",
     "step_arg",
     "exit_code_for",
+    "file_in_existing_dir",
+    "nonnegative_secs",
     "parse_storage_options",
+    "port_arg",
 ]

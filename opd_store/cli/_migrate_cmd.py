@@ -28,6 +28,9 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..opd import migrate_legacy
+    from ..storage import refuse_mistyped_url
+
+    refuse_mistyped_url(args.src)  # else "s3:/bucket/run" is read as a local directory
 
     options = store_options(args)
     destination = open_store(args.dst, args, create=True, options=options)

@@ -19,6 +19,9 @@ from ._common import (
     EXIT_USAGE,
     CliError,
     add_store_options,
+    file_in_existing_dir,
+    nonnegative_secs,
+    port_arg,
     positive_int,
     positive_secs,
     store_options,
@@ -84,18 +87,18 @@ def add_parser(subparsers) -> None:
                       help="also poll the cloud's preemption notice: AWS spot instance-action (IMDSv2) or GCE preempted")
     spot.add_argument("--metadata-endpoint", default=None,
                       help="metadata server base URL (default: the platform's; tests use a fake one on loopback)")
-    spot.add_argument("--notice-poll-secs", type=float, default=5.0, help="seconds between notice polls (default 5)")
+    spot.add_argument("--notice-poll-secs", type=positive_secs, default=5.0, help="seconds between notice polls (default 5)")
     spot.add_argument("--notice-deadline-secs", type=positive_secs, default=None, metavar="SECS",
                       help="a preemption signal's deadline (the pod's grace period): on a signal, the final save is "
                       "started only if it can commit within SECS, else the job exits at once saying what is lost "
                       "(the AWS and GCE notices carry their own deadline; docs/ledger.md)")
     ledger = parser.add_argument_group("run journal and metrics (docs/ledger.md)")
-    ledger.add_argument("--journal-progress-secs", type=float, default=60.0, metavar="SECS",
+    ledger.add_argument("--journal-progress-secs", type=nonnegative_secs, default=60.0, metavar="SECS",
                         help="seconds between the run journal's progress events (0: after every update; the report's "
                         "lost updates are exact then; default 60)")
-    ledger.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    ledger.add_argument("--metrics-port", type=port_arg, default=None, metavar="PORT",
                         help="serve Prometheus metrics on this port (the prometheus extra)")
-    ledger.add_argument("--metrics-textfile", default=None, metavar="FILE",
+    ledger.add_argument("--metrics-textfile", type=file_in_existing_dir, default=None, metavar="FILE",
                         help="write Prometheus metrics to FILE after every journal event (node_exporter's textfile "
                         "collector; the prometheus extra)")
     parser.add_argument("--resume-mode", choices=RESUME_MODES, default="exact",
@@ -108,9 +111,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn",
                         help="how ranks are started: spawn (default; required once CUDA is in use) or fork (CPU "
                         "only: the ranks share this process's imports and start in a fraction of the time)")
-    parser.add_argument("--dist-timeout-secs", type=float, default=600.0,
+    parser.add_argument("--dist-timeout-secs", type=positive_secs, default=600.0,
                         help="process-group timeout: a rank waiting longer on a collective fails (default 600)")
-    parser.add_argument("--rank-timeout-secs", type=float, default=30.0,
+    parser.add_argument("--rank-timeout-secs", type=positive_secs, default=30.0,
                         help="with --nproc > 1: once a rank died, the others are given this long to give up on "
                         "their own before they are stopped; also the timeout of the collective in which the ranks "
                         "agree on a preemption notice at every update boundary (default 30)")
@@ -123,10 +126,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--resume must be auto, never or a step number, got {args.resume!r}")
     if args.nproc < 1:
         raise CliError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.rank_timeout_secs <= 0:
-        raise CliError(f"--rank-timeout-secs must be > 0, got {args.rank_timeout_secs}")
-    if not args.journal_progress_secs >= 0:
-        raise CliError(f"--journal-progress-secs must be >= 0, got {args.journal_progress_secs}")
     if (args.nproc > 1 or args.shard) and (args.async_save or args.local_tier is not None):
         # Asynchronous saves and the local tier are single-writer features of the main job.
         raise CliError("--nproc > 1 and --shard cannot be combined with --async-save or --local-tier")
@@ -140,8 +139,6 @@ def _train(args: argparse.Namespace, options: dict, rank: int = 0, launcher_pid:
     from ..store import CheckpointStore
 
     store = CheckpointStore(args.store, storage_options=options, allow_check_then_put=args.allow_check_then_put)
-    if args.notice_poll_secs <= 0:
-        raise CliError(f"--notice-poll-secs must be > 0, got {args.notice_poll_secs}")
     if args.local_tier is not None:
         from ..tiered import TieredStore
 

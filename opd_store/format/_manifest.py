@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
     field_validator,
     model_serializer,
     model_validator,
@@ -249,6 +250,8 @@ def parse_manifest(data: bytes, *, url: str, expected_step: int | None = None) -
     try:
         raw = json.loads(bytes(data).decode("utf-8"))
         manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise ManifestError(f"unreadable manifest at {url}: not a manifest: {_first_problem(exc)}") from exc
     except (ValueError, RecursionError) as exc:
         # ValueError covers UnicodeDecodeError, json.JSONDecodeError, pydantic's ValidationError
         # and int() refusing a 5,000-digit number; RecursionError a deeply nested document.
@@ -256,6 +259,19 @@ def parse_manifest(data: bytes, *, url: str, expected_step: int | None = None) -
     if expected_step is not None and manifest.step != expected_step:
         raise ManifestError(f"manifest at {url} records step {manifest.step}, but lies under step {expected_step}")
     return manifest
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """One line for pydantic's multi-line report: the first problem's field and reason, and how many
+    more (before, its 20+ lines with errors.pydantic.dev links went into every caller's one line)."""
+    problems = exc.errors(include_url=False, include_input=False)
+    if not problems:  # pydantic always reports one; kept so a change there cannot break the message
+        return "invalid"
+    first = problems[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(the document)"
+    reason = " ".join(str(first["msg"]).split())
+    more = f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+    return f"{field}: {reason}{more}"
 
 
 def _first_lines(exc: BaseException, limit_chars: int = 2000) -> str:

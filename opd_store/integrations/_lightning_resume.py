@@ -20,7 +20,7 @@ import re
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError, ManifestError
-from ..storage import open_storage
+from ..storage import open_storage, refuse_mistyped_url
 from ..store import COMPLETE, CORRUPT, INCOMPLETE, BaseStore, CheckpointInfo
 
 logger = logging.getLogger("opd_store.integrations.lightning")
@@ -158,6 +158,7 @@ def open_plain(path: str | os.PathLike, storage_options: dict[str, Any]) -> Bina
     local."""
     text = os.fspath(path)
     if "://" not in text:
+        refuse_mistyped_url(text)
         text = os.path.abspath(text)
     parent, _, base = text.rstrip("/").rpartition("/")
     storage = open_storage(parent or "/", storage_options)

@@ -43,7 +43,8 @@ from ..format import JOURNAL_PREFIX
 from ..opd import current_group, decide_on_rank0, load_collective
 from ..pipeline import AfterCommit, SaveRequest, run_save
 from ..retention import RetentionPolicy
-from ..runtime import route_background_random
+from ..runtime import check_secs, route_background_random
+from ..storage import refuse_mistyped_url
 from ..store import COMPLETE, UNCOMMITTED, BaseStore, CheckpointStore, as_store
 from ..tiered import TieredStore
 from ._lightning_resume import PAYLOAD_NAME, committed_versions, open_last, open_newest, open_plain
@@ -327,6 +328,7 @@ class StoreCheckpointIO(CheckpointIO):
             store, name = self.store_of(path), self.name_of(path)
         else:
             text = os.fspath(path)
+            refuse_mistyped_url(text)
             store, name = CheckpointStore(text if "://" in text else os.path.abspath(text),
                                           storage_options=self.storage_options), text
         opened = open_newest(name, store)
@@ -470,8 +472,8 @@ class StoreModelCheckpoint(ModelCheckpoint):
         journal (TrainerJournal | None): the journal of the current ``fit``.
 
     Raises:
-        ValueError: ``dirpath`` differs from the plugin's root, ``save_last="link"``, or a negative
-            ``journal_progress_secs``; at setup, a strategy of :data:`BYPASSING_STRATEGIES`.
+        ValueError: ``dirpath`` differs from the plugin's root, ``save_last="link"``, or a negative,
+            NaN or infinite ``journal_progress_secs``; at setup, a strategy of :data:`BYPASSING_STRATEGIES`.
     """
 
     def __init__(self, checkpoint_io: StoreCheckpointIO, *,
@@ -479,8 +481,7 @@ class StoreModelCheckpoint(ModelCheckpoint):
         dirpath = kwargs.pop("dirpath", None) or checkpoint_io.url
         if os.fspath(dirpath).rstrip("/") != checkpoint_io.url.rstrip("/"):
             raise ValueError(f"dirpath {dirpath!r} differs from the store root {checkpoint_io.url!r}")
-        if journal_progress_secs < 0:
-            raise ValueError(f"journal_progress_secs must be >= 0, got {journal_progress_secs!r}")
+        journal_progress_secs = check_secs(journal_progress_secs, "journal_progress_secs")
         if kwargs.get("save_last") == "link":
             raise ValueError("save_last='link' makes a local symbolic link; use save_last=True with a store")
         # ModelCheckpoint would build a filesystem for dirpath with no storage options: for gs://

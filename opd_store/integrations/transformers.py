@@ -29,7 +29,8 @@ from transformers import TrainerCallback
 from ..errors import BackgroundSaveError, CommitConflictError, IncompleteCheckpointError
 from ..opd import current_group, decide_on_rank0, preserve_global_rng
 from ..pipeline import AfterCommit, BackgroundSaves, FinishCommit, SaveRequest, run_save, run_save_collective
-from ..retention import RetentionPolicy, RunLineage
+from ..retention import RetentionPolicy, RunLineage, check_retention
+from ..runtime import check_secs
 from ..store import COMPLETE, BaseStore, as_store, refuse_damaged_step_ahead
 from ._files import FileSnapshot, directory_files, snapshot_files, upload_files
 from ._hf_layout import (
@@ -73,8 +74,9 @@ class StoreCallback(TrainerCallback):
 
     Raises:
         StoreUnreachableError: the store cannot be used; raised here, before training, naming the URL.
-        ValueError: an unknown resume mode, ``elastic``, or a negative ``exit_timeout_secs`` or
-            ``journal_progress_secs``.
+        TypeError: ``retention`` is not a ``RetentionPolicy`` or ``None`` (``retention=3``).
+        ValueError: an unknown resume mode, ``elastic``, or an ``exit_timeout_secs`` or
+            ``journal_progress_secs`` that is negative, NaN or infinite (``opd_store.runtime.check_secs``).
 
     Rank obligations: every rank constructs the callback and runs the same ``Trainer``; a save's
     collectives run inside ``on_save`` on every rank.
@@ -92,14 +94,12 @@ class StoreCallback(TrainerCallback):
         exit_timeout_secs: float = DEFAULT_EXIT_TIMEOUT_SECS,
         journal_progress_secs: float = DEFAULT_PROGRESS_EVERY_SECS,
     ) -> None:
-        if exit_timeout_secs < 0:
-            raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
-        if journal_progress_secs < 0:
-            raise ValueError(f"journal_progress_secs must be >= 0, got {journal_progress_secs!r}")
+        self.retention = check_retention(retention)
+        exit_timeout_secs = check_secs(exit_timeout_secs, "exit_timeout_secs")
+        journal_progress_secs = check_secs(journal_progress_secs, "journal_progress_secs")
         check_trainer_resume_mode(resume_mode)  # now, not at the first step
         self.store = as_store(url, storage_options)
         self.store.check_reachable()
-        self.retention = retention
         self.async_upload = async_upload
         self.preemption = preemption
         self.resume_mode = resume_mode

@@ -36,8 +36,8 @@ from ..opd import (
     save_opd_checkpoint,
     save_sharded_opd_checkpoint,
 )
-from ..retention import RetentionPolicy, RunLineage
-from ..runtime import PreemptionWatcher, kill_points
+from ..retention import RetentionPolicy, RunLineage, check_retention
+from ..runtime import PreemptionWatcher, check_secs, kill_points
 from ..store import BaseStore, ReadableStore, ResumePoint, find_resume_point
 from ._checkpoint_kind import check_checkpoint_kind
 from ._corpus import CORPUS, prompts_at
@@ -211,12 +211,18 @@ def train(
         ResumeMismatchError: another config, provenance or world size, or the other ``shard`` setting.
         UploadError: a tiered store's background upload (or retention after one) failed.
         RetentionError: a retention pass after a save to a plain store failed (the step committed).
-        ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, or ``retention``
-            for a store that applies its own.
+        ValueError: ``updates`` or ``checkpoint_every`` < 1, a bad ``resume``, a ``*_secs`` that is
+            NaN, infinite or negative (``rank_timeout_secs``, ``notice_deadline_secs``: or 0), or
+            ``retention`` for a store that applies its own.
+        TypeError: ``retention`` is not a ``RetentionPolicy`` or ``None`` (before any work).
     """
     if updates < 1 or checkpoint_every < 1:
         raise ValueError(f"updates ({updates}) and checkpoint_every ({checkpoint_every}) must be >= 1")
-    retention = None if retention is None or retention.keeps_all else retention
+    rank_timeout_secs = check_secs(rank_timeout_secs, "rank_timeout_secs", positive=True)
+    progress_every_secs = check_secs(progress_every_secs, "progress_every_secs")
+    if notice_deadline_secs is not None:
+        notice_deadline_secs = check_secs(notice_deadline_secs, "notice_deadline_secs", positive=True)
+    retention = None if check_retention(retention) is None or retention.keeps_all else retention
     if retention is not None:
         store.check_save_retention(retention)  # before anything is built or written
     store.check_reachable()
@@ -224,7 +230,8 @@ def train(
     rank, world_size = (group.rank, group.world_size) if group else (0, 1)
     # Fails before models are built; on rank 0 (or alone) the resumed step's payloads are kept as the
     # guard read them, so the load below reads each byte once (docs/resume.md, "One download per resume").
-    resumed_from, point = _resume_target(store, resume, updates, group, keep=_loaded_here(rank, world_size))
+    resumed_from, point = _resume_target(store, resume, updates, group, keep=_loaded_here(rank, world_size),
+                                         every=None if checkpoint_every_auto else checkpoint_every)
     target_step = None if resumed_from is None else parse_step_dirname(resumed_from.rstrip("/").rpartition("/")[2])
     try:
         saved_world_size = check_checkpoint_kind(store, resumed_from, shard=shard)  # --shard as saved, before models
@@ -406,7 +413,7 @@ def _run(*, store: BaseStore, updates: int, seed: int, log: TextIO, events: Text
 
 
 def _resume_target(store: ReadableStore, resume: str, updates: int, group=None, *,
-                   keep: Callable[[str], bool] | None = None) -> tuple[str | None, ResumePoint]:
+                   keep: Callable[[str], bool] | None = None, every: int | None = None) -> tuple[str | None, ResumePoint]:
     """The checkpoint to resume (``auto``: the newest step that verifies deeply, damaged newer steps
     skipped with a warning), after refusing a run that would save a step already committed
     (:mod:`opd_store.job._resume_check`); with a process group, one decision (rank 0's) for every rank.
@@ -427,7 +434,7 @@ def _resume_target(store: ReadableStore, resume: str, updates: int, group=None, 
         elif resume != "never":
             point = ResumePoint(_complete_step(store, int(resume)))
         try:
-            check_steps_ahead(store, point.step, updates, known=point.skipped)
+            check_steps_ahead(store, point.step, updates, every=every, known=point.skipped)
         except BaseException:
             point.release()
             raise

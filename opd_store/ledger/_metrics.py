@@ -23,10 +23,17 @@ class PrometheusExporter:
 
     Raises:
         ImportError: ``prometheus_client`` is not installed (``pip install 'opd_store[prometheus]'``).
+        ValueError: ``port`` is not 0 to 65535 (else ``bind()`` raises ``OverflowError``).
+        FileNotFoundError: the directory of ``textfile`` does not exist (else each write fails,
+            naming a temporary file).
         OSError: the port cannot be bound.
     """
 
     def __init__(self, *, port: int | None = None, addr: str = "0.0.0.0", textfile: str | Path | None = None) -> None:
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"metrics port must be an int from 0 (one the OS picks) to 65535, got {port!r}")
+        if textfile is not None and not Path(textfile).resolve().parent.is_dir():
+            raise FileNotFoundError(f"metrics textfile {textfile}: its directory does not exist")
         try:
             import prometheus_client as prom
         except ImportError as exc:

@@ -16,6 +16,7 @@ from typing import Any, Union
 
 from ..errors import IncompleteCheckpointError, UnsafeCheckpointError
 from ..format import parse_step_dirname, step_dirname
+from ..storage import refuse_mistyped_url
 from ..store import UNCOMMITTED, CheckpointStore, LegacyReader, ReadableStore, VerifyReport, remedy, split_checkpoint_url
 
 SCHEMA_V1 = "opd_checkpoint_v1"
@@ -79,6 +80,7 @@ def resolve_checkpoint(
         raise TypeError("a store names no checkpoint: pass (store, step) or the step's URL")
     text = os.fspath(checkpoint)
     if "://" not in text:
+        refuse_mistyped_url(text)
         # A local path: made absolute first, so a bare "step-000042" (in the working directory)
         # names its parent too (split_checkpoint_url refuses a path without a parent).
         path = Path(os.path.abspath(text))

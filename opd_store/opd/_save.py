@@ -107,6 +107,7 @@ def save_opd_checkpoint(
     Raises:
         ValueError: a rule is broken (``UnsafeCheckpointError`` names the key path), a ``rank`` other
             than 0 in single-writer mode, or a ``retention`` the store refuses. Nothing is written.
+        TypeError: ``retention`` is not a ``RetentionPolicy`` or ``None``. Nothing is written.
         CommitConflictError: (a ``FileExistsError``) the step is committed or holds a legacy checkpoint.
         CommitError: (an ``OSError``) the commit failed; nothing is committed.
         DistributedSaveError: (multi-rank) any rank failed, raised on every rank naming each

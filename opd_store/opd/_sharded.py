@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .. import dcp
 from ..format import torch_save
 from ..pipeline import AfterCommit, agree
-from ..retention import RetentionPolicy, RunLineage
+from ..retention import RetentionPolicy, RunLineage, check_retention
 from ..store import BaseStore, as_store
 from ._distributed import RankGroup
 from ._names import CONFIG_YAML, PROCESSOR_DIR, SCHEMA_SHARDED
@@ -102,7 +102,7 @@ def _prepare(*, store: BaseStore, optimizer, scheduler, trainer_state, config, p
                        "extra": sanitize_state(rank_state, path="rank_state")})
     metadata = manifest_metadata(schema=SCHEMA_SHARDED, trainer_state=trainer, step=step, fingerprint=fingerprint,
                                  provenance=provenance, world_size=world_size, processor=processor, lineage=lineage)
-    if retention is not None and not retention.keeps_all:
+    if check_retention(retention) is not None and not retention.keeps_all:
         store.check_save_retention(retention)
     training_blob = _blob(training)
     return {"step": step, "training_blob": training_blob, "rank_blob": rank_blob, "metadata": metadata,
@@ -150,6 +150,7 @@ def save_sharded_opd_checkpoint(
 
     Raises:
         ValueError: (one process) a rule is broken (``UnsafeCheckpointError`` for unloadable state).
+        TypeError: (one process) ``retention`` is not a ``RetentionPolicy`` or ``None``.
         DistributedSaveError: (a group) any rank's checks or writes failed, on every rank, naming each.
         DistributedCommitConflictError / CommitConflictError: the step is already committed.
         RetentionError: (rank 0) the retention pass after the commit failed; the step is committed.

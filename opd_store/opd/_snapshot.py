@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ..format import step_dirname
-from ..retention import RetentionPolicy, RunLineage
+from ..retention import RetentionPolicy, RunLineage, check_retention
 from ..store import BaseStore, as_store
 from ._names import FORBIDDEN_TRAINER_KEYS, REQUIRED_TRAINER_KEYS, SCHEMA_V1, SCHEMA_V2, check_world_size
 from ._rng import capture_rng_state
@@ -253,7 +253,7 @@ def snapshot_opd_checkpoint(
                                  fingerprint=fingerprint, provenance=provenance, world_size=world_size,
                                  processor=processor, lineage=lineage)
     store = as_store(checkpoints_dir, storage_options)
-    if retention is not None and not retention.keeps_all:
+    if check_retention(retention) is not None and not retention.keeps_all:
         store.check_save_retention(retention)  # before anything is written
     adapter_state_dict, adapter_dir = None, None
     if stage is not None:

@@ -23,7 +23,7 @@ import weakref
 from typing import Any, Callable
 
 from ..errors import SaveAbandonedError
-from ..runtime import register_exit_hook, route_background_random
+from ..runtime import check_secs, register_exit_hook, route_background_random
 from ._task import BackgroundTask
 
 logger = logging.getLogger("opd_store.pipeline")
@@ -72,15 +72,13 @@ class BackgroundWorker:
         exit_stage (int): exit order; a worker whose tasks submit to another needs a lower stage.
 
     Raises:
-        ValueError: a negative ``exit_timeout_secs``.
+        ValueError: a negative, NaN or infinite ``exit_timeout_secs`` (TypeError: not a number).
     """
 
     def __init__(self, name: str, *, exit_timeout_secs: float, exit_join_secs: float | None = None,
                  on_exit: ExitReport | None = None, exit_stage: int = EXIT_STAGE_SAVES) -> None:
-        if exit_timeout_secs < 0:
-            raise ValueError(f"exit_timeout_secs must be >= 0, got {exit_timeout_secs!r}")
         self.name = name
-        self.exit_timeout_secs = float(exit_timeout_secs)
+        self.exit_timeout_secs = check_secs(exit_timeout_secs, "exit_timeout_secs")
         self.exit_join_secs = min(10.0, max(1.0, self.exit_timeout_secs)) if exit_join_secs is None else exit_join_secs
         self.on_exit = on_exit
         self.exit_order = (exit_stage, next(_created))

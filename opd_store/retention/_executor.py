@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..runtime import kill_points
 from ..store import COMPLETE, CORRUPT, CheckpointInfo, CheckpointStore, LegacyReader, pinned_steps
-from ._policy import RetentionPlan, RetentionPolicy, StepRecord, plan_retention
+from ._policy import RetentionPlan, RetentionPolicy, StepRecord, check_retention, plan_retention
 
 if TYPE_CHECKING:
     from ._gc import Orphan, StaleUpload
@@ -166,8 +166,11 @@ def apply_retention(
     """Plan ``policy`` over ``store`` and delete what it does not keep (see :func:`plan_store_retention`).
 
     Raises:
+        TypeError: ``policy`` is not a :class:`RetentionPolicy`.
         OSError: a backend failure while listing or deleting (see :func:`execute_plan`).
     """
+    if check_retention(policy, "policy") is None:
+        raise TypeError("policy takes a RetentionPolicy, got None")
     plan, sizes = plan_store_retention(store, policy, just_committed=just_committed, current_run=current_run,
                                        not_durable=not_durable, deep=deep)
     report = GcReport(plan=plan, sizes=sizes, dry_run=dry_run, store=store, policy=policy)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from ..store import COMPLETE as _COMPLETE
 
@@ -72,6 +73,21 @@ class RetentionPolicy:
     def keeps_all(self) -> bool:
         """True when the policy deletes nothing."""
         return self.keep_last is None and self.keep_every is None
+
+
+def check_retention(value: Any, name: str = "retention") -> RetentionPolicy | None:
+    """``value`` when it is a :class:`RetentionPolicy` or ``None``: every public entry point taking a
+    retention checks it up front (before, ``retention=3`` was accepted and the first save, after
+    training and after its commit, died with ``AttributeError: 'int' object has no attribute 'keeps_all'``).
+
+    Raises:
+        TypeError: anything else, naming the argument, the value and the policy to write.
+    """
+    if value is None or isinstance(value, RetentionPolicy):
+        return value
+    hint = f" (for the newest {value} steps: {name}=RetentionPolicy(keep_last={value}))" if (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 1) else ""
+    raise TypeError(f"{name} takes a RetentionPolicy or None, got {value!r} ({type(value).__name__}){hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +290,7 @@ __all__ = [
     "RetentionPolicy",
     "RunLineage",
     "StepRecord",
+    "check_retention",
     "plan_retention",
     "protected_parents",
 ]

@@ -15,7 +15,7 @@ from ._backend_errors import Meaning, backend_operation, classify, describe, is_
 from ._backends import CheckThenPutStorage, LocalStorage, MemoryStorage
 from ._base import MultipartUploads, Storage, join
 from ._fsspec import FsspecStorage
-from ._open_url import open_storage
+from ._open_url import open_storage, refuse_mistyped_url
 from ._reachability import LocalProbe, Probe, check_reachable
 from .gcs import GCSStorage
 from .s3 import S3Storage
@@ -40,4 +40,5 @@ __all__ = [
     "classify",
     "join",
     "open_storage",
+    "refuse_mistyped_url",
 ]

@@ -6,7 +6,10 @@ and ``s3a://``, ``gs://`` and ``gcs://``) gets its backend from :mod:`opd_store.
 any other fsspec protocol only with ``allow_check_then_put=True`` (a commit that two writers can
 both win); a scheme no fsspec filesystem implements is refused naming the URL and what is
 supported (before, ``ftp://host/x`` reached a DNS lookup and reported only ``[Errno -2] Name or
-service not known``).
+service not known``); a local path that starts like a mistyped store URL (``s3:/bucket/run``,
+``s3:bucket/run``, ``s3//bucket/run``) is refused naming the likely intended URL (before, it was a
+relative directory named ``s3:`` on the machine's disk, and a spot instance's checkpoints never
+reached the bucket).
 
 :func:`open_storage` does no I/O: the client is built on first use (gcsfs looks for credentials
 when it is built, which off-cloud takes tens of seconds), so the reachability check bounds it.
@@ -15,6 +18,7 @@ when it is built, which off-cloud takes tens of seconds), so the reachability ch
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import fsspec
@@ -43,6 +47,36 @@ SUPPORTED = ("local paths (or file://), memory://, s3:// (s3a://) and gs:// (gcs
              "which lets two writers of one step both commit (docs/protocol.md)")
 """What :func:`open_storage` accepts, in the words of its refusal."""
 
+_MISTYPED_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+)(?::/?(?!/)|//)(?P<rest>.*)$", re.DOTALL)
+"""A scheme of two or more letters followed by ``:``, ``:/`` or ``//`` but not ``://`` (a Windows
+drive ``C:`` has one letter)."""
+
+
+def refuse_mistyped_url(text: str) -> None:
+    """Refuse a local path (a ``text`` without ``://``) that starts with a known scheme (opd_store's
+    or any fsspec protocol) and ``:`` (``s3:/b/r``, ``gs:b/r``, ``file:/x``) or ``//`` (``s3//b/r``):
+    a store URL missing a ``/`` or the ``:``. Every entry point that makes a path absolute before
+    opening it calls this first (``os.path.abspath("s3:/b")`` is a local path).
+
+    Raises:
+        UnsupportedBackendError: naming the path and the URL it most likely meant.
+    """
+    if "://" in text:
+        return
+    match = _MISTYPED_URL.match(text)
+    if match is None:
+        return
+    scheme = match["scheme"]
+    if scheme.lower() not in _BY_PROTOCOL and scheme.lower() not in fsspec.available_protocols():
+        return
+    rest = match["rest"].lstrip("/")
+    meant = f"{scheme.lower()}://{rest}"
+    if scheme.lower() in ("file", "local"):
+        meant = os.path.abspath("/" + rest if text[len(scheme) + 1:].startswith("/") else rest)
+    raise UnsupportedBackendError(
+        f"{text}: looks like a mistyped store URL, not a local path (did you mean {meant}?); "
+        f"write ./{text} for a local directory of that name")
+
 
 def open_storage(
     url: str | os.PathLike,
@@ -67,7 +101,8 @@ def open_storage(
     Raises:
         UnsupportedBackendError: a URL scheme no fsspec filesystem implements, or one without a
             create-only write and no ``allow_check_then_put`` (the message names the URL and what
-            is supported), or a backend whose package is not installed.
+            is supported), or a backend whose package is not installed, or a local path that
+            starts like a mistyped URL (``s3:/bucket/run``, ``gs:bkt``, ``s3//bucket``).
         ValueError: the URL is empty or chained (``a::b``), an S3 or GCS URL names no bucket
             (``s3://``), a timeout option is not a positive
             number, a transfer setting is out of range, or ``key_layout`` names no layout.
@@ -77,7 +112,10 @@ def open_storage(
         raise ValueError("store URL is empty")
     if "::" in text:
         raise ValueError(f"chained fsspec URLs are not supported as stores: {text}")
-    scheme = fsspec.core.split_protocol(text)[0] or "file"
+    scheme = fsspec.core.split_protocol(text)[0]
+    if scheme is None:
+        refuse_mistyped_url(text)
+        scheme = "file"
     try:
         fs_cls = fsspec.get_filesystem_class(scheme)
     except ImportError as exc:  # a known protocol whose package is missing (s3fs, gcsfs)
@@ -136,4 +174,4 @@ def _keep_scheme(text: str, protocols: tuple[str, ...], url_root: str) -> str:
     return url_root
 
 
-__all__ = ["SUPPORTED", "open_storage"]
+__all__ = ["SUPPORTED", "open_storage", "refuse_mistyped_url"]

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from ..format import parse_step_dirname
+from ..storage import refuse_mistyped_url
 from ._api import BaseStore, ReadableStore
 from ._checkpoint_store import CheckpointStore
 
@@ -31,6 +32,7 @@ def split_checkpoint_url(
     """
     text = os.fspath(checkpoint).rstrip("/")
     if "://" not in text:
+        refuse_mistyped_url(text)
         text = os.path.abspath(text)  # a local path, relative or at "/", as the seed's Path allowed
     parent, _, last = text.rpartition("/")
     step = parse_step_dirname(last)

@@ -16,18 +16,12 @@ from typing import Any, BinaryIO, Callable
 
 from ..errors import CheckpointNotFoundError, CommitConflictError
 from ..format import Manifest
-from ..retention import RetentionPolicy
+from ..retention import RetentionPolicy, check_retention
 from ..store import BaseStore, CheckpointInfo, CheckpointStore, DurableHook, RetentionTier, VerifyReport
 from ._routing import BucketCheck, merge_checkpoints, pick_tier, same_payloads
 from ._uploads import TierUploads
 
 logger = logging.getLogger("opd_store.tiered")
-
-
-def _policy(value: Any, name: str) -> RetentionPolicy | None:
-    if value is None or isinstance(value, RetentionPolicy):
-        return value
-    raise TypeError(f"{name} takes a RetentionPolicy or None, got {value!r}")
 
 
 class TieredStore(BaseStore):
@@ -82,8 +76,8 @@ class TieredStore(BaseStore):
             raise ValueError(f"the local tier and the bucket are the same store: {self.local.url}")
         if max_pending_uploads is not None and max_pending_uploads < 1:
             raise ValueError(f"max_pending_uploads must be >= 1 or None, got {max_pending_uploads!r}")
-        local_policy = _policy(local_retention, "local_retention") or RetentionPolicy(keep_last=local_keep_last)
-        self.bucket_retention = _policy(bucket_retention, "bucket_retention")
+        local_policy = check_retention(local_retention, "local_retention") or RetentionPolicy(keep_last=local_keep_last)
+        self.bucket_retention = check_retention(bucket_retention, "bucket_retention")
         self.max_pending_uploads = max_pending_uploads
         self.uploads = TierUploads(self.local, self.bucket, local_retention=local_policy,
                                    bucket_retention=lambda: self.bucket_retention, upload_callback=upload_callback,

@@ -95,6 +95,10 @@ def test_not_found_corrupt_and_usage_exit_codes(local_backend, tmp_path, capsys)
     raw_put(local_backend, "step-000005/manifest.json", b"{broken")
     code, _, err = run(capsys, "show", url, 5)
     assert code == 4 and "unreadable manifest" in err
+    raw_put(local_backend, "step-000005/manifest.json", b'{"a": 1}')  # JSON, but not a manifest: one line
+    line = (f"opd-store show: error: unreadable manifest at {url}/step-000005/manifest.json: not a manifest: "
+            "step: Field required (and 5 more problems)\n")
+    assert run(capsys, "show", url, 5) == (4, "", line)
     assert run(capsys, "verify", url)[0] == 4
     assert run(capsys, "gc", url, "--keep-last", "0")[0] == 2
     assert run(capsys, "gc", url, "--orphans-older-than", "soon")[0] == 2
@@ -229,3 +233,40 @@ def test_ls_of_a_root_whose_names_hold_the_steps_says_how_to_list_them(tmp_path,
         "per checkpoint name), listed by:",
         f"  opd-store ls {root}/epoch=0-step=4.ckpt", f"  opd-store ls {root}/last.ckpt"]
     assert run(capsys, "ls", root / "notes")[:2] == (0, f"no checkpoints in {root / 'notes'}\n")
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("s3:/bkt/run", "s3://bkt/run"), ("s3:bkt/run", "s3://bkt/run"),
+                                             ("gs:/bkt/run", "gs://bkt/run"), ("s3//bkt/run", "s3://bkt/run")])
+def test_a_mistyped_bucket_url_is_a_usage_error_not_a_local_directory(tmp_path, monkeypatch, capsys, typo, meant):
+    """Before, ``s3:/bkt/run`` was a relative directory named ``s3:``: train checkpointed onto the
+    machine's disk and exited 0."""
+    monkeypatch.chdir(tmp_path)
+
+    def refusal(command, text, url):
+        return (f"opd-store {command}: error: {text}: looks like a mistyped store URL, not a local path "
+                f"(did you mean {url}?); write ./{text} for a local directory of that name\n")
+
+    assert run(capsys, "train", "--store", typo, "--updates", 1, "--checkpoint-every", 1) == (
+        2, "", refusal("train", typo, meant))
+    assert run(capsys, "verify", f"{typo}/step-000001") == (
+        2, "", refusal("verify", f"{typo}/step-000001", f"{meant}/step-000001"))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("option", "value", "line"), [
+    ("--metrics-port", "99999", "must be a port from 0 (one the OS picks) to 65535, got 99999"),
+    ("--metrics-port", "-1", "must be a port from 0 (one the OS picks) to 65535, got -1"),
+    ("--metrics-textfile", "{tmp}/no/m.prom", "{tmp}/no/m.prom: its directory does not exist"),
+    ("--rank-timeout-secs", "nan", "must be a finite number of seconds > 0, got 'nan'"),
+    ("--journal-progress-secs", "inf", "must be a finite number of seconds >= 0, got 'inf'"),
+    ("--notice-poll-secs", "-1", "must be a finite number of seconds > 0, got '-1'"),
+    ("--dist-timeout-secs", "0", "must be a finite number of seconds > 0, got '0'"),
+    ("--connect-timeout-secs", "nan", "must be a finite number of seconds > 0, got 'nan'"),
+])
+def test_a_bad_metrics_or_seconds_option_is_a_usage_error_naming_it(tmp_path, capsys, option, value, line):
+    """Before, --metrics-port 99999 exited 1 (an OverflowError from bind()), -1 named neither option
+    nor value, a textfile in a missing directory named a temporary file, and NaN seconds passed."""
+    value, line = value.format(tmp=tmp_path), line.format(tmp=tmp_path)
+    code, out, err = run(capsys, "train", "--store", tmp_path / "store", "--updates", 1, option, value)
+    assert (code, out, err.splitlines()[-1]) == (2, "", f"opd-store train: error: argument {option}: {line}")
+    assert not (tmp_path / "store").exists()

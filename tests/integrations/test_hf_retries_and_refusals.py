@@ -79,6 +79,31 @@ def test_elastic_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "store").exists() and not (tmp_path / "out").exists()  # refused before any I/O
 
 
+def test_a_retention_that_is_not_a_policy_is_refused_at_construction(tmp_path):
+    """Before, ``retention=3`` was accepted and ``train()`` died at the first save, after its commit,
+    with ``AttributeError: 'int' object has no attribute 'keeps_all'``."""
+    store_url = str(tmp_path / "store")
+    with pytest.raises(TypeError) as raised:
+        StoreCallback(store_url, retention=3)
+    assert str(raised.value) == ("retention takes a RetentionPolicy or None, got 3 (int) "
+                                 "(for the newest 3 steps: retention=RetentionPolicy(keep_last=3))")
+    with pytest.raises(TypeError, match=r"^retention takes a RetentionPolicy or None, got 'last' \(str\)$"):
+        StoreCallback(store_url, retention="last")
+    assert not (tmp_path / "store").exists()  # refused before any I/O
+
+
+@pytest.mark.parametrize(("option", "value", "shape"), [
+    ("journal_progress_secs", float("nan"), ">= 0, got nan"), ("exit_timeout_secs", float("inf"), ">= 0, got inf"),
+    ("exit_timeout_secs", -1, ">= 0, got -1")])
+def test_a_duration_that_is_not_finite_and_non_negative_is_refused_at_construction(tmp_path, option, value, shape):
+    """Before, NaN passed the ``< 0`` check (every comparison with NaN is false); one rule for every
+    ``*_secs`` option (``opd_store.runtime.check_secs``)."""
+    with pytest.raises(ValueError) as raised:
+        StoreCallback(str(tmp_path / "store"), **{option: value})
+    assert str(raised.value) == f"{option} must be a finite number of seconds {shape}"
+    assert not (tmp_path / "store").exists()
+
+
 def test_deepspeed_is_refused_when_training_begins(tmp_path):
     """DeepSpeed's ZeRO files are per-rank shards (``global_step*/zero_pp_rank_*``) the callback
     cannot attribute to their ranks: refused at ``on_train_begin``, before the first step."""

@@ -104,3 +104,25 @@ def test_committed_step_ahead_of_explicit_resume_is_refused_before_training(tmp_
             f"opd-store train: error: {store_dir}/step-{first:06d}: step {first} is already committed and this run "
             f"({resuming}, --updates 4) would save it again; training did not start: rerun with --resume auto to "
             "continue from it")
+    # Only the steps the run's cadence saves count: every 3 to update 3 saves step 3 alone, so the
+    # committed 2 and 4 are no obstacle (before, refused as "would save step 2 again"); with
+    # --checkpoint-every auto the interval moves, so every committed step ahead still counts.
+    def committed():
+        return {path: path.read_bytes() for step in (2, 4) for path in (store_dir / f"step-{step:06d}").rglob("*")
+                if path.is_file()}
+
+    before = committed()
+    log = tmp_path / "every3.log"
+    assert main(["train", "--store", str(store_dir), "--updates", "3", "--checkpoint-every", "3", "--resume", "never",
+                 "--log", str(log)]) == 0
+    records = _records(log)
+    assert (records[0]["attempted_update"], records[-1]["step"]) == (1, 3)  # from scratch to update 3
+    store = CheckpointStore(store_dir)
+    assert store.steps() == [2, 3, 4] and store.verify(3, deep=True).ok
+    assert committed() == before and len(before) > 2
+    capsys.readouterr()
+    assert main(["train", "--store", str(store_dir), "--updates", "3", "--checkpoint-every", "auto:3",
+                 "--resume", "never"]) == 6
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"opd-store train: error: {store_dir}/step-000002: step 2 is already committed and this run (starting from "
+        "scratch, --updates 3) would save it again")

@@ -167,6 +167,18 @@ def test_a_notice_whose_deadline_passed_starts_no_save(tmp_path):
     assert store.steps() == [] and all(rel.startswith(".opd-store-journal/") for rel in store.storage.list_tree(""))
 
 
+def test_a_bad_metrics_port_or_textfile_is_refused_naming_it(tmp_path):
+    """Before, port 99999 reached bind() (``OverflowError``) and a textfile in a missing directory
+    failed at each write naming a temporary file."""
+    with pytest.raises(ValueError, match=r"^metrics port must be an int from 0 \(one the OS picks\) to 65535, got 99999$"):
+        PrometheusExporter(port=99999, addr="127.0.0.1")
+    missing = tmp_path / "no" / "m.prom"
+    with pytest.raises(FileNotFoundError) as raised:
+        PrometheusExporter(textfile=missing)
+    assert str(raised.value) == f"metrics textfile {missing}: its directory does not exist"
+    assert not (tmp_path / "no").exists()
+
+
 def test_prometheus_metrics_by_their_documented_names(tmp_path):
     textfile = tmp_path / "opd.prom"
     exporter = PrometheusExporter(port=0, addr="127.0.0.1", textfile=textfile)

@@ -196,3 +196,30 @@ def test_a_read_refused_past_the_retries_is_typed_naming_the_url_and_operation(s
         assert faulted == {op}
     proxy.clear()
     assert store.steps() == [1] and store.read(1, "model.bin") == b"weights"
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("s3:/bkt/run", "s3://bkt/run"), ("gcs:bkt", "gcs://bkt"),
+                                             ("S3//bkt/run", "s3://bkt/run"), ("memory:x", "memory://x"),
+                                             ("file:/tmp/run", "/tmp/run")])
+def test_a_local_path_that_starts_like_a_url_is_refused_naming_the_url_meant(tmp_path, monkeypatch, typo, meant):
+    """Every entry point that takes a store or checkpoint path refuses it (one rule,
+    ``refuse_mistyped_url``) before any I/O; a Windows-like drive or an explicit ``./s3:`` is a path."""
+    from opd_store.errors import UnsupportedBackendError
+    from opd_store.opd._names import resolve_checkpoint
+    from opd_store.store import split_checkpoint_url
+
+    def refusal(text, url):
+        return (f"{text}: looks like a mistyped store URL, not a local path (did you mean {url}?); "
+                f"write ./{text} for a local directory of that name")
+
+    monkeypatch.chdir(tmp_path)
+    step = f"{typo}/step-000002"
+    for call, line in ((lambda: CheckpointStore(typo), refusal(typo, meant)),
+                       (lambda: split_checkpoint_url(step), refusal(step, f"{meant}/step-000002")),
+                       (lambda: resolve_checkpoint(step), refusal(step, f"{meant}/step-000002"))):
+        exc = _raised(call)
+        assert (type(exc), str(exc)) == (UnsupportedBackendError, line)
+        assert isinstance(exc, ValueError)
+    for path in ("./s3:/bkt", "C:/run", "run/s3:x"):
+        assert CheckpointStore(path).url == str(tmp_path / path.removeprefix("./"))
+    assert list(tmp_path.iterdir()) == []

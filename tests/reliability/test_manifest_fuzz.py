@@ -54,7 +54,7 @@ def _parse_or_manifest_error(data: bytes) -> Manifest | None:
     try:
         return parse_manifest(data, url=URL, expected_step=7)
     except ManifestError as exc:
-        assert URL in str(exc)
+        assert URL in str(exc) and "\n" not in str(exc) and "pydantic.dev" not in str(exc)  # one line
         return None
 
 
@@ -101,6 +101,20 @@ def test_nested_fields_replaced_by_any_json(section, field, value):
     result = _parse_or_manifest_error(json.dumps(raw).encode())
     if result is not None:
         assert all(e.path == f"{result.attempt_id}/{e.name}" for e in result.payloads)
+
+
+@pytest.mark.parametrize(("document", "problem"), [
+    ({"a": 1}, "step: Field required (and 5 more problems)"),
+    ([1], "(the document): Input should be a valid dictionary or instance of Manifest"),
+    (_valid(step="seven"), "step: Input should be a valid integer"),
+    (_valid(attempt_id=None, step=None), "step: Input should be a valid integer (and 1 more problem)"),
+])
+def test_valid_json_that_is_not_a_manifest_is_one_line_naming_the_first_problem(document, problem):
+    """Before, pydantic's 20+ line report (with errors.pydantic.dev links) went into every caller's
+    one line (``train``'s refusal, ``verify``, ``delete``, ``latest_complete_checkpoint``)."""
+    with pytest.raises(ManifestError) as raised:
+        parse_manifest(json.dumps(document).encode(), url=URL)
+    assert str(raised.value) == f"unreadable manifest at {URL}: not a manifest: {problem}"
 
 
 @pytest.mark.parametrize("version", [0, 3, -1, 10**30, "1", 1.5, None, True])

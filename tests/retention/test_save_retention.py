@@ -157,3 +157,10 @@ def test_a_failing_retention_pass_is_raised_and_the_save_stays_committed(backend
     assert isinstance(caught.value.__cause__, InjectedFault)
     fresh = open_store(backend)
     assert fresh.steps() == [2, 4, 6] and load(fresh, 6)["successful_updates"] == 6
+
+
+def test_a_retention_that_is_not_a_policy_is_refused_before_anything_is_written(tmp_path):
+    store = CheckpointStore(tmp_path / "store")
+    with pytest.raises(TypeError, match=r"^retention takes a RetentionPolicy or None, got 2 \(int\)"):
+        save(store, 2, retention=2)
+    assert store.steps() == [] and not (tmp_path / "store").exists()

@@ -43,6 +43,19 @@ def test_a_retention_that_is_not_a_policy_is_refused(tmp_path):
         TieredStore(tmp_path / "local", tmp_path / "bucket", bucket_retention=lambda store, protected: None)
     with pytest.raises(ValueError, match="keep_last must be an int >= 1"):
         TieredStore(tmp_path / "local", tmp_path / "bucket", local_keep_last=0)
+    # Every entry point taking a retention checks it before any work (one rule, check_retention).
+    from opd_store.job import train
+
+    store = CheckpointStore(tmp_path / "store")
+    _commit(store, 1)
+    refusal = r"retention takes a RetentionPolicy or None, got 3 \(int\) \(for the newest 3 steps: "
+    with pytest.raises(TypeError, match="^" + refusal):
+        train(store=CheckpointStore(tmp_path / "train"), updates=1, checkpoint_every=1, retention=3)
+    with pytest.raises(TypeError, match=r"^local_retention takes a RetentionPolicy or None, got 2 \(int\)"):
+        TieredStore(tmp_path / "local", tmp_path / "bucket", local_retention=2)
+    with pytest.raises(TypeError, match=r"^policy takes a RetentionPolicy or None, got 1 \(int\)"):
+        apply_retention(store, 1)
+    assert store.steps() == [1] and not (tmp_path / "train").exists() and not (tmp_path / "local").exists()
 
 
 def test_as_the_bucket_retention_of_a_tiered_store(tmp_path):
