@@ -102,6 +102,14 @@ def _store_backed_model_checkpoint(routed: type):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             ModelCheckpoint.__init__(self, *args, **kwargs)  # no plugin: bound at setup
             self.routed = False
+            # StoreModelCheckpoint's run-journal state, as its __init__ sets it
+            self.journal_progress_secs = float(
+                inspect.signature(StoreModelCheckpoint.__init__).parameters["journal_progress_secs"].default)
+            self.journal = None
+            self._awaiting = {}
+            self._save_count = 0
+            self._save_reason = "periodic"
+            self._training_thread = None
 
         @property
         def checkpoint_io(self):
@@ -136,6 +144,19 @@ def _store_backed_model_checkpoint(routed: type):
                 ModelCheckpoint._remove_checkpoint(self, trainer, filepath)
             else:
                 StoreModelCheckpoint._remove_checkpoint(self, trainer, filepath)
+
+    def dispatched(name: str):
+        """``name`` as ModelCheckpoint has it before the routed plugin is bound, as
+        StoreModelCheckpoint has it after."""
+        def method(self, *args: Any, **kwargs: Any):
+            owner = ModelCheckpoint if self.checkpoint_io is None else StoreModelCheckpoint
+            return getattr(owner, name)(self, *args, **kwargs)
+        method.__name__ = name
+        return method
+
+    for hook in ("on_train_start", "on_train_batch_start", "on_train_batch_end", "_save_checkpoint",
+                 "on_exception", "on_fit_end"):  # the run journal's hooks (docs/integrations.md)
+        setattr(StoreBackedModelCheckpoint, hook, dispatched(hook))
 
     StoreBackedModelCheckpoint.__name__ = StoreBackedModelCheckpoint.__qualname__ = "ModelCheckpoint"
     StoreBackedModelCheckpoint.__init__.__signature__ = inspect.signature(ModelCheckpoint.__init__)  # for the CLI

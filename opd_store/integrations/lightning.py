@@ -51,6 +51,9 @@ from ._lightning_resume import PAYLOAD_NAME, committed_versions, open_last, open
 from ._trainer_journal import DEFAULT_PROGRESS_EVERY_SECS, TrainerJournal
 
 logger = logging.getLogger("opd_store.integrations.lightning")
+_JOURNAL_LOCK = threading.Lock()
+"""Guards the journal bookkeeping of every StoreModelCheckpoint (a module lock, not an instance one:
+Lightning pickles callbacks, and its tests compare a pickled callback's attributes)."""
 
 FRAMEWORK = "lightning"
 REMOVAL_REQUEST_KEY = "opd_store_removal_request"
@@ -493,7 +496,6 @@ class StoreModelCheckpoint(ModelCheckpoint):
         self.checkpoint_io = checkpoint_io
         self.journal_progress_secs = float(journal_progress_secs)
         self.journal: TrainerJournal | None = None
-        self._journal_lock = threading.Lock()
         self._awaiting: dict[str, collections.deque] = {}  # name -> keys of saves begun here, not yet seen committed
         self._save_count = 0
         self._save_reason = "periodic"
@@ -589,7 +591,7 @@ class StoreModelCheckpoint(ModelCheckpoint):
             super()._save_checkpoint(trainer, filepath)
             return
         name = self.checkpoint_io.name_of(filepath)
-        with self._journal_lock:
+        with _JOURNAL_LOCK:
             self._save_count += 1
             key = (name, self._save_count)
             self._awaiting.setdefault(name, collections.deque()).append(key)
@@ -597,7 +599,7 @@ class StoreModelCheckpoint(ModelCheckpoint):
         try:
             super()._save_checkpoint(trainer, filepath)
         except BaseException:
-            with self._journal_lock:  # failed before the plugin saw it: no commit part will come
+            with _JOURNAL_LOCK:  # failed before the plugin saw it: no commit part will come
                 waiting = self._awaiting[name]
                 unseen = key in waiting
                 if unseen:
@@ -615,7 +617,7 @@ class StoreModelCheckpoint(ModelCheckpoint):
         journal = self.journal
         if journal is None:
             return
-        with self._journal_lock:
+        with _JOURNAL_LOCK:
             waiting = self._awaiting.get(saved.name)
             key = waiting.popleft() if waiting else None
         fields = dict(step=saved.global_step, size_bytes=saved.size_bytes, commit_secs=saved.commit_secs,

@@ -155,6 +155,7 @@ class Journal:
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._writer_lock = threading.Lock()  # the queue's emptiness and the writer's end, together
 
     def record(self, kind: str, *, clock: Callable[[], float] = time.time, background: bool = False,
                **fields: Any):
@@ -184,21 +185,32 @@ class Journal:
         return event
 
     def flush(self) -> None:
-        """Wait until every event queued with ``background`` was written (or failed)."""
-        if self._writer is not None:
-            self._queue.join()
+        """Wait until every event queued with ``background`` was written (or failed) and the writer
+        thread ended (it lives only while events are queued: no thread outlives a framework's fit,
+        which Lightning's own tests check)."""
+        self._queue.join()
+        with self._writer_lock:
+            writer = self._writer
+        if writer is not None and writer is not threading.current_thread():
+            writer.join(timeout=5.0)  # it ends as soon as it finds the queue empty
 
     def _enqueue(self, event) -> None:
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_queued, name="opd-store-journal", daemon=True)
-            self._writer.start()
-        self._queue.put(event)
+        with self._writer_lock:
+            self._queue.put(event)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, name="opd-store-journal", daemon=True)
+                self._writer.start()
 
     def _write_queued(self) -> None:
-        """The writer thread: write each queued event in order (a daemon: it holds no state that
-        needs finishing; :meth:`flush` is how a caller waits)."""
+        """The writer thread: write each queued event in order, and end when none is left (a later
+        event starts another)."""
         while True:
-            event = self._queue.get()
+            with self._writer_lock:
+                try:
+                    event = self._queue.get_nowait()
+                except queue.Empty:
+                    self._writer = None
+                    return
             try:
                 self._write(event)
             finally:

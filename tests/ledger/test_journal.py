@@ -271,3 +271,18 @@ def test_the_start_time_of_a_process_is_the_kernels():
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_writer_thread_lives_only_while_events_are_queued(memory_backend):
+    """Background events are written in order by a thread that ends once the queue is empty, so no
+    thread outlives a trainer's fit (Lightning's own tests fail a test that leaves one)."""
+    import threading
+
+    journal = Journal(open_store(memory_backend))
+    for round_ in range(2):
+        for step in (1, 2, 3):
+            journal.record("save", background=True, **_save_fields(10 * round_ + step))
+        journal.flush()
+        assert journal.written == 3 * (round_ + 1) and journal.failed == 0
+        assert [t for t in threading.enumerate() if t.name == "opd-store-journal"] == []
+    assert [n.step for n in list_journal(open_store(memory_backend))[0]] == [1, 2, 3, 11, 12, 13]
