@@ -27,6 +27,9 @@ from opd_store.testing import Fault, FaultyStorage, InjectedFault
 
 from .helpers import crc_hex, open_store, save
 
+# Each gc.collect() below scans only what the test made (the fixture freezes older objects).
+pytestmark = pytest.mark.usefixtures("gc_of_this_test")
+
 PREV, K = 1, 2
 PREV_PAYLOADS = {"model.pt": make_bytes("prev-model", 6000), "nested/opt.pt": make_bytes("prev-opt", 2500)}
 K_PAYLOADS = {

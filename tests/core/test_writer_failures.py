@@ -15,6 +15,9 @@ from opd_store import IncompleteCheckpointError, StoreUnreachableError
 
 from .helpers import open_store, save
 
+# Each gc.collect() below scans only what the test made (the fixture freezes older objects).
+pytestmark = pytest.mark.usefixtures("gc_of_this_test")
+
 PREV_PAYLOADS = {"model.pt": make_bytes("prev", 8000)}
 HALF = make_bytes("half", 3000)
 

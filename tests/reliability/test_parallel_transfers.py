@@ -31,6 +31,8 @@ def _data(size_bytes: int, salt: int = 0) -> bytes:
 
 
 LARGE = _data(3 * PART + PART // 2)  # four parts: three whole ones and a half
+# Where the part count is not what a test is about (a faulted part 2, ranged reads): two parts.
+TWO_PARTS = _data(PART + PART // 2, 3)
 SMALL = b"small payload " * 10
 
 
@@ -187,12 +189,12 @@ def test_a_part_failing_once_is_retried_and_commits(faulty, server, kind):
     backend, proxy = faulty
     store = open_store(backend)
     rule = _second_part_rule(proxy, backend, **UPLOAD_FAULTS[kind])
-    save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+    save(store, 2, {"model.bin": TWO_PARTS, "small.bin": SMALL})
     assert rule.hits == 1
     parts = _parts(proxy, backend, "model.bin")
-    assert sorted(dialect_of(backend).part_number(r) for r in parts) == [1, 2, 3, 4]  # each once, after the retry
-    assert sum(r.request_bytes for r in parts) == len(LARGE)
-    assert store.read(2, "model.bin") == LARGE and store.read(2, "small.bin") == SMALL
+    assert sorted(dialect_of(backend).part_number(r) for r in parts) == [1, 2]  # each once, after the retry
+    assert sum(r.request_bytes for r in parts) == len(TWO_PARTS)
+    assert store.read(2, "model.bin") == TWO_PARTS and store.read(2, "small.bin") == SMALL
     assert _leftovers(server, backend) == []
 
 
@@ -207,13 +209,13 @@ def test_an_upload_created_twice_after_a_lost_reply_leaves_no_upload_open(faulty
     rule = proxy.add(ops=("CreateMultipartUpload",), fault="drop_after", times=times,
                      match=lambda r: dialect_of(backend).names(r, "model.bin"))
     if times == 1:
-        save(store, 2, {"model.bin": LARGE})
-        assert store.read(2, "model.bin") == LARGE
+        save(store, 2, {"model.bin": TWO_PARTS})
+        assert store.read(2, "model.bin") == TWO_PARTS
         assert rule.hits == 1 and proxy.count("CreateMultipartUpload") == 2
         assert proxy.count("AbortMultipartUpload") == 1 and proxy.count("CompleteMultipartUpload") == 1
     else:
         with pytest.raises(OSError, match="model.bin"):
-            save(store, 2, {"model.bin": LARGE})
+            save(store, 2, {"model.bin": TWO_PARTS})
         assert store.steps() == [] and rule.hits == proxy.count("CreateMultipartUpload") >= 3
         assert proxy.count("AbortMultipartUpload") == rule.hits
     assert _leftovers(server, backend) == []
@@ -232,7 +234,7 @@ def test_a_part_failing_after_retries_aborts_the_upload_and_commits_nothing(faul
     save(store, 1, {"prev.bin": SMALL})
     rule = _second_part_rule(proxy, backend, times=None, **UPLOAD_FAULTS[kind])
     with pytest.raises(OSError) as caught:
-        save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+        save(store, 2, {"model.bin": TWO_PARTS, "small.bin": SMALL})
     message = str(caught.value)
     assert f"{backend.url}/step-000002/attempt-" in message
     if kind == "500":
@@ -324,10 +326,10 @@ def test_an_endpoint_that_stops_reading_a_body_fails_the_attempt_within_the_read
 
 # -- ranged reads ---------------------------------------------------------------------------------
 def _committed_large(faulty):
-    """A store whose step 2 holds ``model.bin`` (:data:`LARGE`); the proxy's record cleared."""
+    """A store whose step 2 holds ``model.bin`` (:data:`TWO_PARTS`); the proxy's record cleared."""
     backend, proxy = faulty
     store = open_store(backend)
-    save(store, 2, {"model.bin": LARGE})
+    save(store, 2, {"model.bin": TWO_PARTS})
     proxy.clear()
     return store
 
@@ -345,19 +347,18 @@ def _range_rule(proxy, backend, start: int, **fault):
                      match=lambda r: dialect.names(r, "model.bin") and r.headers.get("range", "").startswith(prefix))
 
 
-def test_a_payload_is_read_in_parallel_ranges(faulty):
-    store, (backend, proxy) = _committed_large(faulty), faulty
-    assert store.read(2, "model.bin") == LARGE
+# One committed payload serves every ranged-read case of a server (each case reads it through a
+# fresh store, the proxy's rules and record cleared): the upload is made once, not per case.
+def _read_in_parallel_ranges(store, backend, proxy) -> None:
+    assert store.read(2, "model.bin") == TWO_PARTS
     gets = _model_gets(proxy, backend)
     ranges = sorted(r.headers["range"] for r in gets)
-    assert ranges == sorted(f"bytes={s}-{min(len(LARGE), s + PART) - 1}" for s in range(0, len(LARGE), PART))
-    assert sum(r.response_bytes for r in gets) == len(LARGE)
+    assert ranges == sorted(f"bytes={s}-{min(len(TWO_PARTS), s + PART) - 1}" for s in range(0, len(TWO_PARTS), PART))
+    assert sum(r.response_bytes for r in gets) == len(TWO_PARTS)
     assert proxy.count(dialect_of(backend).stat_op) == 0  # planned from the manifest's size
 
 
-@pytest.mark.parametrize("kind", ["short", "corrupt"])
-def test_a_short_or_altered_range_is_an_integrity_error_naming_the_object(faulty, kind):
-    store, (backend, proxy) = _committed_large(faulty), faulty
+def _short_or_altered_range_is_an_integrity_error_naming_the_object(store, backend, proxy, kind: str) -> None:
     rule = _range_rule(proxy, backend, PART, fault=kind)
     with pytest.raises(IntegrityError) as caught:
         store.read(2, "model.bin")
@@ -365,32 +366,49 @@ def test_a_short_or_altered_range_is_an_integrity_error_naming_the_object(faulty
     message = str(caught.value)
     assert "step-000002/" in message and "model.bin" in message
     if kind == "short":
-        assert f"bytes {PART}-{2 * PART - 1} returned {PART // 2} bytes" in message
-    assert store.read(2, "model.bin") == LARGE  # the object itself is whole
+        assert f"bytes {PART}-{len(TWO_PARTS) - 1} returned {(len(TWO_PARTS) - PART) // 2} bytes" in message
+    assert store.read(2, "model.bin") == TWO_PARTS  # the object itself is whole
 
 
-@pytest.mark.parametrize("kind", ["truncate", "slowdown"])
-def test_a_range_cut_or_throttled_is_read_again(faulty, kind):
-    store, (backend, proxy) = _committed_large(faulty), faulty
+def _range_cut_or_throttled_is_read_again(store, backend, proxy, kind: str) -> None:
     rule = _range_rule(proxy, backend, 0, **(dict(fault="truncate") if kind == "truncate" else UPLOAD_FAULTS["slowdown"]))
-    assert store.read(2, "model.bin") == LARGE
+    assert store.read(2, "model.bin") == TWO_PARTS
     assert rule.hits == 1
-    assert len(_model_gets(proxy, backend)) == -(-len(LARGE) // PART) + 1  # every range once, the faulted one twice
+    assert len(_model_gets(proxy, backend)) == -(-len(TWO_PARTS) // PART) + 1  # every range once, the faulted one twice
 
 
-@pytest.mark.parametrize("size_bytes", [PART + 1, 3 * PART, 0])
-def test_an_object_of_another_size_is_an_integrity_error_with_its_real_size(faulty, server, size_bytes):
+def test_ranged_reads_in_parallel_and_their_faults(faulty):
+    """A payload is read in parallel ranges planned from the manifest; a short or altered range is an
+    :class:`IntegrityError` naming the object (which stays whole); a range cut or throttled is read
+    again. Each case on a fresh store over the same committed step, the proxy cleared before it."""
+    backend, proxy = faulty
+    _committed_large(faulty)
+    cases = [("parallel", _read_in_parallel_ranges, {})]
+    cases += [(kind, _short_or_altered_range_is_an_integrity_error_naming_the_object, {"kind": kind})
+              for kind in ("short", "corrupt")]
+    cases += [(kind, _range_cut_or_throttled_is_read_again, {"kind": kind}) for kind in ("truncate", "slowdown")]
+    for name, check, kwargs in cases:
+        proxy.clear()
+        try:
+            check(open_store(backend), backend, proxy, **kwargs)
+        except AssertionError as exc:
+            raise AssertionError(f"case {name!r}: {exc}") from exc
+
+
+def test_an_object_of_another_size_is_an_integrity_error_with_its_real_size(faulty):
     """The ranges are planned from the manifest's size; an object replaced behind the store's back
-    (longer, shorter, empty) is reported with its real size."""
+    (longer, shorter, empty: one after the other, each read through a fresh store) is reported
+    with its real size."""
     backend = faulty[0]
-    store = _committed_large(faulty)
+    _committed_large(faulty)
     (rel,) = [k for k in stored_keys(backend, "step-000002/") if k.endswith("/model.bin")]
-    raw_put(raw_backend(backend), rel, _data(size_bytes))
-    with pytest.raises(IntegrityError) as caught:
-        store.read(2, "model.bin")
-    message = str(caught.value)
-    assert f"has {size_bytes} bytes, manifest says {len(LARGE)}" in message
-    assert f"payload 'model.bin' at {backend.url}/step-000002/attempt-" in message
+    for size_bytes in (PART + 1, 3 * PART, 0):
+        raw_put(raw_backend(backend), rel, _data(size_bytes))
+        with pytest.raises(IntegrityError) as caught:
+            open_store(backend).read(2, "model.bin")
+        message = str(caught.value)
+        assert f"has {size_bytes} bytes, manifest says {len(TWO_PARTS)}" in message, size_bytes
+        assert f"payload 'model.bin' at {backend.url}/step-000002/attempt-" in message, size_bytes
 
 
 # -- GCS: the compose tree ------------------------------------------------------------------------
@@ -514,11 +532,11 @@ def test_a_part_altered_on_the_way_is_refused_by_its_crc32c_then_sent_again(faul
     backend, proxy = faulty
     store = open_store(backend)
     rule = _second_part_rule(proxy, backend, fault="corrupt_request")
-    save(store, 2, {"model.bin": LARGE})
+    save(store, 2, {"model.bin": TWO_PARTS})
     assert rule.hits == 1
     second = [r for r in proxy.requests if r.op == "UploadPart" and dialect_of(backend).part_number(r) == 2]
     assert [(r.fault, r.status) for r in second] == [("corrupt_request", 400), (None, 200)]
-    assert store.read(2, "model.bin") == LARGE and _leftovers(server, backend) == []
+    assert store.read(2, "model.bin") == TWO_PARTS and _leftovers(server, backend) == []
 
 
 @pytest.mark.parametrize("server", ["seaweed_s3"], indirect=True)
@@ -530,7 +548,7 @@ def test_a_part_altered_every_time_aborts_the_upload_and_commits_nothing(faulty,
     save(store, 1, {"prev.bin": SMALL})
     rule = _second_part_rule(proxy, backend, fault="corrupt_request", times=None)
     with pytest.raises(PayloadUploadError, match="/model.bin: UploadPart 2 failed") as caught:
-        save(store, 2, {"model.bin": LARGE, "small.bin": SMALL})
+        save(store, 2, {"model.bin": TWO_PARTS, "small.bin": SMALL})
     assert "did not match what we received" in str(caught.value)  # the server's BadDigest, as s3fs words it
     assert f"{backend.url}/step-000002/attempt-" in str(caught.value)
     assert rule.hits == 3

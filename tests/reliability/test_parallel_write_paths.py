@@ -50,9 +50,10 @@ def proxied(request):
 
 
 def _large_model() -> StubAdapterModel:
-    """An adapter whose weights file is about 1.3 parts (two parts)."""
+    """An adapter whose weights file is a little over one part (two parts: 5 MiB, then 64 KiB and
+    the file's header)."""
     model = StubAdapterModel()
-    model.weights = {"lora_A.weight": torch.arange(int(1.3 * PART) // 4, dtype=torch.float32)}
+    model.weights = {"lora_A.weight": torch.arange((PART + (64 << 10)) // 4, dtype=torch.float32)}
     return model
 
 
@@ -100,7 +101,7 @@ def test_async_save(proxied):
 def test_a_ranks_part(proxied):
     backend, proxy = proxied
     store, part_store = open_store(backend), open_store(backend)
-    data = bytes(range(256)) * (int(1.5 * PART) // 256)
+    data = bytes(range(256)) * ((PART + (64 << 10)) // 256)  # two parts
     txn = store.begin(7, world_size=2)
     txn.write_bytes("shared.bin", b"shared")
     with part_store.begin_part(7, attempt_id=txn.attempt_id, rank=1, world_size=2) as part:

@@ -18,7 +18,7 @@ from .conftest import BLOCK_BYTES
 SAVE_OPS = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "HeadObject", "ListObjectsV2")
 # A payload is read in ranges of the size its manifest records: no HeadObject.
 LOAD_OPS = ("GetObject", "ListObjectsV2")
-LARGE = bytes(range(251)) * ((2 * BLOCK_BYTES + 4096) // 251)  # above the 5 MiB block: multipart
+LARGE = bytes(range(251)) * ((BLOCK_BYTES + 4096) // 251)  # above the 5 MiB block: a multipart upload of 2 parts
 SMALL = b"small payload " * 10
 
 FAULTS = {
@@ -48,7 +48,7 @@ def test_every_save_and_load_operation_failing_once_is_retried(s3_proxy, moto_s3
     for op, rule in rules.items():
         assert rule.hits == 1, (op, proxy.ops())
         assert proxy.count(op, faulted=False) >= 1, (op, proxy.ops())  # retried and got through
-    # Bytes that reached S3: three parts of the large payload, the small payload, the manifest.
+    # Bytes that reached S3: the two parts of the large payload, the small payload, the manifest.
     parts = [r for r in proxy.requests if r.op == "UploadPart" and r.fault is None]
     # (s3fs sends each part when its buffer passes the block size: 8 MiB writes make 8 MiB parts.)
     assert sum(r.request_bytes for r in parts) == len(LARGE)
