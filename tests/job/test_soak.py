@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import sys
 from pathlib import Path
 
 import pytest
-from opd_testkit.forkserver import QUICK_EXIT_ENV
 from opd_testkit.soak import Soak
 from opd_testkit.soak_phases import Reference, plan_start, reachable_phases, verdict
 from opd_testkit.soak_report import render
@@ -134,12 +132,6 @@ def test_the_verdict_passes_only_with_every_floor_and_every_resume_exact():
 # -- the short form ---------------------------------------------------------------------------------
 
 
-def _quick_exit_popen(fork_server, cmd, *, env, **kwargs):
-    """A start forked from the preloaded server, ending without module teardown (about 0.5
-    CPU-seconds a start; the soak is about kills and resumes, not the interpreter's end)."""
-    return fork_server.popen(cmd, env={**env, QUICK_EXIT_ENV: "1"}, **kwargs)
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("where", ["local", "seaweed"])
 def test_soak_short_form_reaches_every_phase_and_resumes_bit_exactly(where, request, fork_server, tmp_path):
@@ -152,7 +144,7 @@ def test_soak_short_form_reaches_every_phase_and_resumes_bit_exactly(where, requ
         store_url, options, storage_env = backend.url, server.storage_options(), server.environment()
         store_args = ["--s3-endpoint-url", server.endpoint_url]
     soak = Soak(store_url=store_url, storage_options=options, storage_env=storage_env, store_args=store_args,
-                workdir=tmp_path, popen=functools.partial(_quick_exit_popen, fork_server), timeout_secs=300)
+                workdir=tmp_path, popen=fork_server.popen, timeout_secs=300)
     soak.run(12, seed=5)
     text, problems = render(kills=soak.kills, n=12, header=["# soak"], starts=soak.starts,
                             extra_problems=soak.start_problems + soak.report_problems)
