@@ -38,8 +38,21 @@ becoming its program), :mod:`.preload` (what the server imports, under which env
 """
 
 from .child import QUICK_EXIT_ENV
-from .client import SHARED_SOCKET_ENV, ForkServer, accepts_connections, default_server, popen, run
-from .preload import DEFAULT_PRELOAD, OPTIONAL, REQUIRED_PRELOAD, SERVER_ENV, TRAINER_PRELOAD
+from .client import (
+    SHARED_SOCKET_ENV,
+    ForkServer,
+    accepts_connections,
+    default_server,
+    popen,
+    run,
+)
+from .preload import (
+    DEFAULT_PRELOAD,
+    OPTIONAL,
+    REQUIRED_PRELOAD,
+    SERVER_ENV,
+    TRAINER_PRELOAD,
+)
 from .process import DEVNULL, PIPE, STDOUT, ForkedProcess
 
 __all__ = [
