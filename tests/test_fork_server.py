@@ -51,3 +51,23 @@ def test_a_shared_server_that_failed_its_preload_or_is_gone_is_named_with_its_lo
         assert os.path.exists(broken.socket_path) and not accepts_connections(broken.socket_path)
     finally:
         broken.close()
+
+
+def test_a_quick_exit_child_ends_as_an_interpreter_does_up_to_its_atexit_hooks():
+    """``QUICK_EXIT_ENV=1``: threads joined, the program's ``atexit`` hooks run, output flushed, the
+    interpreter's exit status; the variable itself is not in the program's environment."""
+    from opd_testkit.forkserver import QUICK_EXIT_ENV, default_server
+
+    env = dict(os.environ, **{QUICK_EXIT_ENV: "1"})
+    program = ("import atexit, os, sys, threading\n"
+               "go = threading.Event()\n"
+               "threading.Thread(target=lambda: (go.wait(), print('thread done'))).start()\n"
+               f"atexit.register(print, 'hook', os.environ.get({QUICK_EXIT_ENV!r}))\n"
+               "print('out', end=' ')\n"
+               "go.set()\n"
+               "sys.exit(3)\n")
+    cases = [(program, 3, "out thread done\nhook None\n", ""), ("import sys; sys.exit('bye')", 1, "", "bye\n"),
+             ("raise ValueError('x')", 1, "", "ValueError: x\n")]
+    for code, status, out, err_end in cases:
+        done = default_server().run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout, done.stderr.endswith(err_end)) == (status, out, True), done

@@ -5,7 +5,8 @@ fenced block with a language must directly follow an HTML comment saying how it 
 
 - ``<!-- doc-block: run -->``: run as-is (bash with ``-euo pipefail``; python as ``python -c``
   would, in a new process forked from a preloaded interpreter, :mod:`opd_testkit.forkserver`;
-  ``opd-store`` commands run the same way) in an empty temporary directory; a ``console`` block is a transcript (see
+  ``opd-store`` commands run the same way, ending without module teardown:
+  ``forkserver.QUICK_EXIT_ENV``) in an empty temporary directory; a ``console`` block is a transcript (see
   :func:`run_transcript`): its ``$ `` lines run in one bash session and the lines after each one
   must match that command's stdout, ``...`` matching any text;
 - ``<!-- doc-block: run-s3 -->``: the same, with ``AWS_ENDPOINT_URL_S3`` pointing at a fresh moto
@@ -198,6 +199,10 @@ def _environment(home: Path) -> dict[str, str]:
     # `opd-store` runs through the worker's fork server (imports paid once per worker, not per command).
     shim = forkserver.default_server().shim_dir()
     env["PATH"] = os.pathsep.join([shim, str(Path(sys.executable).parent), env.get("PATH", "")])
+    # A block's process ends without module teardown (its atexit hooks and flushes still run): no
+    # block is about the interpreter's end (tests/spot/test_exit_paths.py is), and each teardown
+    # costs about 0.5 CPU-seconds in a child of the preloaded server.
+    env[forkserver.QUICK_EXIT_ENV] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["HOME"] = str(home)
     env.pop("AWS_ENDPOINT_URL_S3", None)

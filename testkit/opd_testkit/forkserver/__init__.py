@@ -13,6 +13,8 @@ torch, transformers and peft every time: several CPU seconds, and far more wall 
 * it ends as an interpreter ends: ``atexit`` hooks, interpreter finalization, the exit status of
   ``sys.exit`` (1 for an uncaught exception), or the signal that ended it (negative, as
   :mod:`subprocess` reports it);
+  (``QUICK_EXIT_ENV=1`` in its environment: up to its ``atexit`` hooks, then ``os._exit``, for
+  a test whose subject is not the interpreter's end; :mod:`.child`);
 * ``random`` and numpy's global generator re-seeded, default ``SIGCHLD`` handling,
   ``tempfile.tempdir`` forgotten (so ``TMPDIR`` of the new environment counts).
 
@@ -35,12 +37,26 @@ ends, and the shim command), :mod:`.server` (the server process), :mod:`.child` 
 becoming its program), :mod:`.preload` (what the server imports, under which environment).
 """
 
-from .client import SHARED_SOCKET_ENV, ForkServer, accepts_connections, default_server, popen, run
-from .preload import DEFAULT_PRELOAD, OPTIONAL, REQUIRED_PRELOAD, SERVER_ENV, TRAINER_PRELOAD
+from .child import QUICK_EXIT_ENV
+from .client import (
+    SHARED_SOCKET_ENV,
+    ForkServer,
+    accepts_connections,
+    default_server,
+    popen,
+    run,
+)
+from .preload import (
+    DEFAULT_PRELOAD,
+    OPTIONAL,
+    REQUIRED_PRELOAD,
+    SERVER_ENV,
+    TRAINER_PRELOAD,
+)
 from .process import DEVNULL, PIPE, STDOUT, ForkedProcess
 
 __all__ = [
-    "DEFAULT_PRELOAD", "DEVNULL", "OPTIONAL", "PIPE", "REQUIRED_PRELOAD", "SERVER_ENV", "SHARED_SOCKET_ENV",
+    "DEFAULT_PRELOAD", "DEVNULL", "OPTIONAL", "PIPE", "QUICK_EXIT_ENV", "REQUIRED_PRELOAD", "SERVER_ENV", "SHARED_SOCKET_ENV",
     "STDOUT", "TRAINER_PRELOAD", "ForkServer", "ForkedProcess", "accepts_connections", "default_server", "popen",
     "run",
 ]

@@ -17,6 +17,36 @@ from typing import Any, Callable
 
 from .protocol import program_of
 
+QUICK_EXIT_ENV = "OPD_FORKSERVER_QUICK_EXIT"
+"""``1`` in a request's environment: the child skips module teardown at its end (module docstring)."""
+
+
+def exit_status(code: object) -> int:
+    """The exit status of ``SystemExit(code)`` as the interpreter computes it (``None``: 0; an
+    int: itself; anything else, which the interpreter prints on stderr: 1)."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+_quick_exit: dict[str, int | None] | None = None  # set in a quick-exit child: {"code": its exit status}
+
+
+def end_if_quick_exit() -> None:
+    """An ``atexit`` hook the server registers before its preload, so it runs after every other
+    hook (the program's and the preloaded modules', ``logging.shutdown`` among them): in a
+    quick-exit child, flush stdout and stderr and ``os._exit`` with the interpreter's exit status;
+    elsewhere (the server, other children, a ``KeyboardInterrupt``, which ends the interpreter by
+    SIGINT) nothing."""
+    if _quick_exit is None or _quick_exit["code"] is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(_quick_exit["code"])
+
 
 def std_stream(fd: int, name: str, env: dict[str, str]) -> io.TextIOWrapper:
     """``sys.stdin``/``stdout``/``stderr`` (``name``) as a new interpreter builds them over ``fd``,
@@ -57,6 +87,7 @@ def become(request: dict[str, Any], fds: list[int]) -> Callable[[], None]:
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
+    quick_exit = os.environ.pop(QUICK_EXIT_ENV, None) == "1"
     os.chdir(request["cwd"])
     tempfile.tempdir = None  # so that TMPDIR of the new environment counts
     kind, target, argv = program_of(request["argv"])
@@ -69,14 +100,27 @@ def become(request: dict[str, Any], fds: list[int]) -> Callable[[], None]:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # a new interpreter seeds numpy's global generator afresh
 
+    global _quick_exit
+    status: dict[str, int | None] = {"code": 1}  # an uncaught exception: 1
+    if quick_exit:
+        _quick_exit = status
+
     def program() -> None:
         import runpy
 
-        if kind == "module":
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        elif kind == "path":
-            runpy.run_path(target, run_name="__main__")
-        else:
-            exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        try:
+            if kind == "module":
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            elif kind == "path":
+                runpy.run_path(target, run_name="__main__")
+            else:
+                exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+            status["code"] = 0
+        except SystemExit as exc:
+            status["code"] = exit_status(exc.code)
+            raise
+        except KeyboardInterrupt:
+            status["code"] = None
+            raise
 
     return program

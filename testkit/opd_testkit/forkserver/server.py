@@ -12,6 +12,7 @@ is gone).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import selectors
@@ -21,7 +22,7 @@ import sys
 import threading
 from typing import Callable, Sequence
 
-from .child import become
+from .child import become, end_if_quick_exit
 from .preload import import_preload
 from .protocol import answer, receive
 
@@ -46,6 +47,7 @@ def serve(socket_path: str, preload: Sequence[str]) -> Callable[[], None]:
     listener.listen(64)
     sys.stdout.write("listening\n")
     sys.stdout.flush()
+    atexit.register(end_if_quick_exit)  # first: in a child, after every hook the preload registers
     import_preload(preload)
     if threading.active_count() != 1:
         names = [t.name for t in threading.enumerate()]
