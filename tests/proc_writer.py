@@ -49,13 +49,10 @@ PRELOAD = ["proc_writer", "opd_testkit.stores", "opd_store", "fsspec", "s3fs", "
 
 
 def make_bytes(tag: str, size: int) -> bytes:
-    """Deterministic bytes of ``size`` for ``tag`` (differs between tags in every block)."""
-    out = bytearray()
-    counter = 0
-    while len(out) < size:
-        out += hashlib.sha256(f"{tag}:{counter}".encode()).digest()
-        counter += 1
-    return bytes(out[:size])
+    """Deterministic bytes of ``size`` for ``tag`` (differs between tags in every block; a prefix of
+    the same tag's longer bytes; SHAKE-256's output, made in C: several processes of a test make
+    the same megabytes, which a Python loop over SHA-256 blocks made slowly)."""
+    return hashlib.shake_256(tag.encode()).digest(size)
 
 
 def payloads_for(tag: str) -> dict[str, bytes]:

@@ -5,12 +5,15 @@ a world-size change is refused on every rank naming both sizes.
 Every rank is its own ``python tests/distributed/rank_worker.py`` process rendezvousing over TCP
 on 127.0.0.1; S3 runs against the session's moto server. Each test waits for its processes with a
 deadline, and the process group has a timeout, so a hang fails the test instead of stalling it.
+The local stores of 2 and 4 ranks saving steps 2 and 4 are launched once per module
+(``local_saves``) and shared by the tests that read them or refuse a save into a copy of them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from opd_testkit import forkserver
+from opd_testkit.stores import Backend
 
 from opd_store import CheckpointStore
 
@@ -79,9 +83,40 @@ def mr_backend(request, tmp_path):
     return request.getfixturevalue(f"{request.param}_backend")
 
 
+@pytest.fixture(scope="module")
+def local_saves(tmp_path_factory):
+    """``saved(world_size) -> (Backend, reports)``: a local store where ``world_size`` ranks saved
+    steps 2 and 4 and resumed (scenario ``save_load``), launched at the first request of that size.
+    Readers share it as is; a test that writes copies it (:func:`copied`)."""
+    launched: dict[int, tuple[Backend, list[dict]]] = {}
+
+    def saved(world_size: int) -> tuple[Backend, list[dict]]:
+        if world_size not in launched:
+            base = tmp_path_factory.mktemp(f"saved-by-{world_size}")
+            backend = Backend("local", str(base / "store"), {})
+            launched[world_size] = backend, run_ranks(backend, world_size, "save_load", base / "run", steps=[2, 4])
+        return launched[world_size]
+
+    return saved
+
+
+def copied(backend: Backend, tmp_path: Path) -> Backend:
+    """A copy of the local store ``backend`` under ``tmp_path``."""
+    shutil.copytree(backend.url, tmp_path / "store")
+    return Backend("local", str(tmp_path / "store"), {})
+
+
+# the tests of the module's local stores share a worker, so each store is launched once
+SHARES_LOCAL_SAVES = pytest.mark.xdist_group("multirank-local-saves")
+
+
+@SHARES_LOCAL_SAVES
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_rank_saves_its_part_and_gets_its_own_rng_back(mr_backend, world_size, tmp_path):
-    reports = run_ranks(mr_backend, world_size, "save_load", tmp_path / "run", steps=[2, 4])
+def test_every_rank_saves_its_part_and_gets_its_own_rng_back(mr_backend, world_size, local_saves, tmp_path):
+    if mr_backend.name == "local":
+        mr_backend, reports = local_saves(world_size)
+    else:
+        reports = run_ranks(mr_backend, world_size, "save_load", tmp_path / "run", steps=[2, 4])
     assert all("fatal" not in report for report in reports), [r.get("traceback") for r in reports]
     store = CheckpointStore(mr_backend.url, storage_options=mr_backend.storage_options)
     assert store.steps() == [2, 4]
@@ -139,8 +174,9 @@ def test_a_wrong_rank_argument_on_one_rank_fails_every_rank_without_a_hang(local
     assert objects_under(local_backend, "step-000002") == []
 
 
-def test_a_committed_step_is_refused_on_every_rank(local_backend, tmp_path):
-    run_ranks(local_backend, 2, "save_load", tmp_path / "first", steps=[2])
+@SHARES_LOCAL_SAVES
+def test_a_committed_step_is_refused_on_every_rank(local_saves, tmp_path):
+    local_backend = copied(local_saves(2)[0], tmp_path)  # steps 2 and 4 committed by 2 ranks
     reports = run_ranks(local_backend, 2, "save_fail", tmp_path / "again", steps=[2])
     store = CheckpointStore(local_backend.url)
     for report in reports:
@@ -182,8 +218,9 @@ def test_a_killed_rank_commits_nothing_and_the_restarted_job_resumes(mr_backend,
     assert resumed[0]["draws_after_load"] != resumed[1]["draws_after_load"]
 
 
-def test_world_size_change_is_refused_on_every_rank_naming_both_sizes(local_backend, tmp_path):
-    run_ranks(local_backend, 4, "save_load", tmp_path / "four", steps=[2])
+@SHARES_LOCAL_SAVES
+def test_world_size_change_is_refused_on_every_rank_naming_both_sizes(local_saves, tmp_path):
+    local_backend = local_saves(4)[0]  # steps 2 and 4 saved by 4 ranks; only read here
     store = CheckpointStore(local_backend.url)
     reports = run_ranks(local_backend, 2, "load", tmp_path / "two", load_url=store.step_url(2))
     messages = set()

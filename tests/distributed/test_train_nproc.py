@@ -139,7 +139,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
         assert last.endswith("a rerun of the same command fails the same way: see the rank's error above"), last
         assert "resume from it" not in refused.stderr
         assert not (tmp_path / f"refused{attempt}.log").exists() or not _records(tmp_path / f"refused{attempt}.log")
-    assert subprocess.run([sys.executable, "-m", "opd_store", "delete", str(tmp_path / "ref"), "4"],
+    assert forkserver.run([sys.executable, "-m", "opd_store", "delete", str(tmp_path / "ref"), "4"],
                           env=_env(), capture_output=True, timeout=DEADLINE_SECS).returncode == 0
     redone = forkserver.run(_cmd(tmp_path / "ref", "redo", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
                             timeout=DEADLINE_SECS)

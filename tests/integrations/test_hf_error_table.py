@@ -4,7 +4,7 @@ with ``async_upload``) x each backend failure, injected by the S3 fault proxy in
 Each row asserts the typed error the save raises (with ``async_upload``: the cause of the
 ``BackgroundSaveError`` raised at the next sync point), its chained cause, the URL of the step
 and the file in its message, and that nothing was committed. The checkpoint directory holds a
-20 MiB file uploaded in 8 MiB parts: a refusal on its second write (the first part) must reach the
+11 MiB file uploaded in 5 MiB parts (S3's smallest): a refusal on its second write (the first part) must reach the
 caller as the backend's refusal, not as a file that was read short.
 """
 
@@ -33,7 +33,7 @@ from opd_store.job._machines import torch_threads
 pytestmark = pytest.mark.xdist_group("hf-error-table")
 """One worker runs the module: its module fixture (a trained checkpoint) is built once."""
 
-BIG_BYTES = 20 << 20
+BIG_BYTES = 11 << 20  # above two parts: multipart, with a part refused after a first write
 
 
 def _manifest(request) -> bool:
@@ -71,7 +71,7 @@ FAILURES = {
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """``checkpoint-1`` of a one-step run (plus a 20 MiB file), its args and its state."""
+    """``checkpoint-1`` of a one-step run (plus an 11 MiB file), its args and its state."""
     out = tmp_path_factory.mktemp("hf-errors")
     with torch_threads(1):
         trainer = tiny_trainer(str(out), max_steps=1, save_steps=1)
@@ -85,7 +85,7 @@ def saved(tmp_path_factory):
 def test_a_backend_failure_reaches_the_caller_typed_and_named(saved, s3_fault_proxy, failure, async_upload):
     backend, proxy = s3_fault_proxy
     rule, expected, named = FAILURES[failure]
-    options = dict(backend.storage_options, part_size_bytes=8 << 20, retries=1, throttle_timeout_secs=0,
+    options = dict(backend.storage_options, part_size_bytes=5 << 20, retries=1, throttle_timeout_secs=0,
                    config_kwargs={"retries": {"total_max_attempts": 2, "mode": "standard"}})
     callback = StoreCallback(backend.url, storage_options=options, async_upload=async_upload)
     callback.on_train_begin(saved.args, saved.state, TrainerControl(), model=saved.model)
