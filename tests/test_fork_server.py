@@ -54,9 +54,20 @@ def test_a_shared_server_that_failed_its_preload_or_is_gone_is_named_with_its_lo
 
 
 def test_a_quick_exit_child_ends_as_an_interpreter_does_up_to_its_atexit_hooks():
-    """``QUICK_EXIT_ENV=1``: threads joined, the program's ``atexit`` hooks run, output flushed, the
-    interpreter's exit status; the variable itself is not in the program's environment."""
+    """The default (and ``QUICK_EXIT_ENV=1``): threads joined, the program's ``atexit`` hooks run,
+    output flushed, the interpreter's exit status, no module teardown; ``QUICK_EXIT_ENV=0``: the
+    teardown too. The variable itself is not in the program's environment."""
     from opd_testkit.forkserver import QUICK_EXIT_ENV, default_server
+
+    # module teardown drops the module's globals: an object's finalizer prints only then
+    teardown = "class Noisy:\n    def __del__(self): print('teardown')\nnoisy = Noisy()\n"
+    for setting, out in ((None, ""), ("1", ""), ("0", "teardown\n")):
+        env = {k: v for k, v in os.environ.items() if k != QUICK_EXIT_ENV}
+        if setting is not None:
+            env[QUICK_EXIT_ENV] = setting
+        done = default_server().run([sys.executable, "-c", teardown], env=env, capture_output=True, text=True,
+                                    timeout=60)
+        assert (setting, done.returncode, done.stdout) == (setting, 0, out), done
 
     env = dict(os.environ, **{QUICK_EXIT_ENV: "1"})
     program = ("import atexit, os, sys, threading\n"

@@ -155,6 +155,7 @@ def run_all(commands: dict[str, list[str]], env: dict[str, str], cwd: Path, time
     thread of its own, so a command's time ends at its exit, not when the commands started before
     it have been collected."""
     start = subprocess.Popen if fresh or prefix else forkserver.default_server().popen
+    env = dict(env, **{forkserver.QUICK_EXIT_ENV: "0"})  # one line on stderr: the interpreter's whole end
     started = {}
     for name, argv in commands.items():
         started[name] = (time.monotonic(), start(

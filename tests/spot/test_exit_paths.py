@@ -20,12 +20,14 @@ made first (4 more runs).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from opd_testkit.forkserver import QUICK_EXIT_ENV
 from opd_testkit.stores import Backend, open_store
 
 CHILD = Path(__file__).with_name("exit_child.py")
@@ -44,7 +46,8 @@ def _run_to_exit(fork_server, backend: Backend, tier: Path, path: str, *extra: s
     """Run the child of ``path`` to its end (sending SIGTERM on the ``-sigterm`` paths); assert it
     exited 0 with no thread of opd_store alive at its ``atexit`` hooks; return its stderr."""
     child = fork_server.popen([sys.executable, str(CHILD), backend.to_json(), str(tier), path, *extra],
-                              stdout=fork_server.PIPE, stderr=fork_server.PIPE, text=True)
+                              stdout=fork_server.PIPE, stderr=fork_server.PIPE, text=True,
+                              env=dict(os.environ, **{QUICK_EXIT_ENV: "0"}))  # the whole finalization
     watchdog = threading.Timer(WATCHDOG_SECS, child.send_signal, (signal.SIGABRT,))
     watchdog.start()
     try:

@@ -18,7 +18,9 @@ from typing import Any, Callable
 from .protocol import program_of
 
 QUICK_EXIT_ENV = "OPD_FORKSERVER_QUICK_EXIT"
-"""``1`` in a request's environment: the child skips module teardown at its end (module docstring)."""
+"""``0`` in a request's environment: the child ends as an interpreter ends, module teardown
+included (a test about the interpreter's end); absent or any other value: it skips module teardown
+(module docstring), about 0.5 CPU-s less per child."""
 
 
 def exit_status(code: object) -> int:
@@ -87,7 +89,7 @@ def become(request: dict[str, Any], fds: list[int]) -> Callable[[], None]:
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
-    quick_exit = os.environ.pop(QUICK_EXIT_ENV, None) == "1"
+    quick_exit = os.environ.pop(QUICK_EXIT_ENV, "1") != "0"
     os.chdir(request["cwd"])
     tempfile.tempdir = None  # so that TMPDIR of the new environment counts
     kind, target, argv = program_of(request["argv"])
