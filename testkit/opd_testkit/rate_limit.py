@@ -29,13 +29,13 @@ import collections
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote
 
+from .control import ControlledProcess
 from .proxies import Request, S3Proxy
 
 AWS_PREFIX_WRITES_PER_SEC = 3500.0
@@ -243,19 +243,12 @@ class RateLimitProxyProcess:
     """
 
     def __init__(self, upstream: str, limits: RateLimits) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "opd_testkit.rate_limit", upstream, limits.to_json()],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.process.stdout.readline()
-        if not line.startswith("PORT "):
-            self.process.kill()
-            raise RuntimeError(f"rate-limit proxy did not start: {line!r}")
-        self.endpoint_url = f"http://127.0.0.1:{int(line.split()[1])}"
-        self.pid = self.process.pid
+        self._control = ControlledProcess([sys.executable, "-m", "opd_testkit.rate_limit", upstream, limits.to_json()],
+                                          "rate-limit proxy")
+        self.process, self.endpoint_url, self.pid = self._control.process, self._control.endpoint_url, self._control.pid
 
     def _ask(self, command: str) -> str:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self.process.stdout.readline()
+        return self._control.ask(command)
 
     def stats(self) -> dict[str, Any]:
         return json.loads(self._ask("stats"))
@@ -267,16 +260,7 @@ class RateLimitProxyProcess:
         self._ask("limits " + limits.to_json())
 
     def stop(self) -> None:
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process.stdout.close()
+        self._control.stop()
 
 
 class _CountingOnly(RateLimitProxy):

@@ -23,11 +23,12 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
 from urllib.parse import urlsplit
+
+from .control import ControlledProcess
 
 DEFAULT_CAP_BYTES_PER_SEC = 64 << 20
 CHUNK_BYTES = 256 << 10
@@ -166,19 +167,12 @@ class CappedProxyProcess:
         args = [sys.executable, "-m", "opd_testkit.throttle", upstream]
         if cap_bytes_per_sec:
             args += ["--cap", str(int(cap_bytes_per_sec))]
-        self.process = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.process.stdout.readline()
-        if not line.startswith("PORT "):
-            self.process.kill()
-            raise RuntimeError(f"capped proxy did not start: {line!r}")
-        self.port = int(line.split()[1])
-        self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self.pid = self.process.pid
+        self._control = ControlledProcess(args, "capped proxy")
+        self.process, self.port = self._control.process, self._control.port
+        self.endpoint_url, self.pid = self._control.endpoint_url, self._control.pid
 
     def _ask(self, command: str) -> str:
-        self.process.stdin.write(command + "\n")
-        self.process.stdin.flush()
-        return self.process.stdout.readline()
+        return self._control.ask(command)
 
     def stats(self) -> dict[str, int]:
         return json.loads(self._ask("stats"))
@@ -187,16 +181,7 @@ class CappedProxyProcess:
         self._ask("reset")
 
     def stop(self) -> None:
-        try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process.stdout.close()
+        self._control.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
