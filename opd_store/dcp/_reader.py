@@ -22,10 +22,10 @@ from torch.futures import Future
 
 from ..errors import CheckpointNotFoundError, IncompleteCheckpointError, IntegrityError
 from ..format import step_dirname
-from ..store import COMPLETE, UNCOMMITTED, BaseStore, as_store, remedy, split_checkpoint_url
+from ..store import COMPLETE, UNCOMMITTED, BaseStore, as_store, remedy
 from ._items import read_items, resolve_transforms
 from ._metadata_io import METADATA_NAME, describe_file, loads_metadata
-from ._store_address import StoreAddress
+from ._store_address import StoreAddress, is_step_url
 
 logger = logging.getLogger("opd_store.dcp")
 
@@ -171,14 +171,8 @@ class StoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for a store's step URL; DCP (through 2.13) never asks this class for a bare
-        ``checkpoint_id``: pass ``storage_reader=StoreReader(store, step)``.
-        """
-        try:
-            split_checkpoint_url(checkpoint_id)
-        except (TypeError, ValueError):  # not a step URL, or a scheme no store opens
-            return False
-        return True
+        """True for a store's step URL (pass ``storage_reader=StoreReader(store, step)``)."""
+        return is_step_url(checkpoint_id)
 
     # -- checks --------------------------------------------------------------------------------
     def _registry(self) -> Any:

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from ..storage import CheckThenPutStorage, MemoryStorage, open_storage
-from ..store import BaseStore, CheckpointStore
+from ..store import BaseStore, CheckpointStore, split_checkpoint_url
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,4 +58,14 @@ class StoreAddress:
                                allow_check_then_put=self.allow_check_then_put)
 
 
-__all__ = ["StoreAddress"]
+def is_step_url(checkpoint_id: Any) -> bool:
+    """True for a store's step URL (what ``validate_checkpoint_id`` of the writer and reader
+    answer); DCP (through 2.13) never asks them for a bare ``checkpoint_id``."""
+    try:
+        split_checkpoint_url(checkpoint_id)
+    except (TypeError, ValueError):  # not a step URL, or a scheme no store opens
+        return False
+    return True
+
+
+__all__ = ["is_step_url", "StoreAddress"]

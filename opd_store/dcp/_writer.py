@@ -23,12 +23,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..format import PayloadEntry, step_dirname
-from ..store import split_checkpoint_url
 from ..pipeline import AfterCommit
 from ..store import BaseStore, as_store
 from ._items import write_items
 from ._metadata_io import METADATA_NAME, SHARD_FILE, SHARED_FILE, data_file_name, dumps_metadata
-from ._store_address import StoreAddress
+from ._store_address import StoreAddress, is_step_url
 
 logger = logging.getLogger("opd_store.dcp")
 
@@ -293,14 +292,8 @@ class StoreWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """True for a store's step URL; DCP (through 2.13) never asks this class for a bare
-        ``checkpoint_id``: pass ``storage_writer=StoreWriter(store, step)``.
-        """
-        try:
-            split_checkpoint_url(checkpoint_id)
-        except (TypeError, ValueError):  # not a step URL, or a scheme no store opens
-            return False
-        return True
+        """True for a store's step URL (pass ``storage_writer=StoreWriter(store, step)``)."""
+        return is_step_url(checkpoint_id)
 
     # -- opd_store ------------------------------------------------------------------------------
     def run_after_commit(self) -> None:
