@@ -249,7 +249,8 @@ def _check_report(spot: CheckpointStore, starts: list[Start], logs: list[Path]) 
     said = [((p.last_step or 0), p.resumed_step, p.updates_lost) for p in report.preemptions]
     lines = [f"opd-store report: {len(report.preemptions)} preemptions"
              + "".join(f"; start {p.start_index + 1} reached step {p.last_step}, the next resumed from "
-                       f"{p.resumed_step}: {p.updates_lost} updates redone" for p in report.preemptions)
+                       f"{p.resumed_step}: {p.updates_lost} update{'' if p.updates_lost == 1 else 's'} redone"
+                       for p in report.preemptions)
              + (f"; goodput {report.goodput:.1%}" if report.goodput is not None else "")]
     if said == truth and all(p.exact for p in report.preemptions):
         lines.append("report: matches where the demo killed the job")
