@@ -3,9 +3,13 @@
 GCE sends SIGTERM and sets the ``preempted`` metadata value, stopping the VM 30 s later (GCE
 docs, "Detect if a VM was preempted"); AWS posts a spot ``instance-action`` two minutes ahead
 (IMDSv2 token, then the notice: 404 none, 200 ``{"action", "time"}``, 401 renews the token; AWS EC2
-User Guide, "Spot Instance interruption notices"); Kubernetes sends SIGTERM. Signal handlers only
-set the flag; pollers run on daemon threads with :mod:`urllib.request`, endpoints configurable (a
-fake metadata server on loopback in tests), failed polls logged at debug and retried.
+User Guide, "Spot Instance interruption notices"); Kubernetes sends SIGTERM. A signal handler
+takes no lock: it records the notice in a plain attribute and writes one byte to a pipe, and a
+daemon thread reading the pipe wakes :meth:`PreemptionWatcher.wait` (a handler that set a
+``threading.Event`` itself deadlocked when the signal interrupted the main thread inside that
+Event's own ``wait``, which holds the Event's lock). Pollers run on daemon threads
+with :mod:`urllib.request`, endpoints configurable (a fake metadata server on loopback in tests),
+failed polls logged at debug and retried.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -103,9 +108,11 @@ class PreemptionWatcher:
         self.request_timeout_secs = float(request_timeout_secs)
         self.gce_wait_for_change = gce_wait_for_change
         self._notice: PreemptionNotice | None = None
-        self._noticed = threading.Event()
+        self._noticed = threading.Event()  # set once self._notice is; wakes wait()
+        self._notify_lock = threading.Lock()
         self._stop = threading.Event()
         self._previous_handlers: dict[int, Any] = {}
+        self._signal_pipe: tuple[int, int] | None = None  # (read fd, write fd) while handlers are installed
         self._threads: list[threading.Thread] = []
         self._aws_token: str | None = None
         self.polls = {"aws-spot": 0, "gce": 0}
@@ -114,7 +121,7 @@ class PreemptionWatcher:
 
     def should_checkpoint_now(self) -> bool:
         """Whether a notice arrived: save now, wait for the commit, and exit."""
-        return self._noticed.is_set()
+        return self._notice is not None
 
     @property
     def notice(self) -> PreemptionNotice | None:
@@ -123,13 +130,14 @@ class PreemptionWatcher:
 
     def wait(self, timeout_secs: float | None = None) -> bool:
         """Block until a notice arrives or ``timeout_secs`` pass; return whether one arrived."""
-        return self._noticed.wait(timeout_secs)
+        return self._noticed.wait(timeout_secs) or self._notice is not None
 
     def notify(self, source: str, detail: str, deadline_monotonic: float | None = None) -> None:
-        """Record a notice (the first one wins; later ones are ignored). Safe from any thread."""
-        if self._noticed.is_set():
-            return
-        self._notice = PreemptionNotice(source, detail, time.monotonic(), deadline_monotonic)
+        """Record a notice (the first one wins; later ones are ignored). Safe from any thread, not
+        from a signal handler (see the module docstring)."""
+        with self._notify_lock:
+            if self._notice is None:
+                self._notice = PreemptionNotice(source, detail, time.monotonic(), deadline_monotonic)
         self._noticed.set()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -141,6 +149,13 @@ class PreemptionWatcher:
             ValueError: signals were asked for and this is not the main thread (Python runs
                 signal handlers only there).
         """
+        if self.signals:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError(f"signals {list(self.signals)} can only be caught from the main thread")
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            self._signal_pipe = (read_fd, write_fd)
+            self._start_thread(self._wake_on_signals, "opd-preemption-signals", poller=False)
         for name in self.signals:
             signum = getattr(signal, name)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
@@ -156,9 +171,14 @@ class PreemptionWatcher:
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers.clear()
+        if self._signal_pipe is not None:
+            os.close(self._signal_pipe[1])  # the reader sees end of file and returns
         for thread in self._threads:
             thread.join(self.request_timeout_secs + self.poll_interval_secs + 1.0)
         self._threads.clear()
+        if self._signal_pipe is not None:
+            os.close(self._signal_pipe[0])
+            self._signal_pipe = None
 
     def __enter__(self) -> PreemptionWatcher:
         return self.start()
@@ -167,21 +187,35 @@ class PreemptionWatcher:
         self.stop()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.notify(signal.Signals(signum).name, f"received {signal.Signals(signum).name}")
+        # Runs on the main thread between two bytecodes, possibly inside a lock that thread holds:
+        # an attribute assignment and one non-blocking write, no lock (a full pipe already holds a
+        # wake-up).
+        if self._notice is None:
+            name = signal.Signals(signum).name
+            self._notice = PreemptionNotice(name, f"received {name}", time.monotonic(), None)
+        try:
+            os.write(self._signal_pipe[1], b"\x01")
+        except (BlockingIOError, OSError, TypeError):
+            pass
 
-    def _start_thread(self, target, name: str) -> None:
-        thread = threading.Thread(target=self._run_poller, args=(target,), name=name, daemon=True)
+    def _wake_on_signals(self) -> None:
+        while os.read(self._signal_pipe[0], 64):  # empty: stop() closed the write end
+            self._noticed.set()
+
+    def _start_thread(self, target, name: str, *, poller: bool = True) -> None:
+        thread = threading.Thread(target=self._run_poller if poller else target, args=(target,) if poller else (),
+                                  name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
     def _run_poller(self, poll_once) -> None:
-        while not self._stop.is_set() and not self._noticed.is_set():
+        while not self._stop.is_set() and self._notice is None:
             waited = False
             try:
                 waited = bool(poll_once())
             except (OSError, ValueError) as exc:  # no metadata server, timeout, bad answer
                 logger.debug("metadata poll failed: %r", exc)
-            if self._noticed.is_set():
+            if self._notice is not None:
                 return
             if not waited:
                 self._stop.wait(self.poll_interval_secs)

@@ -144,6 +144,7 @@ def main() -> None:
     # untimed wait (the main job checks should_checkpoint_now() between updates instead).
     while not watcher.wait(0.05):
         pass
+    watcher.stop()  # its signal thread ends with it, as a user's ``with PreemptionWatcher()`` does
     gate.set()
     if checkpointer is not None:
         checkpointer.close()

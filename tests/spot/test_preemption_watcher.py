@@ -34,6 +34,18 @@ def test_sigterm_sets_the_flag_and_stop_restores_the_previous_handler():
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
+@pytest.mark.timeout(DEADLINE_SECS)
+def test_a_signal_landing_while_the_main_thread_is_inside_wait_does_not_deadlock():
+    # The handler runs on the main thread between two bytecodes; here that thread holds the lock
+    # of the Event behind wait(), as it does for an instant inside every wait(). A handler that set
+    # that Event itself blocked on its own thread's lock forever.
+    with PreemptionWatcher() as watcher:
+        with watcher._noticed._cond:  # the instant inside Event.wait, held on purpose
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert watcher.should_checkpoint_now() and watcher.notice.source == "SIGTERM"
+        assert watcher.wait(DEADLINE_SECS)
+
+
 def test_optional_signals_and_the_first_notice_wins():
     with PreemptionWatcher(signals=("SIGUSR1", "SIGINT")) as watcher:
         assert signal.getsignal(signal.SIGTERM) is not watcher._on_signal  # noqa: SLF001 - SIGTERM not taken
