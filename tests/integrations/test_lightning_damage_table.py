@@ -1,7 +1,7 @@
 """The resume rule ([docs/resume.md](../../docs/resume.md#damaged-checkpoints)) at Lightning's entry
 points, as a table: ``fit(ckpt_path="last")`` and ``fit(ckpt_path=<url>/last.ckpt)`` x each kind of
 damage to ``last.ckpt``'s payload (:data:`opd_testkit.damage.DAMAGE_KINDS`), on S3 (moto behind a
-recording proxy).
+recording proxy); both entry points of a kind meet one damaged copy of the store.
 
 The store is a two-epoch run (4 steps an epoch, ``save_top_k=2``, ``save_last=True``): ``last.ckpt``
 version 2 and the top-k names ``epoch=0-step=4.ckpt`` and ``epoch=1-step=8.ckpt``, each version 1.
@@ -30,7 +30,6 @@ from opd_store.job._machines import torch_threads
 
 pytestmark = pytest.mark.timeout(300)
 
-ENTRY_POINTS = ("last", "explicit")
 RAISED = {"delete": IncompleteCheckpointError, "truncate": IncompleteCheckpointError, "flip": IntegrityError}
 """What an explicit load of the damaged version raises: a missing or short payload is seen in the
 listing (nothing is downloaded), a flipped byte only by its CRC32C."""
@@ -78,9 +77,10 @@ def _payload_get_bytes(proxy, until_first_put: bool = False) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
-def test_a_damaged_last_ckpt_resumes_from_the_newest_intact_one_or_stops_before_training(
-        entry, kind, template, s3_fault_proxy, caplog):
+def test_a_damaged_last_ckpt_stops_an_explicit_path_before_training_and_last_resumes_from_the_newest_intact_one(
+        kind, template, s3_fault_proxy, caplog):
+    """Both entry points on one damaged copy, the explicit path first: it stops before training and
+    changes nothing in the store (asserted), so ``"last"`` then meets the same damage."""
     objects, states = template
     backend, proxy = s3_fault_proxy
     url = lightning_child.upload(objects, backend)
@@ -88,58 +88,64 @@ def test_a_damaged_last_ckpt_resumes_from_the_newest_intact_one_or_stops_before_
     damaged = damage_payload(dataclasses.replace(backend, url=f"{url}/last.ckpt"), 2, "checkpoint.ckpt", kind)
     damaged_url = f"{url}/last.ckpt/{damaged}"
     damaged_size = _payload_size(objects, "last.ckpt")  # a flipped byte keeps the size
+
+    # ckpt_path=<url>/last.ckpt: stops before training in one line naming the version, file and remedy
     before = _objects(backend)
-    # one row trains an epoch on (evictions after the resume); the others end where they resume
-    epochs = 3 if kind == "delete" else 2
-    trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, max_epochs=epochs)
+    trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, max_epochs=2)
     restored = []
     trainer.callbacks.append(lightning_child.loaded_states(restored))
     proxy.requests.clear()
-    if entry == "last":
-        with caplog.at_level(logging.WARNING, logger="opd_store.integrations.lightning"):
-            trainer.fit(model, train, val, ckpt_path="last")
-        # resumed from the newest intact checkpoint, never from the damaged bytes
-        (step, weights), = restored
-        assert step == 8
-        for name, tensor in states[FALLBACK]["state_dict"].items():
-            assert torch.equal(weights[name], tensor), name
-        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
-                    and r.name == "opd_store.integrations.lightning"]
-        assert len(warnings) == 1, warnings
-        assert warnings[0].startswith(f"{url}: ckpt_path=\"last\" resumes from {url}/{FALLBACK} version 1 "
-                                      f"(global_step 8); skipped the damaged {url}/last.ckpt version 2 "
-                                      "(global_step 8) (")
-        assert damaged_url in warnings[0]
-        # each payload the resume read was downloaded once (the requests before the first save):
-        # the damaged one only when the listing could not tell (a flipped byte), the loaded one once
-        expected = {FALLBACK: _payload_size(objects, FALLBACK)}
-        if kind == "flip":
-            expected["last.ckpt"] = damaged_size
-        assert _payload_get_bytes(proxy, until_first_put=True) == expected
-        assert trainer.global_step == 4 * epochs
-        if epochs == 3:
-            # trained on, and top-k names evicted as in a run without a store: the best two remain
-            # (the checkpoint "last" fell back to among them, tracked as any top-k name); the run used
-            # to start from step 0 and leave four top-k names
-            names = set(plugin.names()) - {"last.ckpt"}
-            assert len(checkpoint.best_k_models) == 2
-            assert names == {plugin.name_of(path) for path in checkpoint.best_k_models}
-            assert FALLBACK in names
-            newest = plugin.store_of(plugin.path_of("last.ckpt")).checkpoints()[-1]
-            assert (newest.step, newest.metadata["global_step"]) == (3, 12)  # a version above the damaged one
-            # the best model of the resumed run, as Lightning refers to it, loads from the store
-            best = torch.load(plugin.open(checkpoint.best_model_path), weights_only=False)
-            assert checkpoint.best_model_path.endswith(f"-step={best['global_step']}.ckpt")
-    else:
-        with pytest.raises(RAISED[kind]) as caught:
-            trainer.fit(model, train, val, ckpt_path=f"{url}/last.ckpt")
-        message = str(caught.value)
-        assert "\n" not in message and message.startswith(f"{url}/last.ckpt version 2 (global_step 8) is damaged (")
-        assert damaged_url in message and message.endswith(f"`opd-store delete {url}/last.ckpt 2`")
-        # stopped before training: nothing trained, nothing saved, the damaged bytes never loaded
-        assert restored == [] and trainer.global_step == 0
-        assert _objects(backend) == before
-        assert _payload_get_bytes(proxy) == ({"last.ckpt": damaged_size} if kind == "flip" else {})
+    with pytest.raises(RAISED[kind]) as caught:
+        trainer.fit(model, train, val, ckpt_path=f"{url}/last.ckpt")
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{url}/last.ckpt version 2 (global_step 8) is damaged (")
+    assert damaged_url in message and message.endswith(f"`opd-store delete {url}/last.ckpt 2`")
+    # stopped before training: nothing trained, nothing saved, the damaged bytes never loaded
+    assert restored == [] and trainer.global_step == 0
+    assert _objects(backend) == before
+    assert _payload_get_bytes(proxy) == ({"last.ckpt": damaged_size} if kind == "flip" else {})
+
+    # ckpt_path="last": one row trains an epoch on (evictions after the resume); the others end where
+    # they resume
+    epochs = 3 if kind == "delete" else 2
+    trainer, model, train, val, plugin, checkpoint = lightning_child.build(url, options, max_epochs=epochs)
+    trainer.callbacks.append(lightning_child.loaded_states(restored))
+    proxy.requests.clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opd_store.integrations.lightning"):
+        trainer.fit(model, train, val, ckpt_path="last")
+    # resumed from the newest intact checkpoint, never from the damaged bytes
+    (step, weights), = restored
+    assert step == 8
+    for name, tensor in states[FALLBACK]["state_dict"].items():
+        assert torch.equal(weights[name], tensor), name
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name == "opd_store.integrations.lightning"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"{url}: ckpt_path=\"last\" resumes from {url}/{FALLBACK} version 1 "
+                                  f"(global_step 8); skipped the damaged {url}/last.ckpt version 2 "
+                                  "(global_step 8) (")
+    assert damaged_url in warnings[0]
+    # each payload the resume read was downloaded once (the requests before the first save): the
+    # damaged one only when the listing could not tell (a flipped byte), the loaded one once
+    expected = {FALLBACK: _payload_size(objects, FALLBACK)}
+    if kind == "flip":
+        expected["last.ckpt"] = damaged_size
+    assert _payload_get_bytes(proxy, until_first_put=True) == expected
+    assert trainer.global_step == 4 * epochs
+    if epochs == 3:
+        # trained on, and top-k names evicted as in a run without a store: the best two remain (the
+        # checkpoint "last" fell back to among them, tracked as any top-k name); the run used to
+        # start from step 0 and leave four top-k names
+        names = set(plugin.names()) - {"last.ckpt"}
+        assert len(checkpoint.best_k_models) == 2
+        assert names == {plugin.name_of(path) for path in checkpoint.best_k_models}
+        assert FALLBACK in names
+        newest = plugin.store_of(plugin.path_of("last.ckpt")).checkpoints()[-1]
+        assert (newest.step, newest.metadata["global_step"]) == (3, 12)  # a version above the damaged one
+        # the best model of the resumed run, as Lightning refers to it, loads from the store
+        best = torch.load(plugin.open(checkpoint.best_model_path), weights_only=False)
+        assert checkpoint.best_model_path.endswith(f"-step={best['global_step']}.ckpt")
 
 
 def test_an_explicit_path_resume_downloads_its_payload_once(template, s3_fault_proxy):
