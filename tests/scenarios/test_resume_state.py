@@ -1,6 +1,7 @@
 """Resume state: random streams, data order, LR schedules,
 counters and optimizer placement come back exactly after an OPD checkpoint round trip, on every
-backend (local, memory, S3 on moto's server, GCS on fake-gcs-server)."""
+backend (local, memory, S3 on moto's server, GCS on fake-gcs-server; which test runs where: the
+comment above ``LOCAL_AND_MEMORY``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ from .helpers import VOCAB, adapter_tensors, base_state, load, save, seed_all, s
 # -- 21: random streams at an epoch boundary -----------------------------------------------------
 
 STEPS_PER_EPOCH = 3
+
+
+# Every test saves and loads the same OPD checkpoint payloads (trainer state, optimizer, scheduler,
+# RNG); what differs between them is the state, not how it reaches a store. The RNG streams, the
+# schedules (cosine), the optimizer's placement and a refused save run on all four backends; the
+# tests marked LOCAL_AND_MEMORY prove their state on a file store and memory:// only.
+LOCAL_AND_MEMORY = ["local", "memory"]
 
 
 def _make_optim(model):
@@ -149,6 +157,7 @@ def _data_run(model, optimizer, position, loader, *, stop_at=None, on_save=None)
     return seen
 
 
+@pytest.mark.parametrize("backend", LOCAL_AND_MEMORY, indirect=True)
 def test_shuffled_loader_resumed_mid_epoch_sees_the_same_batches(store):
     """A shuffled DataLoader over three epochs, saved mid-epoch 2 with
     ``LoaderPosition.state_dict()`` in ``trainer_state``: the resumed run sees the same batches
@@ -341,6 +350,7 @@ COUNTERS = {
 }
 
 
+@pytest.mark.parametrize("backend", LOCAL_AND_MEMORY, indirect=True)
 def test_counters_round_trip_as_plain_ints(store):
     """Counters kept as plain ints (global step, teacher updates, tokens seen, ints
     beyond float64 and int64 precision) round-trip exactly with type int; bools stay bools; numpy
@@ -511,6 +521,7 @@ def _never(obj, location):
 torch.serialization.register_package(1, _cuda_tagger, _never)
 
 
+@pytest.mark.parametrize("backend", LOCAL_AND_MEMORY, indirect=True)
 @pytest.mark.parametrize("device", DEVICES)
 def test_optimizer_state_saved_on_gpu_loads_on_this_host(store, device):
     """A checkpoint whose tensors were saved on ``cuda:0`` (the payload records that
