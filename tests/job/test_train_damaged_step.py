@@ -46,7 +46,9 @@ def _records(path) -> list[dict]:
 @pytest.mark.parametrize(("backend_name", "kind"), [("local", "truncate"), ("local", "flip"), ("s3", "flip")])
 def test_damaged_newest_step_stops_before_training_then_resumes_after_delete(backend_name, kind, request, tmp_path,
                                                                               capsys, caplog):
-    backend = (request.getfixturevalue("s3_backend") if backend_name == "s3"
+    # opd_s3_backend: the raw reads of _objects and the damage share this process's botocore session
+    # (a client of a new session parses botocore's S3 model again: 0.2-0.3 CPU-s each)
+    backend = (request.getfixturevalue("opd_s3_backend") if backend_name == "s3"
                else Backend("local", str(tmp_path / "store"), {}))
     opts = _cli_options(backend)
     store = CheckpointStore(backend.url, storage_options=backend.storage_options)

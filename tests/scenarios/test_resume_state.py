@@ -1,6 +1,7 @@
 """Resume state: random streams, data order, LR schedules,
 counters and optimizer placement come back exactly after an OPD checkpoint round trip, on every
-backend (local, memory, S3 on moto's server, GCS on fake-gcs-server)."""
+backend (local, memory, S3 on moto's server, GCS on fake-gcs-server; which test runs where: the
+comment above ``LOCAL_AND_MEMORY``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ from .helpers import VOCAB, adapter_tensors, base_state, load, save, seed_all, s
 # -- 21: random streams at an epoch boundary -----------------------------------------------------
 
 STEPS_PER_EPOCH = 3
+
+
+# Every test saves and loads the same OPD checkpoint payloads (trainer state, optimizer, scheduler,
+# RNG); what differs between them is the state, not how it reaches a store. The RNG streams, the
+# schedules (cosine), the optimizer's placement and a refused save run on all four backends; the
+# tests marked LOCAL_AND_MEMORY prove their state on a file store and memory:// only.
+LOCAL_AND_MEMORY = ["local", "memory"]
 
 
 def _make_optim(model):
@@ -149,6 +157,7 @@ def _data_run(model, optimizer, position, loader, *, stop_at=None, on_save=None)
     return seen
 
 
+@pytest.mark.parametrize("backend", LOCAL_AND_MEMORY, indirect=True)
 def test_shuffled_loader_resumed_mid_epoch_sees_the_same_batches(store):
     """A shuffled DataLoader over three epochs, saved mid-epoch 2 with
     ``LoaderPosition.state_dict()`` in ``trainer_state``: the resumed run sees the same batches
@@ -276,6 +285,10 @@ def _steps(model, optimizer, scheduler, count: int, generator: torch.Generator) 
     return lrs
 
 
+# The scheduler kinds differ in their state dict, not in how it reaches a store: they run on
+# memory://, and the save and load of a scheduler's state on local, S3 and GCS is
+# test_cosine_lr_matches_the_closed_form_after_resume's (and test_epoch_boundary_resume_...'s).
+@pytest.mark.parametrize("backend", ["memory"], indirect=True)
 @pytest.mark.parametrize("kind", sorted(SCHEDULERS))
 def test_schedule_rebuilt_after_load_gives_the_same_lr(store, kind):
     """A cosine-shaped schedule saved at step k; the optimizer and scheduler are
@@ -337,6 +350,7 @@ COUNTERS = {
 }
 
 
+@pytest.mark.parametrize("backend", LOCAL_AND_MEMORY, indirect=True)
 def test_counters_round_trip_as_plain_ints(store):
     """Counters kept as plain ints (global step, teacher updates, tokens seen, ints
     beyond float64 and int64 precision) round-trip exactly with type int; bools stay bools; numpy
@@ -368,14 +382,20 @@ class _Hook:
         return None
 
 
+UNSAVABLE = [
+    ("trainer", "callbacks", lambda: None, "trainer_state['callbacks']"),
+    ("trainer", "extra", {"sampler": _Hook()}, "trainer_state['extra']['sampler']"),
+    ("trainer", "history", [1, 2, iter([3])], "trainer_state['history'][2]"),
+    ("teacher", "cache", {"lock": __import__("threading").Lock()}, "teacher_state['cache']['lock']"),
+]
+
+
+# The refusal comes before the save opens its transaction, whatever the value: every value on
+# memory://, and the first one on every other backend (nothing reaches local disk, S3 or GCS).
 @pytest.mark.parametrize(
-    ("where", "state_key", "value", "named"),
-    [
-        ("trainer", "callbacks", lambda: None, "trainer_state['callbacks']"),
-        ("trainer", "extra", {"sampler": _Hook()}, "trainer_state['extra']['sampler']"),
-        ("trainer", "history", [1, 2, iter([3])], "trainer_state['history'][2]"),
-        ("teacher", "cache", {"lock": __import__("threading").Lock()}, "teacher_state['cache']['lock']"),
-    ],
+    ("backend", "where", "state_key", "value", "named"),
+    [("memory", *row) for row in UNSAVABLE] + [(name, *UNSAVABLE[0]) for name in ("local", "s3", "gcs")],
+    indirect=["backend"],
 )
 def test_unsavable_state_value_is_refused_with_its_key(store, backend, where, state_key, value, named):
     """A state value that cannot be saved is refused at save time with its key path
@@ -431,8 +451,11 @@ class _LayerModel:
                   f"{directory}/adapter_model.safetensors")
 
 
+# The fused kernel changes where the state lands, not how it reaches a store: fused on memory://,
+# unfused on every backend.
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(("backend", "fused"), [(name, False) for name in ("local", "memory", "s3", "gcs")]
+                         + [("memory", True)], indirect=["backend"])
 def test_optimizer_state_lands_on_the_params_device_and_dtype(store, device, fused):
     """AdamW state saved from float64 CPU parameters loads onto float32 parameters
     on ``device`` (CPU always; CUDA too where available): every moment tensor takes the
@@ -498,6 +521,7 @@ def _never(obj, location):
 torch.serialization.register_package(1, _cuda_tagger, _never)
 
 
+@pytest.mark.parametrize("backend", LOCAL_AND_MEMORY, indirect=True)
 @pytest.mark.parametrize("device", DEVICES)
 def test_optimizer_state_saved_on_gpu_loads_on_this_host(store, device):
     """A checkpoint whose tensors were saved on ``cuda:0`` (the payload records that
