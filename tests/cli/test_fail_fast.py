@@ -8,10 +8,8 @@ schemes opd_store cannot commit to) for ``ls``, ``latest``, ``show``, ``verify``
 a fork server of this module preloaded with what the CLI imports (opd_store, s3fs, gcsfs; not the
 job's torch and transformers, whose pages every child's full interpreter end would touch again:
 :mod:`opd_testkit.forkserver`), except where the case is about what a new interpreter reads when
-it starts: GCS without credentials (google-auth reads
-the metadata server's address at import, and a new interpreter of every command also shows that
-nothing printed while the modules load reaches stderr) and the read-only bind mount (the command
-must start inside the mount namespace). Each must exit with the
+it starts: two commands of GCS without credentials (nothing printed while the modules load reaches
+stderr) and the read-only bind mount (the command must start inside the mount namespace). Each must exit with the
 documented code, print exactly one line on stderr naming the URL, the operation and the cause
 (no client library's retry log, no traceback), print nothing on stdout, and return within the
 check's bound plus a generous margin (an upper limit, not a speed target: machines here are
@@ -213,15 +211,19 @@ def assert_refused(result: Result, *, code: int, line: str, bound_secs: float) -
 
 
 # -- GCS -------------------------------------------------------------------------------------------
-def test_gcs_without_credentials_is_refused_in_one_line(tmp_path, good_store):
+def test_gcs_without_credentials_is_refused_in_one_line(tmp_path, good_store, cli_server):
     """No credentials anywhere (gcsfs would fall back to anonymous access and retry for minutes):
-    every command says so in one line, before any request to the store. New interpreters: the
-    metadata server google-auth asks is the one in the environment when it is imported (here a
-    closed loopback port; a forked child would have the fork server's)."""
+    every command says so in one line, before any request to the store. The metadata server
+    google-auth asks is the one in the environment when it is imported: a closed loopback port in
+    the module's fork server's, and in the new interpreters that run ``ls`` and ``train`` (a read
+    and a write; they also show that nothing printed while the modules load reaches stderr)."""
     env = base_env(tmp_path)
     env["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{closed_port()}"  # never contacted
     url = "gs://bucket/x"
-    results = run_all(commands_for(url, good_store, tmp_path, ("ls", "show", *WRITES)), env, tmp_path, None)
+    commands = commands_for(url, good_store, tmp_path, ("ls", "show", *WRITES))
+    fresh = {name: commands.pop(name) for name in ("ls", "train")}
+    results = {**run_all(fresh, env, tmp_path, None), **run_all(commands, env, tmp_path, cli_server)}
+    assert sorted(results) == sorted(("ls", "show", *WRITES))
     for result in results.values():
         assert_refused(result, code=2, bound_secs=DEFAULT_BOUND_SECS,
                        line=f"{url}: no credentials found ({GCS_SOURCES}); for a public bucket or an emulator "
