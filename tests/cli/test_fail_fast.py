@@ -139,9 +139,10 @@ def without_cloud_settings(env: dict[str, str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cli_server():
     """The fork server of this module's commands: the CLI and the clients it imports, under an
-    environment with no cloud settings (google-auth reads the metadata server's address at import)."""
-    server = ForkServer(preload=("opd_store", "opd_store.cli", "s3fs", "gcsfs"),
-                        env=without_cloud_settings(dict(os.environ, **SERVER_ENV)))
+    environment with no cloud settings (google-auth reads the metadata server's address at import,
+    gcsfs its experimental switch, off as in :func:`base_env`)."""
+    env = without_cloud_settings(dict(os.environ, **SERVER_ENV, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false"))
+    server = ForkServer(preload=("opd_store", "opd_store.cli", "s3fs", "gcsfs"), env=env)
     yield server
     server.close()
 
