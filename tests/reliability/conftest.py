@@ -11,6 +11,26 @@ BLOCK_BYTES = 5 << 20
 
 
 @pytest.fixture
+def botocore_backoff(monkeypatch) -> list[float]:
+    """botocore's waits between the attempts of an S3 request (seconds), recorded instead of slept:
+    a test about which requests are retried and what lands need not wait out botocore's jittered
+    exponential back-off (up to 1 s before the first retry, 2 s before the second...). s3fs's client
+    is aiobotocore's, whose endpoint sleeps in ``AioEndpoint._sleep`` and nowhere else."""
+    import asyncio
+
+    from aiobotocore.endpoint import AioEndpoint
+
+    waits: list[float] = []
+
+    async def recorded_sleep(self, seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(AioEndpoint, "_sleep", recorded_sleep)
+    return waits
+
+
+@pytest.fixture
 def s3_proxy(moto_s3):
     """A clean bucket on moto reached through :class:`S3FaultProxy`; yields (Backend, proxy).
 

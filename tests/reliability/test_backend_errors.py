@@ -16,6 +16,9 @@ from opd_store.storage import Meaning, backend_operation, classify, describe
 from opd_store.store import pin
 from opd_store.testing import Fault, FaultyStorage
 
+# Retries are what these tests count: botocore's back-offs between them are recorded, not slept.
+pytestmark = pytest.mark.usefixtures("botocore_backoff")
+
 
 def _raised(call):
     try:

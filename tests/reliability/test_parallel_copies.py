@@ -1,6 +1,8 @@
 """A copy (``opd-store cp``, ``copy_checkpoint``, and ``migrate`` from a bucket) reads its source bucket over several
 connections in bounded memory, on both S3 servers of the suite (moto and SeaweedFS) and on GCS
-(fake-gcs-server; the CLI and migrate tests stay on S3: their set-up speaks S3): ranged GETs of
+(fake-gcs-server; the CLI and migrate tests run on moto only: their set-up speaks S3, and the
+ranged reads they use are proven on SeaweedFS by the copy tests here and by
+``test_parallel_transfers.py``'s ranged-read rows): ranged GETs of
 ``part_size_bytes``, ``parts_in_flight`` of them at once, each into a reused part buffer of the
 source store's read pool, handed to the destination in order. Proven at a proxy in front of the
 server: which ranges were asked for, how many were held in flight at once, what the read pool
@@ -44,12 +46,6 @@ RANGES = [f"bytes={s}-{min(len(LARGE), s + PART) - 1}" for s in range(0, len(LAR
 @pytest.fixture(params=["moto_s3", "seaweed_s3", "fake_gcs"])
 def server(request):
     """One of the suite's bucket servers (moto's mock, SeaweedFS's production server, fake-gcs-server)."""
-    return request.getfixturevalue(request.param)
-
-
-@pytest.fixture(params=["moto_s3", "seaweed_s3"])
-def s3_server(request):
-    """One of the suite's S3 servers."""
     return request.getfixturevalue(request.param)
 
 
@@ -124,10 +120,10 @@ def test_cp_to_local_keeps_ranges_in_flight_in_bounded_buffers(committed, tmp_pa
         proxy.stop()
 
 
-def test_cli_cp_s3_to_s3_is_bit_exact(s3_server):
+def test_cli_cp_s3_to_s3_is_bit_exact(moto_s3):
     """``opd-store cp`` from one bucket prefix to another: the source read in ranges, the copy
     committed with the source's entries and bit exact."""
-    committed = s3_server.new_backend()
+    committed = moto_s3.new_backend()
     save(open_store(committed), 2, {"model.bin": LARGE, "small.bin": SMALL})
     proxy = S3FaultProxy(committed.storage_options["endpoint_url"])
     try:
@@ -202,7 +198,7 @@ def test_closing_a_reader_early_cancels_its_ranges(committed):
         proxy.stop()
 
 
-def test_migrate_from_a_bucket_streams_the_adapter_in_ranges(s3_server, tmp_path):
+def test_migrate_from_a_bucket_streams_the_adapter_in_ranges(moto_s3, tmp_path):
     """``migrate_legacy`` from a seed layout in a bucket: the adapter's weights (two ranges) stream
     through parallel ranged GETs, the pickled files are read whole, the copy is bit exact."""
     seed_layout = runpy.run_path(str(Path(__file__).parents[1] / "opd" / "seed_layout.py"))
@@ -213,12 +209,12 @@ def test_migrate_from_a_bucket_streams_the_adapter_in_ranges(s3_server, tmp_path
         checkpoints_dir=tmp_path / "seed", model=model, processor=None, optimizer=optimizer,
         scheduler=scheduler, trainer_state=trainer_state(2), config=TinyConfig(),
         provenance_fingerprints=dict(PROVENANCE), teacher_state={"update_count": 2})
-    backend = s3_server.new_backend()
+    backend = moto_s3.new_backend()
     bucket, _, prefix = backend.url[len("s3://"):].partition("/")
     files = {p.relative_to(tmp_path / "seed").as_posix(): p.read_bytes() for p in (tmp_path / "seed").rglob("*")
              if p.is_file()}
     for rel, data in files.items():
-        s3_server.boto3_client().put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=data)
+        moto_s3.boto3_client().put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=data)
     proxy = S3FaultProxy(backend.storage_options["endpoint_url"])
     try:
         assert migrate_legacy(_source(backend, proxy), tmp_path / "migrated") == [str(tmp_path / "migrated" / "step-000002")]

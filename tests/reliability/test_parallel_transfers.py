@@ -25,6 +25,9 @@ from opd_store.storage.transfers._parts import MIN_PART_SIZE_BYTES
 
 PART = MIN_PART_SIZE_BYTES
 
+# Retries are what these tests count: botocore's back-offs between them are recorded, not slept.
+pytestmark = pytest.mark.usefixtures("botocore_backoff")
+
 
 def _data(size_bytes: int, salt: int = 0) -> bytes:
     return bytes((i * 7 + salt) % 251 for i in range(251)) * (size_bytes // 251) + b"x" * (size_bytes % 251)

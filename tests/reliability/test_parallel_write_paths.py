@@ -1,6 +1,9 @@
-"""Every write path moves a payload larger than one part as parallel parts, on both S3 servers
-(moto, SeaweedFS) and on GCS (fake-gcs-server): an OPD save, an asynchronous save, a rank's part of
-a multi-rank save, the tier upload of a tiered store, ``opd-store cp`` and ``opd-store migrate``.
+"""Every write path moves a payload larger than one part as parallel parts, on S3 (moto) and on
+GCS (fake-gcs-server): an OPD save, an asynchronous save, a rank's part of a multi-rank save, the
+tier upload of a tiered store, ``opd-store cp`` and ``opd-store migrate``. Every path hands its
+payload to the one part writer of the store's backend; that writer's multipart uploads on
+SeaweedFS are proven in ``test_parallel_transfers.py`` (its ``seaweed_s3`` rows: parts in flight,
+sizes around a part, checksums), so the paths are not run a third time there.
 Each is counted at a recording proxy: on S3 the large payload goes up as one
 ``CreateMultipartUpload``, its parts (5 MiB, then the rest) and one ``CompleteMultipartUpload``; on
 GCS as its parts (temporary objects) and one ``compose``; the manifest is the last request that
@@ -37,9 +40,9 @@ from opd_store.storage.transfers._parts import MIN_PART_SIZE_BYTES
 PART = MIN_PART_SIZE_BYTES
 
 
-@pytest.fixture(params=["moto_s3", "seaweed_s3", "fake_gcs"])
+@pytest.fixture(params=["moto_s3", "fake_gcs"])
 def proxied(request):
-    """A clean bucket on one of the object-store servers behind a recording proxy: (backend, proxy)."""
+    """A clean bucket on moto or fake-gcs-server behind a recording proxy: (backend, proxy)."""
     server = request.getfixturevalue(request.param)
     backend = server.new_backend()
     proxy = dialect_of(backend).proxy(server.endpoint_url)

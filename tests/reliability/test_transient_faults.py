@@ -15,6 +15,9 @@ from core.helpers import boto3_client, crc_hex, open_store, save
 
 from .conftest import BLOCK_BYTES
 
+# Retries are what these tests count: botocore's back-offs between them are recorded, not slept.
+pytestmark = pytest.mark.usefixtures("botocore_backoff")
+
 SAVE_OPS = ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "HeadObject", "ListObjectsV2")
 # A payload is read in ranges of the size its manifest records: no HeadObject.
 LOAD_OPS = ("GetObject", "ListObjectsV2")
