@@ -2,7 +2,7 @@
 
 One test, five runs of the real CLI, each a child of the worker's preloaded fork server
 (:mod:`opd_testkit.forkserver`) whose ranks are forked from it (``--start-method fork``), so
-no run pays the imports. The two runs with a fault go through tests/dcp/faulty_job.py:
+no run pays the imports. The two runs with a fault go through tests/faulty_job.py:
 
 1. the uninterrupted reference on 4 ranks;
 2. a run whose rank 1 blocks in the middle of writing its shard file of step 4 and is SIGKILLed
@@ -34,7 +34,7 @@ from opd_testkit import forkserver
 from opd_store import CheckpointStore
 from opd_store import dcp as store_dcp
 
-FAULTY_JOB = Path(__file__).with_name("faulty_job.py")
+FAULTY_JOB = Path(__file__).resolve().parents[1] / "faulty_job.py"
 DEADLINE_SECS = 600
 RANK_TIMEOUT_SECS = 10
 pytestmark = pytest.mark.timeout(4 * DEADLINE_SECS)

@@ -1,8 +1,10 @@
 """``opd-store train --nproc 2``: a rank killed mid-save, the job restarted, bit-exact.
 
-The job runs as a real CLI process that spawns two gloo ranks. The kill lands while rank 1 is in
-the middle of its RNG part of step 4 (tests/distributed/inject/sitecustomize.py blocks it there
-and names its pid), so nothing can have committed step 4. The restarted job resumes from step 2
+The job runs as a real CLI process (a child of the preloaded fork server) that forks two gloo
+ranks (``--start-method fork``: the spawned default, whose ranks each pay a fresh interpreter's
+imports, is run by tests/distributed/test_launcher_killed.py). The kill lands while rank 1 is in
+the middle of its RNG part of step 4 (tests/faulty_job.py blocks it there and names its pid), so
+nothing can have committed step 4. The restarted job resumes from step 2
 and must end bit-identical to an uninterrupted 2-rank run: adapter, optimizer, counters, losses;
 it does so with a run journal damaged and partly lost before the restart (nothing resumes from the
 journal), and ``opd-store report`` then says where the first run died (step 4 reached, step 2
@@ -31,24 +33,23 @@ from opd_store.format import JOURNAL_PREFIX
 from opd_store.ledger import MAX_EVENT_BYTES, read_journal, report_store
 
 ROOT = Path(__file__).resolve().parents[2]
-INJECT = Path(__file__).with_name("inject")
+FAULTY_JOB = ROOT / "tests" / "faulty_job.py"
 DEADLINE_SECS = 1200
 pytestmark = pytest.mark.timeout(3 * DEADLINE_SECS)
 
 
-def _cmd(store: Path, tag: str, tmp_path: Path, *, fork: bool = False) -> list[str]:
-    """The job's command line. ``fork``: ranks forked from the (preloaded) launcher instead of the
-    default fresh interpreters; the killed run keeps the default (the injection module loads only
-    in a fresh interpreter, and the default start method is tested there), the other runs fork to
-    save the imports."""
-    return [sys.executable, "-m", "opd_store", "train", "--store", str(store), "--updates", "4",
+def _cmd(store: Path, tag: str, tmp_path: Path, *, faults: bool = False) -> list[str]:
+    """The job's command line, its ranks forked from the (preloaded) launcher; ``faults``: through
+    tests/faulty_job.py, which patches the launcher before its ranks are forked."""
+    program = [str(FAULTY_JOB)] if faults else ["-m", "opd_store"]
+    return [sys.executable, *program, "train", "--store", str(store), "--updates", "4",
             "--checkpoint-every", "2", "--nproc", "2", "--journal-progress-secs", "0", "--log", str(tmp_path / f"{tag}.log"),
             "--events", str(tmp_path / f"{tag}.events"), "--final-state", str(tmp_path / f"{tag}.pt"),
-            *(["--start-method", "fork"] if fork else [])]
+            "--start-method", "fork"]
 
 
 def _env(**extra) -> dict:
-    path = os.pathsep.join([str(INJECT), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
@@ -57,7 +58,7 @@ def _records(path: Path) -> list[dict]:
 
 
 def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
-    reference = forkserver.run(_cmd(tmp_path / "ref", "ref", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
+    reference = forkserver.run(_cmd(tmp_path / "ref", "ref", tmp_path), env=_env(), capture_output=True, text=True,
                                timeout=DEADLINE_SECS)
     assert reference.returncode == 0, reference.stderr[-4000:]
     ref_store = CheckpointStore(tmp_path / "ref")
@@ -67,7 +68,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     assert {"rng-rank-00.pt", "rng-rank-01.pt"} <= {entry.name for entry in manifest.payloads}
 
     marker = tmp_path / "blocked"
-    killed = forkserver.popen(_cmd(tmp_path / "run", "run1", tmp_path),
+    killed = forkserver.popen(_cmd(tmp_path / "run", "run1", tmp_path, faults=True),
                               env=_env(OPD_TEST_BLOCK_SAVE=f"1:4:{marker}"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + DEADLINE_SECS
@@ -91,7 +92,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     (journal / f"{stamp}-000000-progress-s000009.json").write_bytes(b" " * (MAX_EVENT_BYTES + 1))
     (journal / f"{stamp}-000001-progress-s000009.json").write_text(json.dumps({"schema_version": 99}))
 
-    resumed = forkserver.run(_cmd(tmp_path / "run", "run2", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
+    resumed = forkserver.run(_cmd(tmp_path / "run", "run2", tmp_path), env=_env(), capture_output=True, text=True,
                              timeout=DEADLINE_SECS)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     events = _records(tmp_path / "run2.events")
@@ -129,7 +130,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
     damaged.write_bytes(damaged.read_bytes()[:-10])
     step2 = {p: p.read_bytes() for p in (tmp_path / "ref" / "step-000002").rglob("*") if p.is_file()}
     for attempt in range(2):
-        refused = forkserver.run(_cmd(tmp_path / "ref", f"refused{attempt}", tmp_path, fork=True), env=_env(),
+        refused = forkserver.run(_cmd(tmp_path / "ref", f"refused{attempt}", tmp_path), env=_env(),
                                  capture_output=True, text=True, timeout=DEADLINE_SECS)
         assert refused.returncode == 4, refused.stderr[-4000:]
         assert "skipped step 4 (incomplete: " in refused.stderr and "rng-rank-01.pt" in refused.stderr
@@ -141,7 +142,7 @@ def test_nproc2_kill_mid_save_then_resume_is_bit_exact(tmp_path):
         assert not (tmp_path / f"refused{attempt}.log").exists() or not _records(tmp_path / f"refused{attempt}.log")
     assert forkserver.run([sys.executable, "-m", "opd_store", "delete", str(tmp_path / "ref"), "4"],
                           env=_env(), capture_output=True, timeout=DEADLINE_SECS).returncode == 0
-    redone = forkserver.run(_cmd(tmp_path / "ref", "redo", tmp_path, fork=True), env=_env(), capture_output=True, text=True,
+    redone = forkserver.run(_cmd(tmp_path / "ref", "redo", tmp_path), env=_env(), capture_output=True, text=True,
                             timeout=DEADLINE_SECS)
     assert redone.returncode == 0, redone.stderr[-4000:]
     assert _records(tmp_path / "redo.events")[0]["step"] == 2

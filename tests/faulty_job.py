@@ -1,12 +1,16 @@
-"""``opd-store`` with test-only faults for the ranks of ``train --shard`` (tests/dcp/test_train_shard.py).
+"""``opd-store`` with test-only faults for the ranks of ``train --nproc N`` (tests/dcp/test_train_shard.py,
+tests/distributed/test_train_nproc.py).
 
-``python tests/dcp/faulty_job.py train ...`` applies the faults its environment names, then runs
+``python tests/faulty_job.py train ...`` applies the faults its environment names, then runs
 ``python -m opd_store train ...`` in this process. The ranks are forked from it
 (``--start-method fork``), so they inherit the patches; the test cannot patch them otherwise.
 
-With ``OPD_TEST_BLOCK_DCP_SAVE=<rank>:<step>:<marker path>``, rank ``<rank>`` writes part of its
-first DCP file of step ``<step>``, writes its pid to the marker file and blocks forever (the test
-SIGKILLs it there).
+With ``OPD_TEST_BLOCK_DCP_SAVE=<rank>:<step>:<marker path>`` (``--shard``), rank ``<rank>`` writes
+part of its first DCP file of step ``<step>``, writes its pid to the marker file and blocks forever
+(the test SIGKILLs it there).
+
+With ``OPD_TEST_BLOCK_SAVE=<rank>:<step>:<marker path>`` (replicated ranks), rank ``<rank>`` does
+the same in the middle of writing its RNG part ``rng-rank-<rank>.pt`` of step ``<step>``.
 """
 
 import os
@@ -34,6 +38,26 @@ if _SPEC:
         return _original(self, plan, planner)
 
     StoreWriter.write_data = _blocking_write_data
+
+_BLOCK = os.environ.get("OPD_TEST_BLOCK_SAVE")
+if _BLOCK:
+    import threading
+
+    from opd_store.opd import _save as _checkpoint  # where the payload writes live
+
+    _block_rank, _block_step, _block_marker = _BLOCK.split(":", 2)
+    _save_torch = _checkpoint._save_torch
+
+    def _blocking_save_torch(txn, name, obj):
+        if txn.rank == int(_block_rank) and txn.step == int(_block_step) and name == f"rng-rank-{int(_block_rank):02d}.pt":
+            with txn.open(name) as writer:
+                writer.write(b"partial payload bytes")
+                with open(_block_marker, "w") as handle:
+                    handle.write(str(os.getpid()))
+                threading.Event().wait()
+        return _save_torch(txn, name, obj)
+
+    _checkpoint._save_torch = _blocking_save_torch
 
 # With ``OPD_TEST_PAUSE_AFTER_UPDATE=<rank>:<attempted update>:<marker path>``, rank ``<rank>``
 # writes its pid to the marker after that update and waits for a signal (the test sends SIGTERM to
