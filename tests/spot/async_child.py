@@ -13,7 +13,7 @@ line, flushed, so the parent synchronises on them (never on time):
     the atexit hook must wait for the commit.
 ``exit-stuck``
     Start an asynchronous save of step 2 whose upload never finishes, with
-    ``exit_timeout_secs=1``, and return from main: the hook must abandon it uncommitted.
+    ``exit_timeout_secs=0.25``, and return from main: the hook must abandon it uncommitted.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> None:
         threading.Event().wait()  # the parent kills this process
     elif mode in ("exit-commit", "exit-stuck"):
         target = store if mode == "exit-commit" else blocking_storage(store, "uploading", "training_state.pt")
-        checkpointer = AsyncCheckpointer(exit_timeout_secs=60 if mode == "exit-commit" else 1)
+        checkpointer = AsyncCheckpointer(exit_timeout_secs=60 if mode == "exit-commit" else 0.25)
         checkpointer.save(**kwargs_for(target, model, tokenizer, optimizer, scheduler, 2))
         say("returning")
     else:

@@ -288,6 +288,6 @@ def test_exit_abandons_a_stuck_save_uncommitted_after_the_deadline(tmp_path, opd
     out, err = _communicate(proc)
     assert proc.returncode == 0, err
     assert "returning" in out.splitlines()
-    assert "opd_store: waiting up to 1 s for the asynchronous save of step 2 to commit" in err.splitlines()
-    assert "opd_store: abandoned the asynchronous save of step 2 after 1 s; it stays uncommitted" in err.splitlines()
+    assert "opd_store: waiting up to 0.25 s for the asynchronous save of step 2 to commit" in err.splitlines()
+    assert "opd_store: abandoned the asynchronous save of step 2 after 0.25 s; it stays uncommitted" in err.splitlines()
     assert CheckpointStore(store_dir).status(2) == "uncommitted"
