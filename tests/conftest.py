@@ -20,7 +20,7 @@ import types
 from pathlib import Path
 
 import pytest
-from opd_testkit.stores import Backend, clear_memory_fs, use_emulator_environment, with_session
+from opd_testkit.stores import LOOPBACK_CA_BUNDLE, Backend, clear_memory_fs, use_emulator_environment, with_session
 from opd_testkit.stores import aio_session as shared_aio_session
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers: faults, proc_writer, store_fixtures
@@ -28,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/ helpers: faults, proc_w
 from store_fixtures import backend_named  # noqa: E402
 
 use_emulator_environment()  # before anything imports gcsfs or botocore
+# Every endpoint a test reaches is plain HTTP on loopback: a one-certificate bundle even where the
+# machine sets its own (each S3 client parses its bundle: ~35 CPU-ms for a system bundle, for nothing).
+os.environ["AWS_CA_BUNDLE"] = LOOPBACK_CA_BUNDLE
 
 # Bytecode caches on, for this process and every process the suite starts (xdist workers, fork
 # servers, ranks, CLI runs): with PYTHONDONTWRITEBYTECODE=1 in the environment (some images set it)

@@ -6,7 +6,7 @@ abandoned two hours ago must make the backend record it so:
 
 - local files: their mtime is set explicitly (``os.utime``);
 - S3 on moto: the moto server runs in the test process (:class:`~opd_testkit.s3.MotoS3`,
-  moto's ``ThreadedMotoServer``), and moto stamps every object and part with
+  in a thread), and moto stamps every object and part with
   ``moto.s3.models.utcnow()``; :func:`moto_clock` shifts that function,
   so objects written (or copied onto themselves, :func:`backdate`) meanwhile carry the shifted
   ``LastModified``. The ``Date`` header moto sends stays the real time, as a server's would.

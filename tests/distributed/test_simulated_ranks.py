@@ -26,10 +26,7 @@ def throttled_bucket(moto_s3):
     partitions = tuple(f"opd-sim/run/.spread/{i:02x}/" for i in range(PREFIXES))
     proxy = RateLimitProxy(moto_s3.endpoint_url, RateLimits(prefix_writes_per_sec=40, prefix_reads_per_sec=None,
                                                             partitions=partitions, burst_secs=0.25))
-    # Plain http: no TLS to verify, so no client parses the CA bundle for a context it never uses
-    # (about 0.1 CPU-s for each of the 48 clients: 16 virtual ranks in each of 3 saves).
-    options = dict(moto_s3.storage_options(), endpoint_url=proxy.endpoint_url, session=aio_session(),
-                   client_kwargs={"verify": False})
+    options = dict(moto_s3.storage_options(), endpoint_url=proxy.endpoint_url, session=aio_session())
     with lower_moto_min_part(PART):
         yield "s3://opd-sim/run", options, proxy
     proxy.stop()

@@ -8,15 +8,11 @@ threads, 0.7 s and 0.4 CPU-seconds with 1). The trainer programs the tests start
 and child runs compute the same bits. The worker's own setting is restored after each test; the
 shared runs (session fixtures, set up before this one) use
 :func:`opd_store.job._machines.torch_threads` themselves.
-
-The S3 fixtures of ``tests/conftest.py`` are narrowed here to clients without a TLS context
-(:mod:`plain_http`: the loopback servers speak plain HTTP; each client saves ~50 CPU-ms).
 """
 
 from __future__ import annotations
 
 import pytest
-from plain_http import plain_http
 
 from opd_store.job._machines import torch_threads
 
@@ -25,14 +21,3 @@ from opd_store.job._machines import torch_threads
 def one_torch_thread():
     with torch_threads(1):
         yield
-
-
-@pytest.fixture
-def s3_backend(s3_backend):
-    return plain_http(s3_backend)
-
-
-@pytest.fixture
-def s3_fault_proxy(s3_fault_proxy):
-    backend, proxy = s3_fault_proxy
-    return plain_http(backend), proxy

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from opd_testkit.proxies import Rule, S3FaultProxy
-from plain_http import plain_http_options
 from transformers import TrainerCallback
 
 from opd_store import (
@@ -204,7 +203,7 @@ def test_unreachable_store_fails_at_construction_naming_url_and_cause(monkeypatc
                                                           "config_kwargs": {"retries": {"max_attempts": 1}}})
     assert str(raised.value) == "s3://bucket/run: cannot list the store: endpoint http://127.0.0.1:9 refused the connection"
     with pytest.raises(StoreUnreachableError, match=r"^s3://no-such-bucket/run: bucket 'no-such-bucket' does not exist$"):
-        StoreCallback("s3://no-such-bucket/run", storage_options=plain_http_options(moto_s3.storage_options()))
+        StoreCallback("s3://no-such-bucket/run", storage_options=moto_s3.storage_options())
 
 
 @RUN_A

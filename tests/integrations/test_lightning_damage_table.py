@@ -22,7 +22,6 @@ import lightning_child
 import pytest
 import torch
 from opd_testkit.damage import DAMAGE_KINDS, damage_payload
-from plain_http import plain_http
 
 from opd_store.cli import main as cli_main
 from opd_store.errors import IncompleteCheckpointError, IntegrityError
@@ -40,7 +39,7 @@ FALLBACK = "epoch=1-step=8.ckpt"
 def template(moto_s3):
     """The two-epoch run, trained once on S3 at the URL every test's fresh bucket has (the callback
     state in a checkpoint holds its directory), as objects, and each name's checkpoint."""
-    backend = plain_http(moto_s3.new_backend())
+    backend = moto_s3.new_backend()
     with torch_threads(1):
         trainer, model, train, val, plugin, _c = lightning_child.build(backend.url + "/ckpts", backend.storage_options,
                                                                        max_epochs=2)
@@ -173,7 +172,7 @@ def test_last_without_a_last_version_resumes_from_the_newest_intact_checkpoint(h
     ``best_k_models`` that checkpoint restored (it used to start from step 0 silently and leave the
     earlier names beside ``-v1`` ones for good)."""
     objects, states = template
-    backend = plain_http(moto_s3.new_backend())
+    backend = moto_s3.new_backend()
     options = backend.storage_options
     if how == "remedy_followed":
         url = lightning_child.upload(objects, backend)
