@@ -155,14 +155,14 @@ class PreemptionWatcher:
             read_fd, write_fd = os.pipe()
             os.set_blocking(write_fd, False)
             self._signal_pipe = (read_fd, write_fd)
-            self._start_thread(self._wake_on_signals, "opd-preemption-signals", poller=False)
+            self._start_thread("opd-preemption-signals", self._wake_on_signals)
         for name in self.signals:
             signum = getattr(signal, name)
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         if self.aws_endpoint:
-            self._start_thread(self._poll_aws, "opd-preemption-aws")
+            self._start_thread("opd-preemption-aws", self._run_poller, self._poll_aws)
         if self.gce_endpoint:
-            self._start_thread(self._poll_gce, "opd-preemption-gce")
+            self._start_thread("opd-preemption-gce", self._run_poller, self._poll_gce)
         return self
 
     def stop(self) -> None:
@@ -202,9 +202,8 @@ class PreemptionWatcher:
         while os.read(self._signal_pipe[0], 64):  # empty: stop() closed the write end
             self._noticed.set()
 
-    def _start_thread(self, target, name: str, *, poller: bool = True) -> None:
-        thread = threading.Thread(target=self._run_poller if poller else target, args=(target,) if poller else (),
-                                  name=name, daemon=True)
+    def _start_thread(self, name: str, target, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         self._threads.append(thread)
         thread.start()
 
