@@ -15,45 +15,56 @@ the same in the middle of writing its RNG part ``rng-rank-<rank>.pt`` of step ``
 
 import os
 import runpy
+import threading
 
-_SPEC = os.environ.get("OPD_TEST_BLOCK_DCP_SAVE")
+
+def _fault(variable: str) -> tuple[int, int, str] | None:
+    """``(rank, step or update, marker path)`` from ``variable``'s ``<rank>:<n>:<marker>``, or ``None``."""
+    spec = os.environ.get(variable)
+    if not spec:
+        return None
+    rank, number, marker = spec.split(":", 2)
+    return int(rank), int(number), marker
+
+
+def _mark(marker: str) -> None:
+    """Tell the test where this rank is: its pid in ``marker``."""
+    with open(marker, "w") as handle:
+        handle.write(str(os.getpid()))
+
+
+_SPEC = _fault("OPD_TEST_BLOCK_DCP_SAVE")
 if _SPEC:
-    import threading
-
     from opd_store.dcp import StoreWriter
 
-    _rank, _step, _marker = _SPEC.split(":", 2)
+    _rank, _step, _marker = _SPEC
     _original = StoreWriter.write_data
 
     def _blocking_write_data(self, plan, planner):
-        if self.rank == int(_rank) and self.step == int(_step):
+        if self.rank == _rank and self.step == _step:
             part = self.store.begin_part(self.step, attempt_id=plan.storage_data.attempt_id, rank=self.rank,
                                          world_size=plan.storage_data.world_size)
             writer = part.open(f"__{self.rank}_0.distcp")
             writer.write(b"partial shard bytes")
             writer.flush()
-            with open(_marker, "w") as handle:
-                handle.write(str(os.getpid()))
+            _mark(_marker)
             threading.Event().wait()
         return _original(self, plan, planner)
 
     StoreWriter.write_data = _blocking_write_data
 
-_BLOCK = os.environ.get("OPD_TEST_BLOCK_SAVE")
+_BLOCK = _fault("OPD_TEST_BLOCK_SAVE")
 if _BLOCK:
-    import threading
-
     from opd_store.opd import _save as _checkpoint  # where the payload writes live
 
-    _block_rank, _block_step, _block_marker = _BLOCK.split(":", 2)
+    _block_rank, _block_step, _block_marker = _BLOCK
     _save_torch = _checkpoint._save_torch
 
     def _blocking_save_torch(txn, name, obj):
-        if txn.rank == int(_block_rank) and txn.step == int(_block_step) and name == f"rng-rank-{int(_block_rank):02d}.pt":
+        if txn.rank == _block_rank and txn.step == _block_step and name == f"rng-rank-{_block_rank:02d}.pt":
             with txn.open(name) as writer:
                 writer.write(b"partial payload bytes")
-                with open(_block_marker, "w") as handle:
-                    handle.write(str(os.getpid()))
+                _mark(_block_marker)
                 threading.Event().wait()
         return _save_torch(txn, name, obj)
 
@@ -62,13 +73,13 @@ if _BLOCK:
 # With ``OPD_TEST_PAUSE_AFTER_UPDATE=<rank>:<attempted update>:<marker path>``, rank ``<rank>``
 # writes its pid to the marker after that update and waits for a signal (the test sends SIGTERM to
 # it alone), so the notice is certain to arrive before the next update boundary.
-_PAUSE = os.environ.get("OPD_TEST_PAUSE_AFTER_UPDATE")
+_PAUSE = _fault("OPD_TEST_PAUSE_AFTER_UPDATE")
 if _PAUSE:
     import signal
 
     import opd_store.job._train as _train
 
-    _pause_rank, _pause_update, _pause_marker = _PAUSE.split(":", 2)
+    _pause_rank, _pause_update, _pause_marker = _PAUSE
     _run_update = _train.run_sharded_update
     _calls = []
 
@@ -77,9 +88,8 @@ if _PAUSE:
         _calls.append(1)
         import torch.distributed as dist
 
-        if dist.get_rank() == int(_pause_rank) and len(_calls) == int(_pause_update):
-            with open(_pause_marker, "w") as handle:
-                handle.write(str(os.getpid()))
+        if dist.get_rank() == _pause_rank and len(_calls) == _pause_update:
+            _mark(_pause_marker)
             signal.pause()  # returns once the preemption watcher's handler ran
         return outcome
 
